@@ -1,0 +1,5 @@
+"""The project's one name: pluggy project, entry-point group, CLI and marker prefix."""
+
+from __future__ import annotations
+
+NAME = "writeback"

@@ -1,0 +1,111 @@
+"""Every hook of writeback. Plugins implement these with ``@writeback_core.hookimpl``.
+
+A plugin is any object or module with ``writeback_*`` functions; third parties
+register one through the ``writeback`` entry-point group. Hookimpls must not
+declare parameters with defaults (pluggy does not pass them) and may take any
+subset of a hook's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from writeback_core._name import NAME
+
+if TYPE_CHECKING:
+    import click
+    from torch.export import ExportedProgram
+
+    from writeback_core.mutations import Mutation
+    from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
+    from writeback_core.zoo import ModelCase
+
+hookspec = pluggy.HookspecMarker(NAME)
+
+
+@hookspec
+def writeback_backends() -> Sequence[BackendSpec]:
+    """Called when the registry lists backends (``Registry.backends()``, ``--backend``).
+
+    :return: the backends this plugin offers; an empty sequence for none. Two
+        plugins offering one backend name is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_accepts_in_place(
+    backend: str, partition: PartitionView, mutation: Mutation
+) -> bool | None:
+    """Called per mutation that a partition of ``backend`` touches, while partitioning.
+
+    Every plugin is asked (this is not ``firstresult``); core gathers the answers,
+    records the decision on the mutated placeholder under
+    ``writeback_core.meta.IN_PLACE`` and raises, naming both plugins, when one
+    says ``True`` and another ``False``.
+
+    :param backend: the name of the backend whose partitioner asks.
+    :param partition: the nodes that partition takes.
+    :param mutation: one write to a buffer or user input, with its write shape.
+    :return: ``True`` if the backend writes this mutation in place (its write-back
+        copy may be dropped), ``False`` if it must be copied back, ``None`` for no
+        opinion (for example, a plugin that knows nothing of ``backend``).
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
+    """Called when the pipeline assembles the passes of one stage of ``to_executorch``.
+
+    :param stage: ``"edge"`` or ``"before_memory_planning"`` (see ``writeback_core.types.Stage``).
+    :return: the passes this plugin runs at that stage; empty for none.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
+    """Called by a runtime before loading programs, to register Python delegates.
+
+    :return: delegate objects, each with a unique ``backend_id``; empty for none.
+        Two plugins offering one ``backend_id`` is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_models() -> dict[str, ModelCase]:
+    """Called when the CLI resolves a model name (``writeback explain NAME``).
+
+    :return: built-in style models keyed by name; empty for none. Two plugins
+        offering one name is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_explain_columns(
+    program: ExportedProgram, mutation: Mutation
+) -> dict[str, str] | None:
+    """Called by ``writeback explain`` once per mutation row.
+
+    :param program: the exported (aten) program being explained.
+    :param mutation: the row's mutation.
+    :return: extra columns for the row, keyed by column title; ``None`` for none.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_cli_commands(group: click.Group) -> None:
+    """Called once when the ``writeback`` CLI starts, to add subcommands.
+
+    :param group: the root ``click`` group; call ``group.add_command(...)``.
+    :return: nothing; the result is ignored.
+    """
+    raise NotImplementedError
+

@@ -1,0 +1,57 @@
+"""Every ``node.meta`` key writeback reads or writes, in one place.
+
+Plain ``node.meta`` keys are dropped when exir retraces (``to_edge``); entries of
+the ``node.meta["custom"]`` dict survive ``to_edge``, partitioning, lowering and
+``to_executorch``. Keys that must outlive a retrace therefore live under
+:data:`CUSTOM`; keys only used inside one pass live directly in ``node.meta``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx
+
+# The dict exir carries through every retrace; our durable keys live inside it.
+CUSTOM = "custom"
+
+# On a mutated placeholder: the in-place decision record (a plain dict, see
+# ``writeback_core.registry.InPlaceDecision.to_meta``). Written by core when a
+# partitioner asks; read by the passes that drop write-backs and by ``explain``.
+IN_PLACE = "writeback.in_place"
+
+# On a write-back ``copy_`` node: the name of the buffer or input it writes.
+# Written by the early write-back pass; read by ``explain`` and the reports.
+WRITE_BACK_OF = "writeback.write_back_of"
+
+# On a graph output value: this output is a copy-back value of a buffer that an
+# engine must not alias. Written by trt-copyback; checked after lowering.
+NO_ALIAS = "writeback.no_alias"
+
+# On placeholders/values: which engine-aliased class a trt-copyback write got.
+# Written by trt-copyback classification; read by its cross-check and explain.
+COPY_BACK_CLASS = "writeback.copy_back_class"
+
+# exir's reinplace pass marks a node whose output must share its allocation
+# with ``node.args[idx]``; it is an alias edge that no schema shows.
+EXIR_SHARE_ALLOC = "_share_alloc_with_arg_idx"
+
+
+def get_custom(node: torch.fx.Node, key: str) -> Any:
+    """Return ``node.meta["custom"][key]`` or ``None`` when absent."""
+    custom = node.meta.get(CUSTOM)
+    if not isinstance(custom, dict):
+        return None
+    return custom.get(key)
+
+
+def set_custom(node: torch.fx.Node, key: str, value: Any) -> None:
+    """Set ``node.meta["custom"][key]``, creating the dict if needed.
+
+    The dict is copied before writing, because exir shares one ``custom`` dict
+    between a node and the nodes it was retraced into.
+    """
+    custom = node.meta.get(CUSTOM)
+    custom = dict(custom) if isinstance(custom, dict) else {}
+    custom[key] = value
+    node.meta[CUSTOM] = custom

@@ -1,0 +1,450 @@
+"""The mutation model: one :class:`Mutation` per state write of an ``ExportedProgram``.
+
+``find_mutations`` reads the graph signature (``BUFFER_MUTATION`` and
+``USER_INPUT_MUTATION`` outputs) and, for each, walks from the value written
+back to the placeholder it replaces to classify the shape of the write. It works
+on the aten program (``torch.export`` then ``run_decompositions()``) and on the
+edge program from ``executorch.exir.to_edge``, whose ops wrap the same aten ops.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from writeback_core._ops import aten_op, op_name, packet_name
+
+__all__ = [
+    "Dynamic",
+    "Mutation",
+    "MutationKind",
+    "WriteKind",
+    "WriteShape",
+    "classify_write",
+    "find_mutations",
+]
+
+
+class MutationKind(enum.Enum):
+    """Whose state is written: a registered buffer, or a tensor the caller passed."""
+
+    BUFFER = "buffer"
+    USER_INPUT = "user_input"
+
+
+class WriteKind(enum.Enum):
+    """The shape of a write, from most to least structured."""
+
+    INDEX_COPY = "index_copy"  # one index tensor along one dim: buf.index_copy_(d, idx, src)
+    SLICE_SCATTER = "slice_scatter"  # a strided range along one dim: buf[..., a:b:s] = src
+    INDEX_PUT = "index_put"  # advanced indexing: buf[i, j] = src (or += with accumulate)
+    FULL = "full"  # the whole tensor replaced by a new value
+    OTHER = "other"  # a partial write of a form we do not recognise
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """A bound known only at run time; ``expr`` is its symbolic expression."""
+
+    expr: str
+
+    def __str__(self) -> str:
+        return self.expr
+
+
+Bound = int | Dynamic
+
+
+@dataclass(frozen=True)
+class WriteShape:
+    """Where in the destination a write lands.
+
+    ``dim`` is normalized to be non-negative. For slice writes ``start``/``end``
+    are normalized to ``0 <= start <= end <= size`` (negative bounds wrapped, open
+    ends resolved, out-of-range ends clamped as Python slicing does); a bound
+    that is a runtime value is a :class:`Dynamic`, never a guess. ``op`` is the
+    aten op that performs the write and ``node`` the graph node performing it.
+    """
+
+    kind: WriteKind
+    op: str | None = None
+    node: str | None = None
+    dim: int | None = None
+    index: str | None = None
+    indices: tuple[str | None, ...] | None = None
+    start: Bound | None = None
+    end: Bound | None = None
+    step: Bound | None = None
+    accumulate: bool = False
+    source: str | None = None
+
+    @property
+    def is_static(self) -> bool:
+        """False when a bound of the write is only known at run time."""
+        return not any(isinstance(b, Dynamic) for b in (self.start, self.end, self.step))
+
+    def describe(self) -> str:
+        """A one-line human description, e.g. ``slice_scatter(dim=1, 4:7:2)``."""
+        kind = self.kind
+        if kind is WriteKind.INDEX_COPY:
+            return f"index_copy(dim={self.dim}, index={self.index})"
+        if kind is WriteKind.SLICE_SCATTER:
+            return f"slice_scatter(dim={self.dim}, {self.start}:{self.end}:{self.step})"
+        if kind is WriteKind.INDEX_PUT:
+            names = ", ".join("None" if i is None else i for i in self.indices or ())
+            acc = ", accumulate" if self.accumulate else ""
+            return f"index_put([{names}]{acc})"
+        if kind is WriteKind.FULL:
+            return "full overwrite" if self.op is None else f"full overwrite ({self.op})"
+        return f"other ({self.op})" if self.op else "other"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One piece of state an ``ExportedProgram`` writes.
+
+    ``target`` is the buffer's fully qualified name (``layers.0.k_cache``) or the
+    user input's name; ``placeholder`` the graph placeholder holding the old
+    value; ``value`` the graph node whose result is written back;
+    ``output_index`` the position of that value among the graph's outputs.
+    """
+
+    kind: MutationKind
+    target: str
+    placeholder: str
+    value: str
+    output_index: int
+    write: WriteShape
+    shape: tuple[int | Dynamic, ...]
+    dtype: torch.dtype
+    input_index: int = field(default=-1)
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of the whole state tensor (what a full write-back copies), if static."""
+        if any(isinstance(s, Dynamic) for s in self.shape):
+            return None
+        return math.prod(int(s) for s in self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def update_nbytes(self) -> int | None:
+        """Bytes the write itself touches, when the write shape tells; else ``None``."""
+        total = self.nbytes
+        if total is None:
+            return None
+        w = self.write
+        if w.kind is WriteKind.FULL:
+            return total
+        if w.kind is WriteKind.SLICE_SCATTER and w.is_static and w.dim is not None:
+            size = self.shape[w.dim]
+            assert isinstance(size, int) and isinstance(w.start, int)
+            assert isinstance(w.end, int) and isinstance(w.step, int)
+            count = len(range(w.start, w.end, w.step))
+            return total // size * count if size else 0
+        return None
+
+
+_PEEL = {"clone", "alias", "alias_copy", "_clone_dim_order", "detach", "detach_copy"}
+_PEEL_NAMESPACES = {"aten", "dim_order_ops"}
+
+
+def _peel(node: Any) -> Any:
+    """Strip copies and aliases that do not change which values a write produced."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        op = aten_op(node.target)
+        trusted = isinstance(op, torch._ops.OpOverload) and op.namespace in _PEEL_NAMESPACES
+        if not trusted or op._opname not in _PEEL or not node.args:
+            break
+        node = node.args[0]
+    return node
+
+
+def _bound(value: Any) -> Bound | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, int):
+            return val
+        return Dynamic(str(val) if val is not None else value.name)
+    if isinstance(value, torch.SymInt):
+        return Dynamic(str(value))
+    return Dynamic(repr(value))
+
+
+def _dim_size(node: torch.fx.Node, dim: int) -> int | Dynamic:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return Dynamic(f"{node.name}.size({dim})")
+    size = val.shape[dim]
+    return int(size) if isinstance(size, int) else Dynamic(str(size))
+
+
+def _rank(node: torch.fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _norm_dim(dim: int, rank: int | None) -> int:
+    if dim < 0 and rank is not None:
+        return dim + rank
+    return dim
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _slice_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
+    """Classify ``slice_scatter(dest, src, dim, start, end, step)``."""
+    rank = _rank(dest)
+    dim = _norm_dim(int(_arg(node, 2, "dim", 0)), rank)
+    start = _bound(_arg(node, 3, "start", None))
+    end = _bound(_arg(node, 4, "end", None))
+    step = _bound(_arg(node, 5, "step", 1))
+    size = _dim_size(dest, dim) if rank is not None and 0 <= dim < rank else Dynamic("?")
+    source = node.args[1].name if isinstance(node.args[1], torch.fx.Node) else None
+    common = {"op": op_name(node.target), "node": node.name, "dim": dim, "source": source}
+    if isinstance(size, int):
+        start, end = _normalize_range(start, end, size)
+    if (
+        isinstance(size, int)
+        and start == 0
+        and end == size
+        and step == 1
+    ):
+        return WriteShape(WriteKind.FULL, start=0, end=size, step=1, **common)  # type: ignore[arg-type]
+    return WriteShape(WriteKind.SLICE_SCATTER, start=start, end=end, step=step, **common)  # type: ignore[arg-type]
+
+
+def _normalize_range(start: Bound | None, end: Bound | None, size: int) -> tuple[Bound, Bound]:
+    """Python slicing's rules: negative wraps once, then clamp to [0, size]."""
+
+    def norm(b: Bound | None, default: int) -> Bound:
+        if b is None:
+            return default
+        if isinstance(b, Dynamic):
+            return b
+        if b < 0:
+            b += size
+        return min(max(b, 0), size)
+
+    s, e = norm(start, 0), norm(end, size)
+    if isinstance(s, int) and isinstance(e, int) and e < s:
+        e = s
+    return s, e
+
+
+def _index_copy_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
+    dim = _norm_dim(int(_arg(node, 1, "dim", 0)), _rank(dest))
+    index = node.args[2]
+    source = node.args[3]
+    return WriteShape(
+        WriteKind.INDEX_COPY,
+        op=op_name(node.target),
+        node=node.name,
+        dim=dim,
+        index=index.name if isinstance(index, torch.fx.Node) else None,
+        source=source.name if isinstance(source, torch.fx.Node) else None,
+    )
+
+
+def _index_put_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
+    """``index_put(dest, [None, .., idx], src)`` with one 1-D index is an index_copy.
+
+    That is the form ``torch.export`` decomposes ``index_copy_`` into; any other
+    index list (several index tensors, or accumulate) stays an ``INDEX_PUT``.
+    """
+    indices = list(_arg(node, 1, "indices", []))
+    accumulate = bool(_arg(node, 3, "accumulate", False))
+    source = node.args[2]
+    names = tuple(i.name if isinstance(i, torch.fx.Node) else None for i in indices)
+    common = {
+        "op": op_name(node.target),
+        "node": node.name,
+        "source": source.name if isinstance(source, torch.fx.Node) else None,
+    }
+    present = [k for k, i in enumerate(indices) if i is not None]
+    if not accumulate and len(present) == 1 and present[0] == len(indices) - 1:
+        only = indices[present[0]]
+        val = only.meta.get("val") if isinstance(only, torch.fx.Node) else None
+        if (
+            isinstance(val, torch.Tensor)
+            and val.dim() == 1
+            and val.dtype in (torch.int64, torch.int32)
+        ):
+            return WriteShape(WriteKind.INDEX_COPY, dim=present[0], index=names[-1], **common)  # type: ignore[arg-type]
+    return WriteShape(WriteKind.INDEX_PUT, indices=names, accumulate=accumulate, **common)  # type: ignore[arg-type]
+
+
+def _copy_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
+    return WriteShape(WriteKind.FULL, op=op_name(node.target), node=node.name)
+
+
+# Ops whose first argument is the destination they write into, keyed by aten packet.
+_WRITE_CLASSIFIERS = {
+    "slice_scatter": _slice_write,
+    "index_copy": _index_copy_write,
+    "index_copy_": _index_copy_write,
+    "index_put": _index_put_write,
+    "index_put_": _index_put_write,
+    "copy": _copy_write,
+    "copy_": _copy_write,
+}
+
+# Scatter-like ops that write part of their first argument in forms we do not model.
+_OTHER_WRITES = {
+    "select_scatter",
+    "diagonal_scatter",
+    "as_strided_scatter",
+    "scatter",
+    "scatter_",
+    "scatter_add",
+    "scatter_add_",
+    "scatter_reduce",
+    "masked_scatter",
+    "masked_fill",
+    "masked_fill_",
+    "index_fill",
+    "index_fill_",
+    "index_add",
+    "index_add_",
+}
+
+
+def classify_write(value: torch.fx.Node, placeholder: torch.fx.Node) -> WriteShape:
+    """Classify how ``value`` (the new state) was produced from ``placeholder`` (the old).
+
+    Copies and aliases of the written value are peeled first. A write op whose
+    destination is the placeholder is classified by :data:`_WRITE_CLASSIFIERS`;
+    a scatter-like op or a chain of writes reaching the placeholder is
+    ``OTHER``; a value not built by writing into the placeholder is ``FULL``.
+    """
+    node = _peel(value)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return WriteShape(WriteKind.FULL)
+    packet = packet_name(node.target)
+    dest = _peel(node.args[0]) if node.args else None
+    classify = _WRITE_CLASSIFIERS.get(packet or "")
+    if classify is not None and dest is placeholder:
+        return classify(node, placeholder)
+    if (classify is not None or packet in _OTHER_WRITES) and _reaches(dest, placeholder):
+        return WriteShape(WriteKind.OTHER, op=op_name(node.target), node=node.name)
+    return WriteShape(WriteKind.FULL, op=op_name(node.target), node=node.name)
+
+
+def _reaches(node: Any, placeholder: torch.fx.Node, limit: int = 64) -> bool:
+    """Whether following destination (first) arguments from ``node`` reaches ``placeholder``."""
+    for _ in range(limit):
+        if not isinstance(node, torch.fx.Node):
+            return False
+        if node is placeholder:
+            return True
+        if node.op != "call_function" or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _shape(node: torch.fx.Node) -> tuple[tuple[int | Dynamic, ...], torch.dtype]:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(
+            f"placeholder {node.name!r} has no tensor 'val' in node.meta; "
+            "find_mutations needs a program produced by torch.export"
+        )
+    shape = tuple(int(s) if isinstance(s, int) else Dynamic(str(s)) for s in val.shape)
+    return shape, val.dtype
+
+
+def _write_back_copies(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
+    """The last ``copy_(placeholder, value)`` of each placeholder, keyed by its name."""
+    found: dict[str, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or packet_name(node.target) != "copy_":
+            continue
+        dest = node.args[0] if node.args else None
+        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
+            found[dest.name] = node
+    return found
+
+
+def find_mutations(ep: ExportedProgram) -> list[Mutation]:
+    """Return one :class:`Mutation` per state write of ``ep``, in output order.
+
+    Covers ``BUFFER_MUTATION`` and ``USER_INPUT_MUTATION`` outputs, for the aten
+    program from ``torch.export`` (``run_decompositions()`` or not) and for the
+    edge program from ``to_edge``, and for the program after ``to_executorch``
+    (where the value is what the write-back ``copy_`` writes). Raises ``ValueError`` when the signature names
+    a placeholder or value that is not in the graph.
+    """
+    sig = ep.graph_signature
+    graph = ep.graph_module.graph
+    by_name = {n.name: n for n in graph.nodes}
+    output = graph.output_node()
+    outputs = output.args[0]
+    outputs = list(outputs) if isinstance(outputs, Sequence) else [outputs]
+    input_for_buffer = {
+        spec.target: spec.arg.name
+        for spec in sig.input_specs
+        if spec.kind is InputKind.BUFFER and hasattr(spec.arg, "name")
+    }
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # After to_executorch the state outputs are gone from the output node: each
+    # is applied by a write-back ``copy_(placeholder, value)`` inside the graph.
+    written_back = len(outputs) != len(sig.output_specs)
+    copies = _write_back_copies(graph) if written_back else {}
+    input_index = {n.name: i for i, n in enumerate(placeholders)}
+    found: list[Mutation] = []
+    for index, spec in enumerate(sig.output_specs):
+        if spec.kind is OutputKind.BUFFER_MUTATION:
+            kind = MutationKind.BUFFER
+            target = str(spec.target)
+            ph_name = input_for_buffer.get(target)
+        elif spec.kind is OutputKind.USER_INPUT_MUTATION:
+            kind = MutationKind.USER_INPUT
+            target = str(spec.target)
+            ph_name = target
+        else:
+            continue
+        placeholder = by_name.get(ph_name or "")
+        if written_back:
+            copy = copies.get(ph_name or "")
+            value = copy.args[1] if copy is not None else None
+        else:
+            value = outputs[index] if index < len(outputs) else None
+        if placeholder is None or not isinstance(value, torch.fx.Node):
+            raise ValueError(
+                f"output {index} is a {spec.kind.name} of {target!r} but the graph has "
+                f"no placeholder {ph_name!r} or no node value for it; was the graph "
+                "edited without updating its signature?"
+            )
+        shape, dtype = _shape(placeholder)
+        found.append(
+            Mutation(
+                kind=kind,
+                target=target,
+                placeholder=placeholder.name,
+                value=value.name,
+                output_index=index,
+                write=classify_write(value, placeholder),
+                shape=shape,
+                dtype=dtype,
+                input_index=input_index[placeholder.name],
+            )
+        )
+    return found

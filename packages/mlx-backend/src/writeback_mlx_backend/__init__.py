@@ -1,0 +1,5 @@
+"""writeback-mlx-backend."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""writeback-passes."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""writeback-trt-copyback."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
