@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
     from writeback_core.mutations import Mutation
-    from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
+    from writeback_core.types import (
+        AliasingEngine,
+        BackendSpec,
+        PartitionView,
+        ProgramPass,
+        RuntimeDelegate,
+        Stage,
+    )
     from writeback_core.zoo import ModelCase
 
 hookspec = pluggy.HookspecMarker(NAME)
@@ -73,6 +80,23 @@ def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
 
     :return: delegate objects, each with a unique ``backend_id``; empty for none.
         Two plugins offering one ``backend_id`` is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_engines() -> Sequence[AliasingEngine]:
+    """Called when a pipeline looks for engines that alias only some writes (TensorRT-like).
+
+    Such an engine writes a state update in place only when its rule allows
+    (for TensorRT: a cache-shaped write) and recomputes the rest, which the
+    program must then copy back. The pipeline asks the engine's predicate per
+    write before lowering, and after lowering reads what the engine really
+    aliased, to check the two agree.
+
+    :return: engine objects (``writeback_core.types.AliasingEngine``), each with
+        a unique ``name``; an empty sequence for none. Two plugins offering one
+        name is an error naming both.
     """
     raise NotImplementedError
 

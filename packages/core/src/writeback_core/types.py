@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch.fx
 
+if TYPE_CHECKING:
+    from writeback_core.mutations import Dynamic, WriteShape
+
 __all__ = [
+    "AliasingEngine",
     "BackendSpec",
+    "EngineWrite",
     "PartitionView",
     "ProgramPass",
     "RuntimeDelegate",
@@ -93,3 +98,56 @@ class RuntimeDelegate(Protocol):
 
     def destroy(self, handle: Any) -> None:
         """Free what ``init`` built."""
+
+
+@dataclass(frozen=True)
+class EngineWrite:
+    """One state write as an :class:`AliasingEngine`'s predicate sees it.
+
+    The caller derives it once, from the graph node that performs the write,
+    and hands the same record to the engine whether it is predicting (before
+    lowering) or lowering; an engine must decide from this record alone.
+
+    ``write`` is core's :class:`~writeback_core.mutations.WriteShape` (dim and
+    slice bounds normalized, runtime bounds as ``Dynamic``); ``shape`` the
+    destination's shape; ``direct_input`` whether the destination reaches the
+    engine as one of its inputs (directly, or through a copy the engine's own
+    lowering removes) with no other reader of its old value; ``clamped`` whether
+    a slice bound as written lay outside the destination and normalization
+    clamped it (an open end ``a:`` is written as ``2**63 - 1``); ``no_alias``
+    whether the write carries ``writeback_core.meta.NO_ALIAS``, which forbids
+    aliasing it whatever the rule says.
+    """
+
+    write: WriteShape
+    shape: tuple[int | Dynamic, ...]
+    direct_input: bool
+    clamped: bool = False
+    no_alias: bool = False
+
+
+@runtime_checkable
+class AliasingEngine(Protocol):
+    """An engine that writes some state in place and recomputes the rest (TensorRT-like).
+
+    It aliases a write (writes it into its input's memory, so no copy-back is
+    needed) only when its rule allows; every other write must be copied back
+    by the program. ``name`` is what users pick; ``backend_id`` the ExecuTorch
+    backend id its delegate blobs carry.
+    """
+
+    name: str
+    backend_id: str
+
+    def alias_refusal(self, write: EngineWrite) -> str | None:
+        """The predicate: ``None`` when the engine will alias ``write``, else why not.
+
+        Must be the same rule the engine's lowering applies, so that a
+        prediction made before lowering holds after it.
+        """
+
+    def aliased_io(self, processed: bytes) -> Mapping[int, int]:
+        """What lowering really aliased: delegate output index -> delegate input index.
+
+        :param processed: the processed blob of one lowered delegate of this engine.
+        """
