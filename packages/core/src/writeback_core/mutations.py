@@ -114,7 +114,9 @@ class Mutation:
     ``target`` is the buffer's fully qualified name (``layers.0.k_cache``) or the
     user input's name; ``placeholder`` the graph placeholder holding the old
     value; ``value`` the graph node whose result is written back;
-    ``output_index`` the position of that value among the graph's outputs.
+    ``output_index`` the position of that value among the graph's outputs;
+    ``user_input_index`` the position of a mutated user input among the
+    program's user inputs (what a runtime's ``set_inputs`` indexes), else ``None``.
     """
 
     kind: MutationKind
@@ -125,7 +127,7 @@ class Mutation:
     write: WriteShape
     shape: tuple[int | Dynamic, ...]
     dtype: torch.dtype
-    input_index: int = field(default=-1)
+    user_input_index: int | None = field(default=None)
 
     @property
     def nbytes(self) -> int | None:
@@ -403,12 +405,11 @@ def find_mutations(ep: ExportedProgram) -> list[Mutation]:
         for spec in sig.input_specs
         if spec.kind is InputKind.BUFFER and hasattr(spec.arg, "name")
     }
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    user_inputs = {name: i for i, name in enumerate(sig.user_inputs)}
     # After to_executorch the state outputs are gone from the output node: each
     # is applied by a write-back ``copy_(placeholder, value)`` inside the graph.
     written_back = len(outputs) != len(sig.output_specs)
     copies = _write_back_copies(graph) if written_back else {}
-    input_index = {n.name: i for i, n in enumerate(placeholders)}
     found: list[Mutation] = []
     for index, spec in enumerate(sig.output_specs):
         if spec.kind is OutputKind.BUFFER_MUTATION:
@@ -444,7 +445,9 @@ def find_mutations(ep: ExportedProgram) -> list[Mutation]:
                 write=classify_write(value, placeholder),
                 shape=shape,
                 dtype=dtype,
-                input_index=input_index[placeholder.name],
+                user_input_index=user_inputs.get(placeholder.name)
+                if kind is MutationKind.USER_INPUT
+                else None,
             )
         )
     return found

@@ -1,0 +1,111 @@
+"""The example backend's partitioner, preprocess and Python runtime delegate."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, final
+
+import torch
+from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
+from torch.export import ExportedProgram
+
+from writeback_core import PartitionView, Registry, find_mutations
+from writeback_core._ops import packet_name
+
+from writeback_example_backend import BACKEND_ID, BACKEND_NAME
+
+__all__ = ["ExamplePartitioner", "ExampleRuntimeDelegate", "WritebackExampleBackend"]
+
+
+def _single_index_dim(node: torch.fx.Node) -> int | None:
+    """The dim of ``index_put(dest, [None, .., idx], src)`` with one 1-D index, else None."""
+    if packet_name(node.target) != "index_put" or len(node.args) < 3:
+        return None
+    if len(node.args) > 3 and node.args[3]:
+        return None
+    indices = list(node.args[1])
+    present = [i for i, idx in enumerate(indices) if idx is not None]
+    if present != [len(indices) - 1]:
+        return None
+    val = indices[-1].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 1:
+        return None
+    return present[0]
+
+
+class ExamplePartitioner(Partitioner):
+    """Delegates each one-index ``index_put`` node (the exported form of ``index_copy_``)."""
+
+    def __init__(self, registry: Registry, **options: Any) -> None:
+        super().__init__()
+        self.registry = registry
+        self.options = options
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        graph = exported_program.graph_module.graph
+        tags: dict[str, DelegationSpec] = {}
+        mutations = find_mutations(exported_program)
+        for node in graph.nodes:
+            if node.op != "call_function" or _single_index_dim(node) is None:
+                continue
+            tag = f"example_{len(tags)}"
+            node.meta["delegation_tag"] = tag
+            tags[tag] = DelegationSpec(BACKEND_ID, [])
+            view = PartitionView(BACKEND_NAME, frozenset({node.name}), graph)
+            touched = [m for m in mutations if m.write.node == node.name]
+            self.registry.annotate_in_place(graph, BACKEND_NAME, view, touched)
+        return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+
+@final
+class WritebackExampleBackend(BackendDetails):
+    """Serializes which delegate argument is the destination, index and source."""
+
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
+        graph = edge_program.graph_module.graph
+        inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+        (node,) = [n for n in graph.nodes if n.op == "call_function" and _single_index_dim(n) is not None]
+        dest, indices, source = node.args[0], node.args[1], node.args[2]
+        plan = {
+            "dim": _single_index_dim(node),
+            "dest": inputs.index(dest.name),
+            "index": inputs.index(indices[-1].name),
+            "source": inputs.index(source.name),
+            "inputs": len(inputs),
+        }
+        return PreprocessResult(processed_bytes=json.dumps(plan).encode())
+
+
+class ExampleRuntimeDelegate:
+    """Performs ``dest.index_copy_(dim, index, source)`` in the destination's own memory.
+
+    Arguments are the delegate's inputs then its one output. When a pass has given
+    the output the destination's memory (the write-back was dropped) the output is
+    already the result; otherwise the result is also copied into the output.
+    """
+
+    backend_id = BACKEND_ID
+
+    def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> dict[str, int]:
+        return dict(json.loads(processed.decode()))
+
+    def execute(self, handle: dict[str, int], args: Sequence[Any]) -> None:
+        dest, index, source = args[handle["dest"]], args[handle["index"]], args[handle["source"]]
+        out = args[handle["inputs"]]
+        if bool((index < 0).any()) or bool((index >= dest.shape[handle["dim"]]).any()):
+            raise IndexError(
+                f"index_copy: index {index.tolist()} out of range for dim {handle['dim']} "
+                f"of size {dest.shape[handle['dim']]}"
+            )
+        dest.index_copy_(handle["dim"], index, source)
+        if out.data_ptr() != dest.data_ptr():
+            out.copy_(dest)
+
+    def destroy(self, handle: dict[str, int]) -> None:
+        return None
+
+
