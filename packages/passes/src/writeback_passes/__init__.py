@@ -1,5 +1,29 @@
-"""writeback-passes."""
+"""writeback-passes: graph passes that place and drop state write-backs."""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from writeback_passes.early_write_back import (
+    EarlyWriteBack,
+    WriteBackPlacement,
+    insert_write_back_early,
+)
+from writeback_passes.memory_report import (
+    MemoryPlanReport,
+    MethodPlan,
+    WriteBackLifetime,
+    memory_plan_report,
+)
+from writeback_passes.pipeline import EARLY_WRITE_BACK_ORDER, early_write_back_pass, to_executorch
+
+__all__ = [
+    "EARLY_WRITE_BACK_ORDER",
+    "EarlyWriteBack",
+    "MemoryPlanReport",
+    "MethodPlan",
+    "WriteBackLifetime",
+    "WriteBackPlacement",
+    "early_write_back_pass",
+    "insert_write_back_early",
+    "memory_plan_report",
+    "to_executorch",
+]

@@ -1,0 +1,346 @@
+"""Move each write-back ``copy_(state, value)`` to the earliest point that keeps its meaning.
+
+Stock ExecuTorch (``insert_write_back_for_buffers_pass``) puts every write-back
+just before the graph's output. That keeps ``value`` alive to the end of the
+graph, so the memory planner cannot reuse its bytes for the temporaries that
+follow. This pass moves each write-back up, as far as the end-of-graph meaning
+allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+from writeback_core import AliasAnalysis
+
+__all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
+
+# Ops that exir turns into real views after the passes of ``ExecutorchBackendConfig``
+# run (``ReplaceViewCopyWithViewPass``, keyed on ``view_copy.default``). At the time
+# this pass runs they still copy, but once memory is planned their result shares
+# the input's storage, so a read through them is a read of their input.
+_BECOMES_VIEW = frozenset({"view_copy"})
+
+_COPY_PACKET = "copy_"
+
+
+def _packet(target: object) -> str | None:
+    """``"copy_"`` for ``aten.copy_.default`` or its edge wrapper; ``None`` for non-aten targets."""
+    # An edge op wraps its aten overload in ``_op``; an aten overload's own ``_op``
+    # is a C++ builtin, so only unwrap what is not already an overload.
+    op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", None)
+    if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
+        return str(op._opname)
+    return None
+
+
+@dataclass(frozen=True)
+class WriteBackPlacement:
+    """Where one write-back ``copy_`` was and where the pass put it.
+
+    Positions count every node of the graph (placeholders included) at the time
+    the pass ran. ``after`` names the node the copy now directly follows (the
+    binding constraint, or the previous copy placed at the same point).
+    ``lifetime_saved`` is by how many nodes the last use of ``value`` moved up.
+    """
+
+    state: str
+    copy: str
+    value: str
+    after: str
+    stock_position: int
+    early_position: int
+    lifetime_saved: int
+
+
+@dataclass
+class EarlyWriteBack:
+    """What :func:`insert_write_back_early` did.
+
+    ``analysed`` is False when the graph had no write-back to move (no alias
+    analysis was built). ``fallback`` names the pair of write-backs that may
+    interfere when all copies were kept at the end in their original order.
+    ``graph_module`` makes this usable as an exir ``PassResult``.
+    """
+
+    graph_module: torch.fx.GraphModule
+    placements: tuple[WriteBackPlacement, ...] = ()
+    analysed: bool = False
+    fallback: tuple[str, str] | None = None
+    modified: bool = field(default=False)
+
+    def by_state(self) -> dict[str, WriteBackPlacement]:
+        """Placements keyed by the name of the state placeholder they write."""
+        return {p.state: p for p in self.placements}
+
+
+@dataclass(frozen=True)
+class _WriteBack:
+    copy: torch.fx.Node
+    dest: torch.fx.Node
+    value: torch.fx.Node
+
+
+def _write_backs(graph: torch.fx.Graph) -> list[_WriteBack]:
+    """The write-back copies exir inserted: ``copy_(placeholder, value)`` nodes the output returns."""
+    output = graph.output_node()
+    returned = set(output.all_input_nodes)
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in returned or _packet(node.target) != _COPY_PACKET:
+            continue
+        dest, value = (node.args + (None, None))[:2]
+        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(
+            value, torch.fx.Node
+        ):
+            found.append(_WriteBack(node, dest, value))
+    return found
+
+
+class _Storage:
+    """Alias classes widened by the view edges exir adds later (see :data:`_BECOMES_VIEW`)."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.alias = AliasAnalysis(graph)
+        self._cache: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+
+    def members(self, node: torch.fx.Node) -> frozenset[torch.fx.Node]:
+        """Every node that may share storage with ``node`` once exir's views exist."""
+        cached = self._cache.get(node)
+        if cached is not None:
+            return cached
+        seen: set[torch.fx.Node] = set()
+        frontier = [node]
+        while frontier:
+            current = frontier.pop()
+            if current in seen:
+                continue
+            group = self.alias.aliases(current) or frozenset({current})
+            seen.update(group)
+            for member in group:
+                if _packet(member.target) in _BECOMES_VIEW and member.args:
+                    base = member.args[0]
+                    if isinstance(base, torch.fx.Node):
+                        frontier.append(base)
+                frontier.extend(
+                    u
+                    for u in member.users
+                    if _packet(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
+                )
+        result = frozenset(seen)
+        for member in result:
+            self._cache[member] = result
+        return result
+
+    def writers(self, node: torch.fx.Node) -> Iterable[torch.fx.Node]:
+        """Every node that may write storage ``node`` may point to (views included)."""
+        roots: dict[int, torch.fx.Node] = {}
+        for member in self.members(node):
+            group = self.alias.aliases(member)
+            roots.setdefault(id(group), member)
+        for member in roots.values():
+            yield from self.alias.writers_of(member)
+
+
+def _latest(
+    nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int], limit: int
+) -> torch.fx.Node | None:
+    """The latest of ``nodes`` placed before position ``limit``.
+
+    Nodes at or after ``limit`` already run after the copy and see the new
+    contents; moving the copy up never passes them, so they bind nothing.
+    """
+    best: torch.fx.Node | None = None
+    for node in nodes:
+        if node not in position or position[node] >= limit:
+            continue
+        if best is None or position[node] > position[best]:
+            best = node
+    return best
+
+
+def _interference(
+    write_backs: Sequence[_WriteBack], storage: _Storage
+) -> tuple[str, str] | None:
+    """The first pair of write-backs whose order matters, or ``None`` when all are independent.
+
+    Write-back ``a`` and ``b`` interfere when ``a``'s state may share storage
+    with ``b``'s value or ``b``'s state: then which copy runs first changes what
+    a state holds at the end.
+    """
+    owner: dict[torch.fx.Node, _WriteBack] = {}
+    for wb in write_backs:
+        owner.setdefault(wb.value, wb)
+        owner.setdefault(wb.dest, wb)
+    for wb in write_backs:
+        for member in storage.members(wb.dest):
+            other = owner.get(member)
+            if other is not None and other is not wb:
+                return (wb.copy.name, other.copy.name)
+    return None
+
+
+def _anchor(
+    wb: _WriteBack,
+    storage: _Storage,
+    copies: frozenset[torch.fx.Node],
+    position: dict[torch.fx.Node, int],
+    last_placeholder: torch.fx.Node | None,
+) -> torch.fx.Node:
+    """The node the write-back must follow: the latest of the four rules of the pass."""
+    readers = (
+        user
+        for member in storage.members(wb.dest)
+        for user in member.users
+        if user not in copies
+    )
+    writers = (w for w in storage.writers(wb.value) if w not in copies)
+    floor = [wb.value] if last_placeholder is None else [wb.value, last_placeholder]
+    anchor = _latest([*floor, *readers, *writers], position, position[wb.copy])
+    assert anchor is not None  # the value precedes its copy, so it is always a candidate
+    return anchor
+
+
+def _lifetime(value: torch.fx.Node, position: dict[torch.fx.Node, int]) -> int:
+    """How many nodes ``value`` stays alive for: from itself to its last non-output user."""
+    users = [position[u] for u in value.users if u.op != "output"]
+    return max(users, default=position[value]) - position[value]
+
+
+def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bool:
+    """Put every copy just before the output, in the order given; True if any moved."""
+    output = graph.output_node()
+    before = list(graph.nodes)
+    for wb in write_backs:
+        output.prepend(wb.copy)
+    return before != list(graph.nodes)
+
+
+def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.GraphModule:
+    if isinstance(program, torch.fx.GraphModule):
+        return program
+    if isinstance(program, ExportedProgram):
+        if _needs_write_backs(program):
+            from executorch.exir.passes.insert_write_back_for_buffers_pass import (
+                insert_write_back_for_buffers_pass,
+            )
+
+            # exir's own pass adds the copies (at the end) and renames the
+            # signature's outputs in place; this pass then moves them.
+            insert_write_back_for_buffers_pass(program)
+        return program.graph_module
+    raise TypeError(
+        f"insert_write_back_early takes an ExportedProgram or a torch.fx.GraphModule, "
+        f"got {type(program).__name__}"
+    )
+
+
+def _needs_write_backs(program: ExportedProgram) -> bool:
+    """Whether some state output is still a plain value (no ``copy_`` written back yet)."""
+    outputs = list(program.graph_module.graph.output_node().args[0])
+    for spec, node in zip(program.graph_signature.output_specs, outputs, strict=False):
+        if spec.kind not in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+            continue
+        if not (isinstance(node, torch.fx.Node) and _packet(node.target) == _COPY_PACKET):
+            return True
+    return False
+
+
+def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> EarlyWriteBack:
+    """Move every write-back ``copy_(state, value)`` to its earliest safe point, in place.
+
+    ``program`` is either a ``GraphModule`` whose write-backs exir already
+    inserted (what ``ExecutorchBackendConfig.passes`` receive), or an
+    ``ExportedProgram``: an edge program whose state outputs are still values
+    gets its copies from exir's ``insert_write_back_for_buffers_pass`` first.
+    Buffer mutations and user-input mutations are handled alike.
+
+    Algorithm:
+
+    1. Collect the write-backs: ``copy_`` nodes the output returns whose first
+       argument is a placeholder. If there are none, return at once: no alias
+       analysis is built (``analysed`` is False), the graph is untouched.
+    2. Build one :class:`writeback_core.AliasAnalysis` of the graph (``aten::``
+       schemas trusted; any other op, including a custom op whose schema has no
+       ``(a!)``, assumed to alias and write its tensor arguments; exir's
+       ``_share_alloc_with_arg_idx`` annotation counted as an alias edge) and
+       widen each alias class across ``view_copy`` edges, because exir turns
+       those into real views after this pass runs.
+    3. If one write-back's state may share storage with another's value or
+       state, their relative order matters: keep all copies at the end of the
+       graph in their original order (``fallback`` names the pair) and stop.
+    4. Otherwise place each copy directly after the latest of:
+
+       a. its value (it must exist);
+       b. every reader of the state or of anything that may alias it (they
+          must see the old contents; a writer of the state is a reader too);
+       c. every writer of the value or of anything that may alias it (the copy
+          must take the final value);
+       d. the last placeholder (if the graph has any).
+
+       Copies that land at the same point keep their original order.
+
+    Safety rules, with the example each one refuses:
+
+    - ``new = buf * 2; y = buf + 1; buf.copy_(new)``: the copy may not go right
+      after ``new``, because ``y`` reads the old ``buf`` (rule b).
+    - ``v = view_copy(buf); new = f(x); out = v * 3``: ``v`` becomes a view of
+      ``buf`` once exir replaces view copies, so ``out`` reads ``buf`` (rule b
+      through step 2).
+    - ``new = f(x); new.mul_(2)`` or a custom op writing ``new``: the copy must
+      follow the write (rule c).
+    - ``a.copy_(f(b)); b.copy_(g(x))`` where ``f`` is a view: ``a``'s value is
+      ``b``'s storage, so moving ``b``'s copy before ``a``'s changes ``a``
+      (step 3).
+
+    :param program: the graph to edit in place.
+    :return: what moved where, usable as an exir ``PassResult``.
+    :raises TypeError: ``program`` is neither an ``ExportedProgram`` nor a ``GraphModule``.
+    """
+    gm = _graph_module(program)
+    graph = gm.graph
+    write_backs = _write_backs(graph)
+    if not write_backs:
+        return EarlyWriteBack(gm)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    write_backs.sort(key=lambda wb: order[wb.copy])
+    storage = _Storage(graph)
+    clash = _interference(write_backs, storage)
+    if clash is not None:
+        moved = _move_to_end(write_backs, graph)
+        if moved:
+            gm.recompile()
+        return EarlyWriteBack(gm, analysed=True, fallback=clash, modified=moved)
+    copies = frozenset(wb.copy for wb in write_backs)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last_placeholder = placeholders[-1] if placeholders else None
+    anchors = [_anchor(wb, storage, copies, order, last_placeholder) for wb in write_backs]
+    stock_lifetime = {wb.value: _lifetime(wb.value, order) for wb in write_backs}
+    tail: dict[torch.fx.Node, torch.fx.Node] = {}
+    for wb, anchor in zip(write_backs, anchors, strict=True):
+        follow = tail.get(anchor, anchor)
+        follow.append(wb.copy)
+        tail[anchor] = wb.copy
+    after = {n: i for i, n in enumerate(graph.nodes)}
+    placements = tuple(
+        WriteBackPlacement(
+            state=wb.dest.name,
+            copy=wb.copy.name,
+            value=wb.value.name,
+            after=wb.copy.prev.name,
+            stock_position=order[wb.copy],
+            early_position=after[wb.copy],
+            lifetime_saved=stock_lifetime[wb.value] - _lifetime(wb.value, after),
+        )
+        for wb in write_backs
+    )
+    modified = any(p.stock_position != p.early_position for p in placements)
+    if modified:
+        graph.lint()
+        gm.recompile()
+    return EarlyWriteBack(gm, placements, analysed=True, modified=modified)
