@@ -9,13 +9,13 @@ allows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import OutputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from writeback_core import AliasAnalysis
 
 __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
@@ -65,6 +65,8 @@ class EarlyWriteBack:
     ``analysed`` is False when the graph had no write-back to move (no alias
     analysis was built). ``fallback`` names the pair of write-backs that may
     interfere when all copies were kept at the end in their original order.
+    ``kept_last`` names the state placeholders that are not known to be
+    mutable buffers (user inputs), whose copies stay where exir put them.
     ``graph_module`` makes this usable as an exir ``PassResult``.
     """
 
@@ -72,6 +74,7 @@ class EarlyWriteBack:
     placements: tuple[WriteBackPlacement, ...] = ()
     analysed: bool = False
     fallback: tuple[str, str] | None = None
+    kept_last: tuple[str, ...] = ()
     modified: bool = field(default=False)
 
     def by_state(self) -> dict[str, WriteBackPlacement]:
@@ -221,6 +224,27 @@ def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bo
     return before != list(graph.nodes)
 
 
+def _buffer_placeholders(graph: torch.fx.Graph) -> frozenset[str]:
+    """Placeholders that ``torch.export`` marked as buffers (``meta["desc"]``), by name."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import BufferAOTInput
+    except ImportError:  # an older torch: no descriptors, so no placeholder is known
+        return frozenset()
+    return frozenset(
+        n.name
+        for n in graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("desc"), BufferAOTInput)
+    )
+
+
+def _signature_buffers(program: ExportedProgram) -> frozenset[str]:
+    return frozenset(
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind is InputKind.BUFFER and hasattr(spec.arg, "name")
+    )
+
+
 def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.GraphModule:
     if isinstance(program, torch.fx.GraphModule):
         return program
@@ -251,14 +275,26 @@ def _needs_write_backs(program: ExportedProgram) -> bool:
     return False
 
 
-def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> EarlyWriteBack:
+def insert_write_back_early(
+    program: ExportedProgram | torch.fx.GraphModule, buffers: Collection[str] | None = None
+) -> EarlyWriteBack:
     """Move every write-back ``copy_(state, value)`` to its earliest safe point, in place.
 
     ``program`` is either a ``GraphModule`` whose write-backs exir already
     inserted (what ``ExecutorchBackendConfig.passes`` receive), or an
     ``ExportedProgram``: an edge program whose state outputs are still values
     gets its copies from exir's ``insert_write_back_for_buffers_pass`` first.
-    Buffer mutations and user-input mutations are handled alike.
+    Buffer mutations and user-input mutations go through the same analysis,
+    but only a copy into a mutable buffer is moved: exir's memory planner
+    (1.5.1) keeps a mutable buffer's slot for the whole method, while a user
+    input's slot is freed after its last use *in graph order* (the ``copy_``
+    the output returns is skipped as an in-place alias), so an early copy into
+    a user input would be overwritten by later temporaries before the caller
+    sees it. Those copies stay where exir put them and are listed in
+    ``kept_last``. Which placeholders are buffers comes from ``buffers`` (names),
+    else from the signature of an ``ExportedProgram``, else from the
+    ``meta["desc"]`` that ``torch.export`` leaves on each placeholder; a
+    placeholder not known to be a buffer is treated as a user input.
 
     Algorithm:
 
@@ -299,6 +335,8 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
       (step 3).
 
     :param program: the graph to edit in place.
+    :param buffers: names of the placeholders that are mutable buffers, when
+        the caller knows better than the graph.
     :return: what moved where, usable as an exir ``PassResult``.
     :raises TypeError: ``program`` is neither an ``ExportedProgram`` nor a ``GraphModule``.
     """
@@ -307,6 +345,12 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     write_backs = _write_backs(graph)
     if not write_backs:
         return EarlyWriteBack(gm)
+    if buffers is None:
+        buffers = (
+            _signature_buffers(program)
+            if isinstance(program, ExportedProgram)
+            else _buffer_placeholders(graph)
+        )
     order = {n: i for i, n in enumerate(graph.nodes)}
     write_backs.sort(key=lambda wb: order[wb.copy])
     storage = _Storage(graph)
@@ -316,13 +360,15 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
         if moved:
             gm.recompile()
         return EarlyWriteBack(gm, analysed=True, fallback=clash, modified=moved)
+    kept = tuple(wb.dest.name for wb in write_backs if wb.dest.name not in buffers)
+    movable = [wb for wb in write_backs if wb.dest.name in buffers]
     copies = frozenset(wb.copy for wb in write_backs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last_placeholder = placeholders[-1] if placeholders else None
-    anchors = [_anchor(wb, storage, copies, order, last_placeholder) for wb in write_backs]
-    stock_lifetime = {wb.value: _lifetime(wb.value, order) for wb in write_backs}
+    anchors = [_anchor(wb, storage, copies, order, last_placeholder) for wb in movable]
+    stock_lifetime = {wb.value: _lifetime(wb.value, order) for wb in movable}
     tail: dict[torch.fx.Node, torch.fx.Node] = {}
-    for wb, anchor in zip(write_backs, anchors, strict=True):
+    for wb, anchor in zip(movable, anchors, strict=True):
         follow = tail.get(anchor, anchor)
         follow.append(wb.copy)
         tail[anchor] = wb.copy
@@ -337,10 +383,10 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
             early_position=after[wb.copy],
             lifetime_saved=stock_lifetime[wb.value] - _lifetime(wb.value, after),
         )
-        for wb in write_backs
+        for wb in movable
     )
     modified = any(p.stock_position != p.early_position for p in placements)
     if modified:
         graph.lint()
         gm.recompile()
-    return EarlyWriteBack(gm, placements, analysed=True, modified=modified)
+    return EarlyWriteBack(gm, placements, analysed=True, kept_last=kept, modified=modified)
