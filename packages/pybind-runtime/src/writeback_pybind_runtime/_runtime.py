@@ -1,0 +1,288 @@
+"""The Python API: ``Runtime.get().load_program(...).load_method(name)``, shaped like
+``executorch.runtime``, over the compiled ``_native`` extension.
+
+Contracts that differ from stock ``executorch.runtime`` 1.5.1 (each has a test):
+
+- A method input that the method mutates is updated in the caller's tensor: a
+  memory-planned input is copied back after each call; an unplanned one
+  (``MemoryPlanningPass(alloc_graph_input=False)``) is used in place, no copy.
+- Tensors passed to ``set_inputs`` stay alive until the next successful
+  ``set_inputs``, so temporaries are safe.
+- An unplanned output that nobody bound gets storage from this runtime.
+- ``Method.set_output(tensor, index)`` binds an unplanned output to caller
+  storage; ``set_output(None, index)`` unbinds it.
+- Python delegates from the ``writeback_runtime_delegates`` hook run as
+  ExecuTorch backends; their exceptions come back as :class:`DelegateError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from writeback_pybind_runtime import _pte
+from writeback_pybind_runtime._errors import DelegateError, ProgramError
+from writeback_pybind_runtime._libs import native
+
+if TYPE_CHECKING:
+    from writeback_core.registry import Registry
+    from writeback_core.types import RuntimeDelegate
+
+__all__ = [
+    "DelegateError",
+    "Method",
+    "MethodMetadata",
+    "Program",
+    "ProgramError",
+    "Runtime",
+    "ValueMetadata",
+    "Verification",
+]
+
+
+class Verification(enum.IntEnum):
+    """How much of a program the runtime checks when loading it (ExecuTorch's enum)."""
+
+    Minimal = 0
+    InternalConsistency = 1
+
+
+@dataclass(frozen=True)
+class ValueMetadata:
+    """One input or output of a method, as the program declares it.
+
+    ``is_input`` (outputs only) is the index of the input that is the same value
+    (a mutated input, or an input returned as is); ``repeats`` the other output
+    indices returning the same value. Tensor fields are ``None`` for non-tensors.
+    """
+
+    tag: str
+    dtype: str | None = None
+    sizes: tuple[int, ...] | None = None
+    memory_planned: bool | None = None
+    nbytes: int | None = None
+    is_input: int | None = None
+    repeats: tuple[int, ...] = ()
+    bound: bool = False
+
+
+@dataclass(frozen=True)
+class MethodMetadata:
+    """What a method takes and returns, and the memory it plans."""
+
+    name: str
+    inputs: tuple[ValueMetadata, ...]
+    outputs: tuple[ValueMetadata, ...]
+    memory_planned_buffers: tuple[int, ...]
+    backends: tuple[str, ...]
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.outputs)
+
+
+def _value(raw: Mapping[str, Any]) -> ValueMetadata:
+    sizes = raw.get("sizes")
+    return ValueMetadata(
+        tag=raw["tag"],
+        dtype=raw.get("dtype"),
+        sizes=tuple(sizes) if sizes is not None else None,
+        memory_planned=raw.get("memory_planned"),
+        nbytes=raw.get("nbytes"),
+        is_input=raw.get("is_input"),
+        repeats=tuple(raw.get("repeats", ())),
+        bound=bool(raw.get("bound", False)),
+    )
+
+
+class Method:
+    """One loaded method: its own planned memory, inputs and output bindings.
+
+    Not thread-safe: one caller at a time per ``Method`` (load the method twice
+    for two threads).
+    """
+
+    def __init__(self, native_method: Any) -> None:
+        self._native = native_method
+
+    @property
+    def name(self) -> str:
+        return str(self._native.name)
+
+    @property
+    def metadata(self) -> MethodMetadata:
+        """The method's inputs, outputs, planned buffers and backends."""
+        raw = self._native.metadata()
+        return MethodMetadata(
+            name=raw["name"],
+            inputs=tuple(_value(v) for v in raw["inputs"]),
+            outputs=tuple(_value(v) for v in raw["outputs"]),
+            memory_planned_buffers=tuple(raw["memory_planned_buffers"]),
+            backends=tuple(raw["backends"]),
+        )
+
+    def set_inputs(self, inputs: Sequence[Any]) -> None:
+        """Install every input (tensors, ints, floats, bools), all or nothing.
+
+        A tensor is used in place when the input is not memory planned; it is
+        kept alive until the next successful call. On error (``ValueError`` or
+        ``TypeError`` naming the input, expected and actual) the method refuses
+        to execute until a full set is installed.
+        """
+        self._native.set_inputs(inputs)
+
+    def execute(self, inputs: Sequence[Any] | None = None, clone_outputs: bool = True) -> list[Any]:
+        """Run once (installing ``inputs`` first if given) and return the outputs.
+
+        Mutated inputs land in the caller's tensors. Raises ``ValueError`` if
+        inputs were never set, :class:`DelegateError` if a Python delegate
+        raised, ``RuntimeError`` for any other runtime failure.
+        """
+        if inputs is not None:
+            self._native.set_inputs(inputs)
+        self._native.execute()
+        return list(self._native.get_outputs(clone_outputs))
+
+    def get_outputs(self, clone_outputs: bool = True) -> list[Any]:
+        """The outputs of the last call.
+
+        With ``clone_outputs=True`` each unbound tensor output is a fresh copy,
+        outputs that are inputs included. With ``False`` it aliases the
+        runtime's memory (overwritten by the next call, kept alive by the
+        tensor), or for an output that is an input, the caller's tensor's
+        storage. A bound output is always the bound tensor itself, or a view of
+        its front when a dynamic output is smaller.
+        """
+        return list(self._native.get_outputs(clone_outputs))
+
+    def __call__(self, inputs: Sequence[Any], clone_outputs: bool = True) -> list[Any]:
+        """``set_inputs(inputs)``, ``execute()``, ``get_outputs(clone_outputs)`` in one call."""
+        return list(self._native.call(inputs, clone_outputs))
+
+    def set_output(self, tensor: Any | None, index: int) -> None:
+        """Bind output ``index`` to ``tensor`` (every later call writes straight into it),
+        or unbind it with ``None`` (the runtime gives it storage again).
+
+        The tensor must be a contiguous CPU tensor of the output's dtype, at
+        least as large as the output's largest shape, sharing memory with no
+        other bound output and no input. The output must not be memory planned,
+        returned at more than one index, or be an input. Raises ``ValueError``
+        naming expected and actual, changing nothing; ``IndexError`` for an
+        index out of range. Tensors already returned uncloned stay valid.
+        """
+        self._native.set_output(tensor, index)
+
+
+class Program:
+    """A loaded program. ``load_method`` returns a fresh :class:`Method` each call."""
+
+    def __init__(self, native_program: Any, plan_source: bytes | memoryview) -> None:
+        self._native = native_program
+        self._plan_source = plan_source
+
+    @property
+    def method_names(self) -> set[str]:
+        return set(self._native.method_names)
+
+    def load_method(self, name: str) -> Method:
+        """Load ``name`` with its own planned memory. Raises :class:`ProgramError`."""
+        try:
+            io = _pte.plan_io(self._plan_source, name)
+        except ValueError as error:
+            raise ProgramError(f"cannot load method {name!r}: {error}") from error
+        repeats = [list(r) for r in io.output_repeats()]
+        is_input = [-1 if j is None else j for j in io.output_is_input()]
+        return Method(native().NativeMethod(self._native, name, is_input, repeats))
+
+    def metadata(self, name: str) -> MethodMetadata:
+        """The metadata of method ``name`` (loads it)."""
+        return self.load_method(name).metadata
+
+
+def _read_plan_prefix(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        head = handle.read(32)
+        size = _pte.program_prefix_size(head)
+        handle.seek(0)
+        return handle.read() if size is None else handle.read(size)
+
+
+class Runtime:
+    """Loads programs, after registering the Python delegates a registry offers.
+
+    ``Runtime.get()`` is the process's runtime; it asks
+    ``load_registry().runtime_delegates()`` for delegates lazily, at the first
+    ``load_program``, unless :meth:`register_delegates` was called with a
+    registry first. Registrations are process-wide (ExecuTorch's backend
+    registry is), and registering a backend id again replaces its delegate.
+    """
+
+    _instance: ClassVar[Runtime | None] = None
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, registry: Registry | None = None) -> None:
+        self._registry = registry
+        self._registered = False
+
+    @classmethod
+    def get(cls) -> Runtime:
+        """The process's runtime."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def register_delegates(self, registry: Registry | None = None) -> dict[str, RuntimeDelegate]:
+        """Register every delegate of ``registry`` (default: ``load_registry()``).
+
+        :return: the delegates registered, keyed by backend id.
+        :raises ValueError: a backend id is taken by a compiled ExecuTorch backend.
+        """
+        if registry is None:
+            registry = self._registry
+        if registry is None:
+            from writeback_core.registry import load_registry
+
+            registry = load_registry()
+        delegates = registry.runtime_delegates()
+        for backend_id in sorted(delegates):
+            native().register_delegate(backend_id, delegates[backend_id])
+        self._registered = True
+        return delegates
+
+    @property
+    def backend_ids(self) -> list[str]:
+        """Every backend the ExecuTorch runtime knows, compiled and Python."""
+        return list(native().registered_backends())
+
+    def load_program(
+        self,
+        data: bytes | bytearray | memoryview | str | os.PathLike[str],
+        verification: Verification = Verification.InternalConsistency,
+    ) -> Program:
+        """Load a program from a ``.pte`` path or its bytes.
+
+        :param verification: :class:`Verification` (or a same-named member of
+            executorch's ``Verification``); ``InternalConsistency`` checks the
+            whole flatbuffer, so a corrupted file fails here, not later.
+        :raises ProgramError: the data is not a loadable program.
+        """
+        if not self._registered:
+            self.register_delegates()
+        mode = Verification[getattr(verification, "name", str(verification))]
+        if isinstance(data, (str, os.PathLike)):
+            path = os.fspath(data)
+            program = native().NativeProgram.from_path(path, int(mode))
+            return Program(program, _read_plan_prefix(path))
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+            return Program(native().NativeProgram.from_bytes(raw, int(mode)), raw)
+        raise TypeError(f"load_program takes a path or bytes, got {type(data).__name__}")
