@@ -341,6 +341,12 @@ def classify_write(value: torch.fx.Node, placeholder: torch.fx.Node) -> WriteSha
         return WriteShape(WriteKind.FULL)
     packet = packet_name(node.target)
     dest = _peel(node.args[0]) if node.args else None
+    if packet == "copy" and dest is placeholder and isinstance(node.args[1], torch.fx.Node):
+        # ``copy(input, new)``: how functionalization spells "write ``new`` back
+        # into the input"; the shape of the write is how ``new`` was made.
+        inner = classify_write(node.args[1], placeholder)
+        if inner.kind is not WriteKind.FULL:
+            return inner
     classify = _WRITE_CLASSIFIERS.get(packet or "")
     if classify is not None and dest is placeholder:
         return classify(node, placeholder)

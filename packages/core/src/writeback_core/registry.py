@@ -113,7 +113,7 @@ class Registry:
 
     def plugin_names(self) -> list[str]:
         """Names of the registered plugins, sorted."""
-        return sorted(n for n, _ in self.manager.list_name_plugin() if n is not None)
+        return sorted(n for n, p in self.manager.list_name_plugin() if p is not None)
 
     def hooks_of(self, name: str) -> list[str]:
         """The hooks plugin ``name`` implements, sorted."""
