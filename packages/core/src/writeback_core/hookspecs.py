@@ -129,7 +129,7 @@ def writeback_cli_commands(group: click.Group) -> None:
     """Called once when the ``writeback`` CLI starts, to add subcommands.
 
     :param group: the root ``click`` group; call ``group.add_command(...)``.
-    :return: nothing; the result is ignored.
+    :return: ``None``; plugins add commands to ``group`` and any result is ignored.
     """
     raise NotImplementedError
 

@@ -1,0 +1,120 @@
+"""The writeback CLI: plugins, explain, and commands contributed through the hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+from click.testing import CliRunner
+from writeback_core.cli import main
+
+
+def test_plugins_lists_every_plugin_and_its_hooks() -> None:
+    result = CliRunner().invoke(main, ["plugins"])
+    assert result.exit_code == 0, result.output
+    assert "writeback-core" in result.output
+    assert "example-backend" in result.output
+    assert "writeback_accepts_in_place" in result.output
+    assert "writeback_cli_commands" in result.output
+
+
+def test_explain_decoder_shows_each_cache_with_its_write_and_stock_cost() -> None:
+    result = CliRunner().invoke(main, ["explain"])
+    assert result.exit_code == 0, result.output
+    for text in ("blocks.0.k_cache", "blocks.0.v_cache", "index_copy(dim=2", "1x2x16x16"):
+        assert text in result.output
+    # stock copies the whole cache (1*2*16*16 fp32 = 2 KiB) back every call
+    assert "2.0 KiB" in result.output
+
+
+def test_explain_model_from_a_file_factory(tmp_path: Path) -> None:
+    source = tmp_path / "mine.py"
+    source.write_text(
+        "import torch\n"
+        "class Acc(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('total', torch.zeros(3))\n"
+        "    def forward(self, x):\n"
+        "        self.total[1:] = x\n"
+        "        return self.total * 1\n"
+        "def make():\n"
+        "    return Acc(), (torch.ones(2),)\n"
+    )
+    result = CliRunner().invoke(main, ["explain", f"{source}:make"])
+    assert result.exit_code == 0, result.output
+    assert "total" in result.output and "slice_scatter(dim=0, 1:3:1)" in result.output
+
+
+def test_explain_unknown_model_is_a_usage_error_listing_choices() -> None:
+    result = CliRunner().invoke(main, ["explain", "nope"])
+    assert result.exit_code == 2
+    assert "unknown model 'nope'" in result.output and "decoder" in result.output
+
+
+def test_plugin_contributed_subcommand_appears(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from writeback_core import hookimpl, registry
+
+    class Adds:
+        writeback_name = "adds"
+
+        @hookimpl
+        def writeback_cli_commands(self, group: click.Group) -> None:
+            @group.command("hello")
+            def hello() -> None:
+                click.echo("hello from a plugin")
+
+    real = registry.load_registry
+    monkeypatch.setattr(
+        "writeback_core.cli.load_registry",
+        lambda: real(plugins=[Adds()]),
+    )
+    group = type(main)(name="writeback", callback=main.callback)
+    result = CliRunner().invoke(group, ["hello"])
+    assert result.exit_code == 0, result.output
+    assert "hello from a plugin" in result.output
+
+
+def test_console_script_entry_point_runs() -> None:
+    script = Path(sys.executable).with_name("writeback")
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "explain" in done.stdout and "plugins" in done.stdout
+
+
+def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from writeback_core import ModelCase, hookimpl, registry
+
+    class Tick(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("ticks", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.ticks.add_(x)
+            return self.ticks.sum()
+
+    class Offers:
+        writeback_name = "offers"
+
+        @hookimpl
+        def writeback_models(self) -> dict[str, ModelCase]:
+            return {
+                "tick": ModelCase("tick", "a plugin's model", Tick, lambda step: (torch.ones(4),))
+            }
+
+        @hookimpl
+        def writeback_explain_columns(self, mutation) -> dict[str, str] | None:  # type: ignore[no-untyped-def]
+            return {"plugin says": f"saw {mutation.target}"}
+
+    real = registry.load_registry
+    monkeypatch.setattr("writeback_core.cli.load_registry", lambda: real(plugins=[Offers()]))
+    group = type(main)(name="writeback", callback=main.callback)
+    result = CliRunner().invoke(group, ["explain", "tick"])
+    assert result.exit_code == 0, result.output
+    assert "a plugin's model" in result.output
+    assert "saw ticks" in result.output
+    assert "16 B" in result.output  # 4 fp32 values copied back each call
