@@ -1,5 +1,68 @@
-"""Entry-point plugin of writeback-mlx-backend (thin: imports core and torch only)."""
+"""Entry-point plugin of writeback-mlx-backend (thin: imports core and torch only).
+
+MLX and the delegate's modules are imported inside the hookimpls, so installing
+this package never breaks another package's import.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from writeback_core import (
+    BackendSpec,
+    Mutation,
+    MutationKind,
+    PartitionView,
+    RuntimeDelegate,
+    WriteKind,
+)
+from writeback_core.registry import Registry, hookimpl
+
+from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
+
 writeback_name = "mlx-backend"
+
+# Writes the delegate can do into memory it shares with the caller: only the
+# written region is stored.
+_IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, WriteKind.INDEX_PUT})
+
+
+def _partitioner(registry: Registry, **options: Any) -> Any:
+    from writeback_mlx_backend.partitioner import MLXPartitioner
+
+    return MLXPartitioner(registry, **options)
+
+
+@hookimpl
+def writeback_backends() -> Sequence[BackendSpec]:
+    return [
+        BackendSpec(
+            name=BACKEND_NAME,
+            backend_id=BACKEND_ID,
+            partitioner=_partitioner,
+            description="MLX delegate; writes KV caches and other state in place",
+        )
+    ]
+
+
+@hookimpl
+def writeback_accepts_in_place(
+    backend: str, partition: PartitionView, mutation: Mutation
+) -> bool | None:
+    if backend != BACKEND_NAME:
+        return None
+    write = mutation.write
+    inside = write.node is not None and partition.contains(write.node)
+    if not inside or write.kind not in _IN_PLACE_WRITES:
+        return False
+    if not mutation.shape:
+        return False  # 0-d state: no region to write
+    return mutation.kind in (MutationKind.USER_INPUT, MutationKind.BUFFER)
+
+
+@hookimpl
+def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
+    from writeback_mlx_backend.runtime import MLXDelegate
+
+    return [MLXDelegate()]

@@ -1,0 +1,514 @@
+"""The op table of the MLX delegate: one :class:`OpHandler` per aten op, keyed by op name.
+
+A handler has a ``check`` that reads only node metadata (``node.meta["val"]``,
+literal arguments) and says why the node cannot run in MLX, or ``None`` when it
+can; the partitioner leaves a node outside the delegate when its check answers.
+``run`` computes the node's value in MLX from its resolved arguments.
+
+Write ops (``index_copy``, ``index_put``, ``slice_scatter``) also have a
+``region``: where in the destination the write lands and what is written, as a
+numpy index, so the delegate can write only that region into memory it shares
+with the caller instead of building a new array.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import torch
+import torch.fx
+
+__all__ = [
+    "MX_DTYPES",
+    "OPS",
+    "OpHandler",
+    "Region",
+    "op_key",
+    "unsupported_reason",
+]
+
+# torch dtypes the delegate computes in, with their MLX and numpy counterparts.
+MX_DTYPES: dict[torch.dtype, Any] = {
+    torch.float32: mx.float32,
+    torch.float16: mx.float16,
+    torch.int64: mx.int64,
+    torch.int32: mx.int32,
+    torch.int16: mx.int16,
+    torch.int8: mx.int8,
+    torch.uint8: mx.uint8,
+    torch.bool: mx.bool_,
+}
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A write into part of a destination: ``dest[key] = values`` (``+=`` when ``accumulate``)."""
+
+    key: tuple[Any, ...]
+    values: np.ndarray
+    accumulate: bool = False
+
+
+@dataclass(frozen=True)
+class OpHandler:
+    """How the delegate runs one op.
+
+    ``check(node)`` returns the reason the node cannot be delegated, or ``None``;
+    ``run(*args, **kwargs)`` computes its MLX value; ``region(*args, **kwargs)``,
+    for write ops only, describes the written part of ``args[0]`` (after
+    validating indices, so a bad index raises before anything is written).
+    """
+
+    check: Callable[[torch.fx.Node], str | None]
+    run: Callable[..., Any]
+    region: Callable[..., Region] | None = None
+
+
+def op_key(target: Any) -> str:
+    """``"aten.mm.default"`` for an aten op or its edge wrapper; ``""`` for anything else."""
+    inner = getattr(target, "_op", None)
+    op = inner if isinstance(inner, torch._ops.OpOverload) else target
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    return ""
+
+
+# -- metadata checks ------------------------------------------------------------
+
+
+def _vals(node: torch.fx.Node) -> list[Any]:
+    vals = [node.meta.get("val")]
+    for arg in node.all_input_nodes:
+        vals.append(arg.meta.get("val"))
+    return vals
+
+
+def _tensor_check(node: torch.fx.Node) -> str | None:
+    """Every tensor the node reads or makes has a known static shape and an MLX dtype."""
+    for val in _vals(node):
+        if isinstance(val, (list, tuple)):
+            items: Sequence[Any] = val
+        else:
+            items = [val]
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                if item.dtype not in MX_DTYPES:
+                    return f"dtype {item.dtype} has no MLX counterpart here"
+                if any(not isinstance(s, int) for s in item.shape):
+                    return "dynamic shape"
+            elif item is not None and not isinstance(item, (int, float, bool)):
+                return f"value of type {type(item).__name__}"
+    return None
+
+
+def _ok(node: torch.fx.Node) -> str | None:
+    return _tensor_check(node)
+
+
+def _rank(node: Any) -> int | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _index_copy_check(node: torch.fx.Node) -> str | None:
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    if _rank(node.args[0]) == 0:
+        return "0-d destination (ATen accepts it; left to portable kernels)"
+    index = node.args[2]
+    if not isinstance(index, torch.fx.Node) or _rank(index) != 1:
+        return "index is not a 1-D tensor (a 0-d index is left to portable kernels)"
+    if index.meta["val"].dtype not in _INDEX_DTYPES:
+        return "index dtype is not int64/int32"
+    if not isinstance(node.args[1], int):
+        return "dim is not a literal int"
+    return None
+
+
+def _index_put_check(node: torch.fx.Node) -> str | None:
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    if _rank(node.args[0]) == 0:
+        return "0-d destination"
+    indices = node.args[1]
+    if not isinstance(indices, (list, tuple)) or not any(i is not None for i in indices):
+        return "no index tensors"
+    for index in indices:
+        if index is None:
+            continue
+        if not isinstance(index, torch.fx.Node):
+            return "index is not a tensor"
+        if index.meta["val"].dtype not in _INDEX_DTYPES:
+            return "index is not int64/int32 (boolean masks stay on portable kernels)"
+        if _rank(index) == 0:
+            return "0-d index"
+    present = [k for k, i in enumerate(indices) if i is not None]
+    if present != list(range(present[0], present[-1] + 1)):
+        return "index tensors are not adjacent"
+    return None
+
+
+def _literal_ints_check(*positions: int) -> Callable[[torch.fx.Node], str | None]:
+    def check(node: torch.fx.Node) -> str | None:
+        reason = _tensor_check(node)
+        if reason:
+            return reason
+        for position in positions:
+            if position < len(node.args):
+                value = node.args[position]
+                if value is not None and not isinstance(value, int):
+                    return f"argument {position} is not a literal int"
+        return None
+
+    return check
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    def run(a: Any, b: Any, alpha: Any = 1) -> Any:
+        if alpha != 1:
+            b = b * alpha
+        return fn(a, b)
+
+    return run
+
+
+def _to_np_index(index: Any) -> np.ndarray:
+    return np.asarray(index).astype(np.int64, copy=False)
+
+
+def _prefix(dim: int) -> tuple[slice, ...]:
+    return (slice(None),) * dim
+
+
+# -- write ops ----------------------------------------------------------------------
+
+
+def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
+    """The numpy key of ``index_copy(dest, dim, index)``; raises on an index ATen rejects."""
+    dim = _dim(dim, dest.ndim)
+    size = dest.shape[dim]
+    idx = _to_np_index(index).reshape(-1)
+    bad = np.flatnonzero((idx < 0) | (idx >= size))
+    if bad.size:
+        first = int(bad[0])
+        raise IndexError(
+            f"index_copy: index {int(idx[first])} at position {first} is out of range for "
+            f"dimension {dim} of size {size}; negative indices are rejected, not wrapped "
+            "(as ATen does). Pass indices in [0, size)."
+        )
+    return (*_prefix(dim), idx)
+
+
+def _index_copy_run(dest: Any, dim: int, index: Any, source: Any) -> Any:
+    key = _index_copy_key(dest, dim, index)
+    out = mx.array(dest)
+    out[(*key[:-1], mx.array(key[-1]))] = source
+    return out
+
+
+def _index_copy_region(dest: Any, dim: int, index: Any, source: Any) -> Region:
+    return Region(_index_copy_key(dest, dim, index), np.asarray(source))
+
+
+def _index_put_key(dest: Any, indices: Sequence[Any]) -> tuple[Any, ...]:
+    key: list[Any] = []
+    for position, index in enumerate(indices):
+        if index is None:
+            key.append(slice(None))
+            continue
+        size = dest.shape[position]
+        idx = _to_np_index(index)
+        bad = np.flatnonzero(((idx < -size) | (idx >= size)).reshape(-1))
+        if bad.size:
+            value = int(idx.reshape(-1)[int(bad[0])])
+            raise IndexError(
+                f"index_put: index {value} is out of range for dimension {position} of "
+                f"size {size}"
+            )
+        key.append(np.where(idx < 0, idx + size, idx))
+    return tuple(key)
+
+
+def _index_put_run(dest: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
+    key = _index_put_key(dest, indices)
+    mx_key = tuple(mx.array(k) if isinstance(k, np.ndarray) else k for k in key)
+    if accumulate:
+        return dest.at[mx_key].add(values)
+    out = mx.array(dest)
+    out[mx_key] = values
+    return out
+
+
+def _index_put_region(
+    dest: Any, indices: Sequence[Any], values: Any, accumulate: bool = False
+) -> Region:
+    key = _index_put_key(dest, indices)
+    return Region(key, np.asarray(values), accumulate)
+
+
+def _slice_key(rank: int, size: int, dim: int, start: Any, end: Any, step: Any) -> tuple[Any, ...]:
+    dim = _dim(dim, rank)
+    return (*_prefix(dim), slice(start, end, step if step is not None else 1))
+
+
+def _slice_scatter_run(
+    dest: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1
+) -> Any:
+    out = mx.array(dest)
+    out[_slice_key(dest.ndim, 0, dim, start, end, step)] = src
+    return out
+
+
+def _slice_scatter_region(
+    dest: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1
+) -> Region:
+    return Region(_slice_key(dest.ndim, 0, dim, start, end, step), np.asarray(src))
+
+
+# -- compute ops --------------------------------------------------------------------
+
+
+def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    axes = None if dim is None or dim == [] else [_dim(d, x.ndim) for d in dim]
+    return mx.mean(x, axis=axes, keepdims=keepdim)
+
+
+def _sum(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    axes = None if dim is None or dim == [] else [_dim(d, x.ndim) for d in dim]
+    return mx.sum(x, axis=axes, keepdims=keepdim)
+
+
+def _softmax(x: Any, dim: int, half_to_float: bool = False) -> Any:
+    return mx.softmax(x, axis=_dim(dim, x.ndim), precise=True)
+
+
+def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+    prod = a @ b
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias * beta if beta != 1 else bias)
+
+
+def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
+def _slice(x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1) -> Any:
+    return x[_slice_key(x.ndim, 0, dim, start, end, step)]
+
+
+def _select(x: Any, dim: int, index: int) -> Any:
+    return x[(*_prefix(_dim(dim, x.ndim)), index)]
+
+
+def _transpose(x: Any, a: int, b: int) -> Any:
+    return mx.swapaxes(x, a, b)
+
+
+def _squeeze(x: Any, dims: Any = None) -> Any:
+    if dims is None:
+        return mx.squeeze(x)
+    if isinstance(dims, int):
+        dims = [dims]
+    keep = [_dim(d, x.ndim) for d in dims if x.shape[_dim(d, x.ndim)] == 1]
+    return mx.squeeze(x, axis=keep) if keep else x
+
+
+def _expand(x: Any, size: Sequence[int], implicit: bool = False) -> Any:
+    lead = len(size) - x.ndim
+    shape = [x.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    return mx.broadcast_to(x, shape)
+
+
+def _full(size: Sequence[int], value: Any, **_: Any) -> Any:
+    return mx.full(list(size), value)
+
+
+def _full_like(x: Any, value: Any, **_: Any) -> Any:
+    return mx.full(x.shape, value, dtype=x.dtype)
+
+
+def _unsqueeze(x: Any, dim: int) -> Any:
+    return mx.expand_dims(x, _dim(dim, x.ndim + 1))
+
+
+def _arange(start: Any, end: Any = None, step: Any = 1, **_: Any) -> Any:
+    if end is None:
+        start, end = 0, start
+    return mx.arange(start, end, step)
+
+
+def _where(cond: Any, a: Any, b: Any) -> Any:
+    return mx.where(cond, a, b)
+
+
+def _cast(x: Any, dtype: Any = None, **_: Any) -> Any:
+    return x if dtype is None else x.astype(dtype)
+
+
+def _identity(x: Any, *_: Any, **__: Any) -> Any:
+    return x
+
+
+def _embedding(weight: Any, indices: Any, *_: Any) -> Any:
+    return mx.take(weight, indices, axis=0)
+
+
+def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
+    parts = [t for t in tensors if t.size > 0 or t.ndim > 1]
+    return mx.concatenate(parts, axis=_dim(dim, parts[0].ndim))
+
+
+def _pow(x: Any, exponent: Any) -> Any:
+    if exponent == 2:
+        return x * x
+    return mx.power(x, exponent)
+
+
+def _div(a: Any, b: Any, rounding_mode: Any = None) -> Any:
+    if rounding_mode == "floor":
+        return mx.floor_divide(a, b)
+    out = mx.divide(a, b)
+    return mx.trunc(out) if rounding_mode == "trunc" else out
+
+
+def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ mx.swapaxes(k, -1, -2)) * scale
+    if is_causal:
+        rows, cols = scores.shape[-2], scores.shape[-1]
+        scores = mx.where(mx.tril(mx.ones((rows, cols), dtype=mx.bool_)), scores, -math.inf)
+    if attn_mask is not None:
+        scores = mx.where(attn_mask, scores, -math.inf) if attn_mask.dtype == mx.bool_ \
+            else scores + attn_mask
+    return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+def _unary(fn: Callable[[Any], Any]) -> OpHandler:
+    return OpHandler(_ok, fn)
+
+
+def _binary_handler(fn: Callable[[Any, Any], Any]) -> OpHandler:
+    return OpHandler(_ok, _binary(fn))
+
+
+_COMPARE = {
+    "lt": mx.less,
+    "le": mx.less_equal,
+    "gt": mx.greater,
+    "ge": mx.greater_equal,
+    "eq": mx.equal,
+    "ne": mx.not_equal,
+}
+
+OPS: dict[str, OpHandler] = {
+    "aten.embedding.default": OpHandler(_literal_ints_check(2), _embedding),
+    "aten.mm.default": _binary_handler(mx.matmul),
+    "aten.bmm.default": _binary_handler(mx.matmul),
+    "aten.matmul.default": _binary_handler(mx.matmul),
+    "aten.addmm.default": OpHandler(_ok, _addmm),
+    "aten.linear.default": OpHandler(_ok, _linear),
+    "aten.add.Tensor": _binary_handler(mx.add),
+    "aten.add.Scalar": _binary_handler(mx.add),
+    "aten.sub.Tensor": _binary_handler(mx.subtract),
+    "aten.sub.Scalar": _binary_handler(mx.subtract),
+    "aten.rsub.Scalar": OpHandler(_ok, lambda a, b, alpha=1: b - a * alpha),
+    "aten.mul.Tensor": _binary_handler(mx.multiply),
+    "aten.mul.Scalar": _binary_handler(mx.multiply),
+    "aten.div.Tensor": OpHandler(_ok, _div),
+    "aten.div.Tensor_mode": OpHandler(_ok, _div),
+    "aten.div.Scalar": OpHandler(_ok, _div),
+    "aten.pow.Tensor_Scalar": OpHandler(_ok, _pow),
+    "aten.pow.Tensor_Tensor": _binary_handler(mx.power),
+    "aten.maximum.default": _binary_handler(mx.maximum),
+    "aten.minimum.default": _binary_handler(mx.minimum),
+    "aten.mean.dim": OpHandler(_ok, _mean),
+    "aten.sum.dim_IntList": OpHandler(_ok, _sum),
+    "aten.amax.default": OpHandler(_ok, lambda x, dim, keepdim=False: mx.max(
+        x, axis=[_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
+    "aten.rsqrt.default": _unary(mx.rsqrt),
+    "aten.sqrt.default": _unary(mx.sqrt),
+    "aten.exp.default": _unary(mx.exp),
+    "aten.log.default": _unary(mx.log),
+    "aten.neg.default": _unary(mx.negative),
+    "aten.abs.default": _unary(mx.abs),
+    "aten.reciprocal.default": _unary(mx.reciprocal),
+    "aten.tanh.default": _unary(mx.tanh),
+    "aten.sigmoid.default": _unary(mx.sigmoid),
+    "aten.silu.default": _unary(lambda x: x * mx.sigmoid(x)),
+    "aten.relu.default": _unary(lambda x: mx.maximum(x, 0)),
+    "aten.logical_not.default": _unary(mx.logical_not),
+    "aten._softmax.default": OpHandler(_literal_ints_check(1), _softmax),
+    "aten.softmax.int": OpHandler(_literal_ints_check(1), _softmax),
+    "aten.view_copy.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
+    "aten.view.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
+    "aten.reshape.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
+    "aten._unsafe_view.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
+    "aten.permute_copy.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
+    "aten.permute.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
+    "aten.transpose_copy.int": OpHandler(_literal_ints_check(1, 2), _transpose),
+    "aten.transpose.int": OpHandler(_literal_ints_check(1, 2), _transpose),
+    "aten.t_copy.default": _unary(lambda x: x.T),
+    "aten.expand_copy.default": OpHandler(_ok, _expand),
+    "aten.expand.default": OpHandler(_ok, _expand),
+    "aten.unsqueeze_copy.default": OpHandler(_ok, _unsqueeze),
+    "aten.unsqueeze.default": OpHandler(_ok, _unsqueeze),
+    "aten.squeeze_copy.dims": OpHandler(_ok, _squeeze),
+    "aten.squeeze_copy.dim": OpHandler(_ok, _squeeze),
+    "aten.slice_copy.Tensor": OpHandler(_literal_ints_check(1, 2, 3, 4), _slice),
+    "aten.slice.Tensor": OpHandler(_literal_ints_check(1, 2, 3, 4), _slice),
+    "aten.select_copy.int": OpHandler(_literal_ints_check(1, 2), _select),
+    "aten.cat.default": OpHandler(_literal_ints_check(1), _cat),
+    "aten.where.self": OpHandler(_ok, _where),
+    "aten.full.default": OpHandler(_ok, _full),
+    "aten.full_like.default": OpHandler(_ok, _full_like),
+    "aten.scalar_tensor.default": OpHandler(_ok, lambda value, **_: mx.array(value)),
+    "aten.arange.start_step": OpHandler(_ok, _arange),
+    "aten.arange.default": OpHandler(_ok, _arange),
+    "aten.clone.default": OpHandler(_ok, _identity),
+    "aten.alias_copy.default": OpHandler(_ok, _identity),
+    "aten.alias.default": OpHandler(_ok, _identity),
+    "aten.detach_copy.default": OpHandler(_ok, _identity),
+    "dim_order_ops._clone_dim_order.default": OpHandler(_ok, _identity),
+    "aten._to_copy.default": OpHandler(_ok, _cast),
+    "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
+    "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
+    "aten.index_copy.default": OpHandler(_index_copy_check, _index_copy_run, _index_copy_region),
+    "aten.index_put.default": OpHandler(_index_put_check, _index_put_run, _index_put_region),
+    "aten.slice_scatter.default": OpHandler(
+        _literal_ints_check(2, 3, 4, 5), _slice_scatter_run, _slice_scatter_region
+    ),
+    **{
+        f"aten.{name}.{overload}": _binary_handler(fn)
+        for name, fn in _COMPARE.items()
+        for overload in ("Tensor", "Scalar")
+    },
+}
+
+
+def unsupported_reason(node: torch.fx.Node) -> str | None:
+    """Why ``node`` stays outside the delegate, or ``None`` when the table runs it."""
+    if node.op != "call_function":
+        return "not a call"
+    handler = OPS.get(op_key(node.target))
+    if handler is None:
+        return f"no MLX handler for {op_key(node.target) or node.target}"
+    return handler.check(node)

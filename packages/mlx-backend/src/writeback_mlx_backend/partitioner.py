@@ -1,0 +1,103 @@
+"""``MLXPartitioner``: which edge nodes the MLX delegate takes and which writes it does in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from executorch.exir.backend.partitioner import (
+    DelegationSpec,
+    Partitioner,
+    PartitionResult,
+)
+from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from torch.export import ExportedProgram
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from writeback_core import PartitionView, find_mutations
+from writeback_core.registry import InPlaceDecision, Registry
+
+from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
+from writeback_mlx_backend.ops import unsupported_reason
+from writeback_mlx_backend.preprocess import WritebackMLXBackend
+
+__all__ = ["MLXPartitioner"]
+
+# Ops kept whole through to_edge so the delegate sees them (index_copy would
+# otherwise decompose to index_put, which wraps negative indices).
+_KEEP = (torch.ops.aten.index_copy.default,)
+
+
+class _Support(OperatorSupportBase):
+    def is_node_supported(
+        self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node
+    ) -> bool:
+        return node.op == "call_function" and unsupported_reason(node) is None
+
+
+class MLXPartitioner(Partitioner):
+    """Tag every node the MLX op table runs, grouped into delegate partitions.
+
+    Buffers a partition mutates become delegate-owned when ``own_buffers`` (they
+    then live in MLX across calls). For every mutation a partition writes, core
+    is asked through ``registry.annotate_in_place`` whether the write happens
+    in place, and the decision is recorded on the mutated placeholder. Without
+    a registry, no mutation is annotated (every write-back is kept).
+    """
+
+    def __init__(self, registry: Registry | None = None, own_buffers: bool = True) -> None:
+        super().__init__()
+        self.registry = registry
+        self.own_buffers = own_buffers
+        self.delegation_spec = DelegationSpec(WritebackMLXBackend.__name__, [])
+        self.decisions: list[InPlaceDecision] = []
+        assert WritebackMLXBackend.__name__ == BACKEND_ID
+
+    def ops_to_not_decompose(
+        self, ep: ExportedProgram
+    ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
+        """Keep ``index_copy`` whole where the delegate can run it; others decompose."""
+        return list(_KEEP), lambda node: node.target not in _KEEP or (
+            unsupported_reason(node) is None
+        )
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        """Tag supported nodes, owned buffers and constants; annotate in-place writes."""
+        gm = exported_program.graph_module
+        partitions = CapabilityBasedPartitioner(
+            gm, _Support(), allows_single_node_partition=True
+        ).propose_partitions()
+        tags: dict[str, DelegationSpec] = {}
+        views: list[PartitionView] = []
+        for partition in partitions:
+            tag = f"{BACKEND_NAME}_{partition.id}"
+            for node in partition.nodes:
+                node.meta["delegation_tag"] = tag
+            tags[tag] = self.delegation_spec
+            views.append(
+                PartitionView(BACKEND_NAME, frozenset(n.name for n in partition.nodes), gm.graph)
+            )
+        if self.own_buffers:
+            tag_mutated_buffer(exported_program)
+        tag_constant_data(exported_program)
+        self._annotate(exported_program, views)
+        return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+    def _annotate(self, program: ExportedProgram, views: list[PartitionView]) -> None:
+        if self.registry is None:
+            return
+        mutations = find_mutations(program)
+        graph = program.graph_module.graph
+        for view in views:
+            touched = [m for m in mutations if view.contains(m.write.node or m.value)]
+            if touched:
+                self.decisions += self.registry.annotate_in_place(
+                    graph, BACKEND_NAME, view, touched
+                )
+
+
+def partitioner_factory(registry: Registry, **options: Any) -> MLXPartitioner:
+    """The ``BackendSpec.partitioner`` of the MLX backend."""
+    return MLXPartitioner(registry, **options)

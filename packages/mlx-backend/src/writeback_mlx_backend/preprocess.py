@@ -1,0 +1,156 @@
+"""``WritebackMLXBackend.preprocess``: serialize a delegated edge subgraph into a blob."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, final
+
+import torch
+import torch.fx
+from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from writeback_mlx_backend.ops import OPS, op_key
+from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, dtype_name
+
+__all__ = ["WRITE_OPS", "WritebackMLXBackend", "build_program"]
+
+# Ops whose result is their first argument with part of it overwritten.
+WRITE_OPS = frozenset(k for k, h in OPS.items() if h.region is not None)
+
+
+def _encode(value: Any) -> Any:
+    """A JSON form of a node argument (see ``writeback_mlx_backend.program``)."""
+    if isinstance(value, torch.fx.Node):
+        return {"$v": value.name}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value)}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isinf(value):
+            return {"$float": "inf" if value > 0 else "-inf"}
+        if math.isnan(value):
+            return {"$float": "nan"}
+        return value
+    if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
+        return None
+    raise ValueError(
+        f"argument {value!r} of type {type(value).__name__} cannot be serialized into an MLX "
+        "delegate blob; the partitioner should have left this node out"
+    )
+
+
+def _tensor_of(program: ExportedProgram, target: str) -> torch.Tensor:
+    if target in program.state_dict:
+        return program.state_dict[target]
+    if target in program.constants:
+        value = program.constants[target]
+        if isinstance(value, torch.Tensor):
+            return value
+    raise ValueError(f"the lowered program has no tensor for {target!r}")
+
+
+def build_program(program: ExportedProgram) -> DelegateProgram:
+    """Describe the edge subgraph ``program`` as a :class:`DelegateProgram`.
+
+    1. User inputs become the delegate's arguments in order; parameters, constant
+       tensors and buffers it only reads become constants; mutated buffers (the
+       partitioner tagged them, so the delegate owns them) become state with
+       their initial value.
+    2. ``call_function`` nodes are recorded in graph order with JSON arguments.
+    3. User outputs become the delegate's results; buffer mutations become state
+       updates. An output that is a write op into a user input is an in-place
+       candidate.
+    """
+    sig = program.graph_signature
+    graph = program.graph_module.graph
+    mutated = {spec.target for spec in sig.output_specs if spec.kind is OutputKind.BUFFER_MUTATION}
+    specs = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
+    result = DelegateProgram(inputs=[], input_meta=[], outputs=[], nodes=[])
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            _add_placeholder(program, result, node, specs.get(node.name), mutated)
+        elif node.op == "call_function":
+            _add_node(result, node)
+        elif node.op == "output":
+            _add_outputs(program, result, node)
+    return result
+
+
+def _add_placeholder(
+    program: ExportedProgram,
+    result: DelegateProgram,
+    node: torch.fx.Node,
+    spec: Any,
+    mutated: set[str | None],
+) -> None:
+    kind = spec.kind if spec is not None else InputKind.USER_INPUT
+    if kind is InputKind.USER_INPUT:
+        val = node.meta.get("val")
+        result.inputs.append(node.name)
+        result.input_meta.append(
+            {"shape": list(val.shape), "dtype": dtype_name(val.dtype)}
+            if isinstance(val, torch.Tensor)
+            else {"scalar": True}
+        )
+        return
+    tensor = _tensor_of(program, str(spec.target))
+    if kind is InputKind.BUFFER and spec.target in mutated:
+        result.state[node.name] = result.add_tensor(tensor)
+    else:
+        result.constants[node.name] = result.add_tensor(tensor)
+
+
+def _add_node(result: DelegateProgram, node: torch.fx.Node) -> None:
+    key = op_key(node.target)
+    if key not in OPS:
+        raise ValueError(
+            f"node {node.name!r} ({key or node.target}) reached the MLX delegate but has no "
+            "handler; the partitioner must leave it outside"
+        )
+    val = node.meta.get("val")
+    result.nodes.append(
+        {
+            "name": node.name,
+            "op": key,
+            "args": _encode(list(node.args)),
+            "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
+            "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
+        }
+    )
+
+
+def _add_outputs(program: ExportedProgram, result: DelegateProgram, node: torch.fx.Node) -> None:
+    sig = program.graph_signature
+    inputs_to_buffers = sig.inputs_to_buffers
+    buffer_placeholder = {target: name for name, target in inputs_to_buffers.items()}
+    values = list(node.args[0])
+    for spec, value in zip(sig.output_specs, values, strict=True):
+        if spec.kind is OutputKind.BUFFER_MUTATION:
+            result.state_updates[buffer_placeholder[str(spec.target)]] = value.name
+            continue
+        if isinstance(value, torch.fx.Node) and op_key(value.target) in WRITE_OPS:
+            dest = value.args[0]
+            if isinstance(dest, torch.fx.Node) and dest.name in result.inputs:
+                result.in_place.append(
+                    InPlaceCandidate(len(result.outputs), result.inputs.index(dest.name),
+                                     value.name)
+                )
+        result.outputs.append(_encode(value))
+
+
+@final
+class WritebackMLXBackend(BackendDetails):
+    """ExecuTorch ``BackendDetails`` of the MLX delegate (the class name is the backend id)."""
+
+    @staticmethod
+    def preprocess(
+        edge_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult:
+        """Serialize the delegated subgraph, weights and initial state into one blob."""
+        return PreprocessResult(processed_bytes=build_program(edge_program).to_bytes())

@@ -1,0 +1,346 @@
+"""The MLX runtime delegate: interprets a :class:`DelegateProgram` with MLX on each call.
+
+``execute`` gets the delegate's arguments as torch tensors over the runtime's
+memory (inputs, then outputs). What it guarantees:
+
+1. Inputs allocated by :func:`writeback_mlx_backend.empty` are read in place
+   (their MLX array is used directly); any other tensor is copied into MLX.
+2. Delegate-owned buffers live as MLX arrays in the handle. Their writes are
+   MLX updates whose input has no other reference when evaluated, so MLX
+   reuses (donates) the buffer: a one-slot write costs O(update).
+3. A write into a user input is done in place only when the runtime passed the
+   same memory as that input and as the write's output (the write-back was
+   dropped for it, see ``writeback_passes.reinplace_delegate_input_mutations``).
+   Then, at the write: every value still needed later is evaluated first (so
+   reads before the write see old values), any such value whose memory overlaps
+   the destination is snapshotted, indices are validated, and only the written
+   region is stored into the destination. Otherwise the write is functional.
+4. Every output is evaluated before any output is written into runtime memory,
+   and an output whose memory overlaps another output's destination is
+   snapshotted first; an output already in its destination memory is not
+   copied.
+5. A bad index raises (``IndexError``) before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from writeback_mlx_backend._names import BACKEND_ID
+from writeback_mlx_backend.memory import lookup
+from writeback_mlx_backend.ops import MX_DTYPES, OPS, OpHandler, Region
+from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, torch_dtype
+
+__all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
+
+# The compile spec ``writeback_passes.reinplace_delegate_input_mutations`` adds
+# when it drops a write-back: JSON ``[{"output": j, "input": i}]``; output j is
+# then unread and must be written into input i in place.
+IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Step:
+    name: str
+    handler: OpHandler
+    args: Any
+    kwargs: dict[str, Any]
+    dtype: Any
+
+
+@dataclass
+class _Handle:
+    program: DelegateProgram
+    steps: list[_Step]
+    constants: dict[str, Any]
+    state: dict[str, Any]
+    outputs: list[Any]
+    last_use: dict[str, int]
+    dies_at: list[list[str]]
+    candidates: list[InPlaceCandidate]
+    # Candidates the program requires in place (its write-back was dropped).
+    forced: list[InPlaceCandidate]
+    # Statistics a test or benchmark can read: bytes copied into MLX on binding.
+    bound_copies: list[int] = field(default_factory=list)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if "$v" in value:
+            return _Ref(str(value["$v"]))
+        if "$dtype" in value:
+            return MX_DTYPES[torch_dtype(str(value["$dtype"]))]
+        if "$float" in value:
+            return float(value["$float"])
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, _Ref):
+        return [value.name]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _refs(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _refs(v)]
+    return []
+
+
+def _resolve(value: Any, env: Mapping[str, Any]) -> Any:
+    if isinstance(value, _Ref):
+        return env[value.name]
+    if isinstance(value, list):
+        return [_resolve(v, env) for v in value]
+    return value
+
+
+def _span(value: Any) -> tuple[int, int] | None:
+    """The byte range ``[lo, hi)`` an evaluated MLX array or a tensor points into."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 0:
+            return None
+        lo = hi = value.data_ptr()
+        for size, stride in zip(value.shape, value.stride(), strict=True):
+            reach = (size - 1) * stride * value.element_size()
+            lo, hi = min(lo, lo + reach), max(hi, hi + reach)
+        return lo, hi + value.element_size()
+    if not isinstance(value, mx.array) or value.size == 0:
+        return None
+    view = np.asarray(value)
+    lo = hi = view.__array_interface__["data"][0]
+    for size, stride in zip(view.shape, view.strides, strict=True):
+        reach = (size - 1) * stride
+        lo, hi = min(lo, lo + reach), max(hi, hi + reach)
+    return lo, hi + view.itemsize
+
+
+def _overlaps(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def _snapshot(value: Any) -> Any:
+    copy = mx.array(value)
+    mx.eval(copy)
+    return copy
+
+
+def _apply(dest: np.ndarray, region: Region) -> None:
+    if region.accumulate:
+        np.add.at(dest, region.key, region.values)
+    else:
+        dest[region.key] = region.values
+
+
+def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
+    raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
+    if raw is None:
+        return []
+    forced = []
+    for entry in json.loads(bytes(raw)):
+        match = [c for c in program.in_place
+                 if c.output == entry["output"] and c.input == entry["input"]]
+        if not match:
+            raise ValueError(
+                f"the program asks the MLX delegate to write output {entry['output']} into "
+                f"input {entry['input']} in place, but that output is not a write into that "
+                f"input (writes it can do in place: {program.in_place}); was the write-back "
+                "dropped for a mutation this backend did not accept?"
+            )
+        forced.append(match[0])
+    return forced
+
+
+class MLXDelegate:
+    """The runtime side of the MLX backend (a ``writeback_core.RuntimeDelegate``)."""
+
+    backend_id = BACKEND_ID
+
+    def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
+        """Parse the blob, load weights into MLX and precompute value lifetimes."""
+        program = DelegateProgram.from_bytes(processed)
+        steps = []
+        for node in program.nodes:
+            handler = OPS.get(node["op"])
+            if handler is None:
+                raise ValueError(
+                    f"MLX delegate blob uses op {node['op']!r} that this runtime has no "
+                    "handler for; lower the model again with this writeback-mlx-backend"
+                )
+            dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
+            steps.append(_Step(node["name"], handler, _decode(node["args"]),
+                               _decode(node["kwargs"]), dtype))
+        outputs = _decode(program.outputs)
+        end = len(steps)
+        last_use: dict[str, int] = {}
+        for position, step in enumerate(steps):
+            for name in _refs((step.args, step.kwargs)):
+                last_use[name] = position
+        for name in [*_refs(outputs), *program.state_updates.values()]:
+            last_use[name] = end
+        dies_at: list[list[str]] = [[] for _ in range(end + 1)]
+        for name, position in last_use.items():
+            if name not in program.constants:
+                dies_at[position].append(name)
+        constants = {k: mx.array(program.array(r)) for k, r in program.constants.items()}
+        state = {k: mx.array(program.array(r)) for k, r in program.state.items()}
+        mx.eval(*constants.values(), *state.values())
+        return _Handle(program, steps, constants, state, outputs, last_use, dies_at,
+                       list(program.in_place), _forced(program, compile_specs))
+
+    def destroy(self, handle: _Handle) -> None:
+        """Drop the handle's MLX arrays."""
+        handle.constants.clear()
+        handle.state.clear()
+
+    # -- execute --------------------------------------------------------------------
+
+    def execute(self, handle: _Handle, args: Sequence[Any]) -> None:
+        """Run the program once on ``args`` (inputs then outputs, see the module docstring)."""
+        program = handle.program
+        count = len(program.inputs)
+        inputs, outputs = list(args[:count]), list(args[count:])
+        if len(outputs) != len(handle.outputs):
+            raise ValueError(
+                f"MLX delegate expects {count} inputs and {len(handle.outputs)} outputs, got "
+                f"{len(args)} arguments in all"
+            )
+        env: dict[str, Any] = dict(handle.constants)
+        shared: dict[int, bool] = {}
+        for index, (name, value) in enumerate(zip(program.inputs, inputs, strict=True)):
+            env[name], shared[index] = self._bind(handle, value)
+        active = {c.node: c for c in handle.forced}
+        for c in handle.candidates:
+            if (
+                isinstance(outputs[c.output], torch.Tensor)
+                and isinstance(inputs[c.input], torch.Tensor)
+                and _span(outputs[c.output]) == _span(inputs[c.input])
+            ):
+                active[c.node] = c
+        old_state = handle.state
+        handle.state = {}
+        env.update(old_state)
+        written: dict[int, Any] = {}
+        try:
+            for position, step in enumerate(handle.steps):
+                if step.name in active:
+                    candidate = active[step.name]
+                    written[candidate.output] = self._write_in_place(
+                        handle, step, position, env, candidate, inputs, shared
+                    )
+                else:
+                    kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+                    value = step.handler.run(*_resolve(step.args, env), **kwargs)
+                    if step.dtype is not None and value.dtype != step.dtype:
+                        value = value.astype(step.dtype)
+                    env[step.name] = value
+                for name in handle.dies_at[position]:
+                    env.pop(name, None)
+            results = [_resolve(o, env) for o in handle.outputs]
+            new_state = {k: env[v] for k, v in program.state_updates.items()}
+            untouched = {k: v for k, v in old_state.items() if k not in new_state}
+        except BaseException:
+            handle.state = old_state
+            raise
+        # Let MLX donate the old state buffers to their updates: drop every other reference.
+        del old_state
+        env.clear()
+        handle.state = {**untouched, **new_state}
+        mx.eval(*[r for r in results if isinstance(r, mx.array)], *handle.state.values())
+        # An output that is the array written in place already holds its value.
+        done = {index for index, array in written.items() if results[index] is array}
+        done |= {c.output for c in handle.forced}  # nothing reads these outputs
+        self._write_outputs(results, outputs, done)
+
+    def _bind(self, handle: _Handle, value: Any) -> tuple[Any, bool]:
+        """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
+        if not isinstance(value, torch.Tensor):
+            return value, False
+        found = lookup(value)
+        if found is not None:
+            return found, True
+        handle.bound_copies.append(value.numel() * value.element_size())
+        return mx.array(value.detach().contiguous().numpy()), False
+
+    def _write_in_place(
+        self,
+        handle: _Handle,
+        step: _Step,
+        position: int,
+        env: dict[str, Any],
+        candidate: InPlaceCandidate,
+        inputs: list[Any],
+        shared: dict[int, bool],
+    ) -> Any:
+        assert step.handler.region is not None
+        args = _resolve(step.args, env)
+        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+        dest = args[0]
+        region = step.handler.region(*args, **kwargs)
+        if region.values.dtype != np.asarray(dest).dtype:
+            region = Region(region.key, region.values.astype(np.asarray(dest).dtype),
+                            region.accumulate)
+        # Values read after this write must see the old contents: evaluate them now,
+        # and copy those that share the destination's memory (the snapshot hazard).
+        live = [n for n, v in env.items()
+                if isinstance(v, mx.array) and handle.last_use.get(n, -1) > position
+                and n not in handle.constants]
+        mx.eval(*[env[n] for n in live])
+        target = _span(dest)
+        for name in live:
+            if _overlaps(_span(env[name]), target):
+                env[name] = _snapshot(env[name])
+        _apply(np.asarray(dest), region)
+        if not shared[candidate.input]:
+            # The MLX array is a private copy: the caller's memory gets the same region.
+            _apply(inputs[candidate.input].numpy(), region)
+        env[step.name] = dest
+        return dest
+
+    def _write_outputs(
+        self,
+        results: list[Any],
+        outputs: list[Any],
+        done: set[int],
+    ) -> None:
+        spans = [_span(t) if isinstance(t, torch.Tensor) else None for t in outputs]
+        pending = []
+        for index, (value, tensor) in enumerate(zip(results, outputs, strict=True)):
+            if not isinstance(tensor, torch.Tensor) or index in done:
+                continue
+            if isinstance(value, mx.array) and _span(value) == spans[index]:
+                continue  # already in the destination's memory
+            pending.append(index)
+        targets = [spans[i] for i in pending]
+        for index, value in enumerate(results):
+            if isinstance(value, mx.array) and any(
+                _overlaps(_span(value), t) for j, t in zip(pending, targets, strict=True)
+                if j != index
+            ):
+                results[index] = _snapshot(value)
+        for index in pending:
+            value = results[index]
+            tensor = outputs[index]
+            source = np.asarray(value)
+            if source.shape != tuple(tensor.shape):
+                if math.prod(source.shape) != tensor.numel():
+                    raise ValueError(
+                        f"MLX delegate output {index} has shape {source.shape}, the runtime "
+                        f"allocated {tuple(tensor.shape)}"
+                    )
+                source = source.reshape(tuple(tensor.shape))
+            np.copyto(tensor.numpy(), source, casting="unsafe")

@@ -1,0 +1,256 @@
+"""Drop the write-back of a user input that its delegate writes in place.
+
+After ``to_executorch`` inserts write-backs, a user input ``P`` mutated inside a
+delegate is written back by ``copy_(P, getitem(delegate, j))`` (often through
+functional ``aten.copy(P, ...)`` nodes): the whole tensor is copied every call.
+When the backend accepted that mutation (core's per-mutation decision recorded
+on ``P``), the delegate can write ``P``'s memory itself, so the copy goes.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.delegate import executorch_call_delegate
+from torch.export import ExportedProgram
+from writeback_core.registry import InPlaceDecision
+
+__all__ = [
+    "IN_PLACE_OUTPUTS_SPEC",
+    "DroppedWriteBack",
+    "KeptWriteBack",
+    "ReinplaceReport",
+    "reinplace_delegate_input_mutations",
+]
+
+# Compile-spec key added to a lowered module whose outputs were turned into
+# in-place writes: JSON ``[{"output": j, "input": i}, ...]`` meaning "output j
+# is no longer read by the program; write its value into argument i in place".
+# Read by runtime delegates (writeback-mlx-backend) at init.
+IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+
+
+@dataclass(frozen=True)
+class DroppedWriteBack:
+    """A write-back removed: ``delegate`` now writes ``placeholder`` (its argument ``input``)."""
+
+    placeholder: str
+    delegate: str
+    output: int
+    input: int
+
+
+@dataclass(frozen=True)
+class KeptWriteBack:
+    """A write-back of an accepted mutation that had to stay, and why."""
+
+    placeholder: str
+    reason: str
+
+
+@dataclass
+class ReinplaceReport:
+    """What :func:`reinplace_delegate_input_mutations` did to one graph."""
+
+    dropped: list[DroppedWriteBack] = field(default_factory=list)
+    kept: list[KeptWriteBack] = field(default_factory=list)
+
+
+def _aten(target: object) -> object:
+    """The ``OpOverload`` behind an edge op (which wraps one), else ``target``."""
+    inner = getattr(target, "_op", None)
+    return inner if isinstance(inner, torch._ops.OpOverload) else target
+
+
+def _is_packet(node: torch.fx.Node, name: str) -> bool:
+    op = _aten(node.target)
+    return (
+        node.op == "call_function"
+        and isinstance(op, torch._ops.OpOverload)
+        and op.namespace == "aten"
+        and op._opname == name
+    )
+
+
+def _write_backs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [
+        n
+        for n in graph.nodes
+        if _is_packet(n, "copy_")
+        and isinstance(n.args[0], torch.fx.Node)
+        and n.args[0].op == "placeholder"
+    ]
+
+
+def _returns_alias(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share storage with its argument ``arg``."""
+    if node.target is operator.getitem:
+        return False
+    if node.target is executorch_call_delegate:
+        # A delegate writes its results into outputs the runtime allocated.
+        return False
+    schema = getattr(_aten(node.target), "_schema", None)
+    if not isinstance(schema, torch.FunctionSchema) or not schema.name.startswith("aten::"):
+        return True  # unknown callable (memory.view, a custom op): assume it aliases
+    returns = {s for r in schema.returns if r.alias_info for s in r.alias_info.after_set}
+    for position, argument in enumerate(schema.arguments):
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if value is arg and argument.alias_info is not None:
+            if returns & set(argument.alias_info.before_set) or argument.alias_info.is_write:
+                return True
+    return False
+
+
+def _aliases(placeholder: torch.fx.Node) -> set[torch.fx.Node]:
+    """``placeholder`` and every node that may view its storage."""
+    found = {placeholder}
+    frontier = [placeholder]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in found and user.op == "call_function" and _returns_alias(user, node):
+                found.add(user)
+                frontier.append(user)
+    return found
+
+
+def _peel_copies(value: object, placeholder: torch.fx.Node) -> tuple[object, list[torch.fx.Node]]:
+    """Follow functional ``aten.copy(placeholder, x)`` nodes down to the value written."""
+    chain: list[torch.fx.Node] = []
+    while (
+        isinstance(value, torch.fx.Node)
+        and _is_packet(value, "copy")
+        and value.args[0] is placeholder
+    ):
+        chain.append(value)
+        value = value.args[1]
+    return value, chain
+
+
+def _delegate_output(value: object) -> tuple[torch.fx.Node, int] | None:
+    if (
+        isinstance(value, torch.fx.Node)
+        and value.target is operator.getitem
+        and isinstance(value.args[0], torch.fx.Node)
+        and value.args[0].target is executorch_call_delegate
+        and isinstance(value.args[1], int)
+    ):
+        return value.args[0], value.args[1]
+    return None
+
+
+def _check(
+    graph_nodes: list[torch.fx.Node],
+    copy: torch.fx.Node,
+    placeholder: torch.fx.Node,
+    call: torch.fx.Node,
+    skip: Iterable[torch.fx.Node],
+) -> str | None:
+    """Why dropping ``copy`` would be wrong, or ``None`` when it is safe."""
+    aliases = _aliases(placeholder)
+    args = list(call.args[1:])
+    if args.count(placeholder) != 1:
+        return f"{placeholder.name!r} is passed to the delegate {args.count(placeholder)} times"
+    twice = [a.name for a in args if isinstance(a, torch.fx.Node) and a in aliases
+             and a is not placeholder]
+    if twice:
+        return (f"an alias of {placeholder.name!r} ({', '.join(twice)}) is also passed to the "
+                "delegate; writing in place would change that argument while it is read")
+    position = {n: i for i, n in enumerate(graph_nodes)}
+    ignored = set(skip) | {copy} | {u for u in call.users if u.target is operator.getitem}
+    for node in graph_nodes[position[call] + 1 : position[copy]]:
+        if node in ignored:
+            continue
+        read = [a.name for a in node.all_input_nodes if a in aliases]
+        if read:
+            return (f"{node.name!r} reads {', '.join(read)} between the delegate and the "
+                    "write-back; it expects the old value")
+    return None
+
+
+def _record(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int, input_index: int) -> None:
+    lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]
+    specs: list[CompileSpec] = lowered.compile_specs
+    entries: list[dict[str, int]] = []
+    for spec in list(specs):
+        if spec.key == IN_PLACE_OUTPUTS_SPEC:
+            entries = json.loads(spec.value)
+            specs.remove(spec)
+    entries.append({"output": output, "input": input_index})
+    specs.append(CompileSpec(IN_PLACE_OUTPUTS_SPEC, json.dumps(entries).encode()))
+
+
+def reinplace_delegate_input_mutations(
+    program: ExportedProgram | torch.fx.GraphModule,
+) -> ReinplaceReport:
+    """Drop write-backs of user inputs whose delegate accepted to write them in place.
+
+    Runs after exir inserted its write-backs (``to_executorch``'s
+    ``before_memory_planning`` stage). Algorithm, per ``copy_(P, value)`` where
+    ``P`` is a placeholder:
+
+    1. Skip unless ``P`` carries an in-place decision that was accepted
+       (``writeback_core.InPlaceDecision``; backends that did not accept are
+       untouched).
+    2. Peel functional ``aten.copy(P, x)`` nodes off ``value``; what remains
+       must be output ``j`` of an ``executorch_call_delegate``.
+    3. Refuse (keep the copy, report why) when ``P`` is not passed to that
+       delegate exactly once, when an alias of ``P`` is passed to it as another
+       argument, or when any node between the delegate and the copy reads ``P``
+       or an alias of it (it expects the old value).
+    4. Otherwise replace the copy's uses and output ``j``'s uses by ``P``, erase
+       the copy and the peeled nodes, and record ``{"output": j, "input": i}``
+       in the lowered module's compile spec :data:`IN_PLACE_OUTPUTS_SPEC`, so
+       the runtime delegate writes argument ``i`` in place. Output ``j`` stays
+       in the delegate's signature (exir retraces it from the lowered program)
+       but nothing reads it.
+
+    Example it must refuse::
+
+        out = delegate(cache, x)      # writes cache in place if allowed
+        y = cache.sum()               # reads the OLD cache
+        cache.copy_(out[0])           # the write-back
+
+    :return: the write-backs dropped and the accepted ones kept, with reasons.
+    """
+    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    graph = gm.graph
+    report = ReinplaceReport()
+    for copy in _write_backs(graph):
+        placeholder = copy.args[0]
+        assert isinstance(placeholder, torch.fx.Node)
+        decision = InPlaceDecision.from_node(placeholder)
+        if decision is None or not decision.accepted:
+            continue
+        value, chain = _peel_copies(copy.args[1], placeholder)
+        found = _delegate_output(value)
+        if found is None:
+            report.kept.append(KeptWriteBack(placeholder.name, "the value written back is not "
+                                             "a delegate output"))
+            continue
+        call, output = found
+        reason = _check(list(graph.nodes), copy, placeholder, call, chain)
+        if reason is not None:
+            report.kept.append(KeptWriteBack(placeholder.name, reason))
+            continue
+        assert isinstance(value, torch.fx.Node)
+        input_index = list(call.args[1:]).index(placeholder)
+        copy.replace_all_uses_with(placeholder)
+        graph.erase_node(copy)
+        for node in chain:
+            if not node.users:
+                graph.erase_node(node)
+        value.replace_all_uses_with(placeholder)
+        graph.erase_node(value)
+        _record(call, gm, output, input_index)
+        report.dropped.append(DroppedWriteBack(placeholder.name, call.name, output, input_index))
+    if report.dropped:
+        graph.lint()
+        gm.recompile()
+    return report
