@@ -340,7 +340,19 @@ Imported import_tensor(py::handle obj, const std::string& what) {
   if (py::hasattr(source, "requires_grad") && py::bool_(source.attr("requires_grad"))) {
     source = source.attr("detach")();
   }
-  in.capsule = source.attr("__dlpack__")();
+  try {
+    in.capsule = source.attr("__dlpack__")();
+  } catch (py::error_already_set& e) {
+    // torch cannot export every device (meta, for one); name the device
+    // rather than surfacing the exporter's message.
+    if (py::hasattr(source, "device")) {
+      std::string device = py::str(source.attr("device"));
+      if (device.rfind("cpu", 0) != 0) {
+        raise_value_error(what + ": expected a CPU tensor, got a tensor on device " + device);
+      }
+    }
+    throw;
+  }
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(in.capsule.ptr(), "dltensor"));
   if (managed == nullptr) {
     throw py::error_already_set();
@@ -678,8 +690,8 @@ struct OutputSlot {
   size_t max_nbytes = 0;
   int input = -1;            // the input this output is, or -1
   std::vector<int> repeats;  // other outputs returning the same value
-  // Runtime-owned storage of an unplanned output; kept while bound so that
-  // unbinding returns to it.
+  // Runtime-owned storage of an unbound unplanned output. Tensors returned
+  // uncloned hold their own reference, so replacing it never frees their memory.
   std::shared_ptr<Block> storage;
   // Binding, if any.
   py::object bound;
@@ -819,6 +831,7 @@ class NativeMethod {
   }
 
   void execute() {
+    executed_ = false;
     if (!inputs_.empty() && !ready_) {
       throw py::value_error("method '" + name_ + "': its inputs have not been set; call "
                             "set_inputs() (a failed set_inputs() leaves them unset)");
@@ -834,9 +847,14 @@ class NativeMethod {
       raise_failure(PyExc_RuntimeError, "method '" + name_ + "' failed", err);
     }
     copy_back_planned_inputs();
+    executed_ = true;
   }
 
   py::list get_outputs(bool clone_outputs) {
+    if (!executed_) {
+      throw py::value_error("method '" + name_ + "' has no outputs: the last execute() failed or "
+                            "none has run yet");
+    }
     py::list out(outputs_.size());
     for (size_t i = 0; i < outputs_.size(); ++i) {
       out[i] = output(i, clone_outputs);
@@ -865,6 +883,7 @@ class NativeMethod {
     Imported in = import_tensor(tensor, "the tensor bound to output " + std::to_string(i));
     check_binding_tensor(i, in);
     point_output_at(i, in.data, in.nbytes);
+    slot.storage.reset();
     slot.bound = in.owner;
     slot.bound_capsule = in.capsule;
     slot.bound_data = in.data;
@@ -898,7 +917,7 @@ class NativeMethod {
         d["sizes"] = slot.max_sizes;
         d["memory_planned"] = slot.planned;
         d["nbytes"] = slot.max_nbytes;
-        d["bound"] = !slot.bound.is_none() && slot.bound;
+        d["bound"] = slot.bound_data != nullptr;
       }
       outs.append(d);
     }
@@ -919,6 +938,15 @@ class NativeMethod {
   }
 
  private:
+  bool in_arena(const void* data, size_t nbytes) const {
+    for (const auto& block : memory_->planned) {
+      if (overlaps(data, nbytes, block->data, block->nbytes)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   void give_storage(size_t i) {
     OutputSlot& slot = outputs_[i];
     slot.storage = std::make_shared<Block>(slot.max_nbytes);
@@ -1010,11 +1038,11 @@ class NativeMethod {
     if (slot.bound_data == nullptr) {
       return;
     }
+    give_storage(i);
     slot.bound = py::object();
     slot.bound_capsule = py::object();
     slot.bound_data = nullptr;
     slot.bound_nbytes = 0;
-    give_storage(i);
   }
 
   // Per call: a bound tensor may have been resized or swapped by the caller
@@ -1074,6 +1102,17 @@ class NativeMethod {
                               "for the write to land in it; got strides " + join(in.strides));
           }
           py::object copy = in.owner.attr("contiguous")();
+          in = import_tensor(copy, label);
+        }
+        if (in_arena(in.data, in.nbytes)) {
+          // An uncloned planned output of an earlier call fed back in: the
+          // method reuses that memory for its own values while it runs.
+          if (!slot.as_outputs.empty()) {
+            raise_value_error(label + " views this method's planned memory (an output returned "
+                              "with clone_outputs=False); the method writes that input, so pass "
+                              "a clone of it");
+          }
+          py::object copy = in.owner.attr("clone")();
           in = import_tensor(copy, label);
         }
         std::vector<executorch::aten::DimOrderType> order(in.sizes.size());
@@ -1196,6 +1235,7 @@ class NativeMethod {
   std::vector<OutputSlot> outputs_;
   std::vector<InstalledInput> installed_;
   bool ready_ = false;
+  bool executed_ = false;
 };
 
 }  // namespace
