@@ -2,4 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from torch.export import ExportedProgram
+from writeback_core.mutations import Mutation
+from writeback_core.registry import hookimpl
+from writeback_core.types import AliasingEngine, RuntimeDelegate
+
 writeback_name = "trt-copyback"
+
+
+@hookimpl
+def writeback_engines() -> Sequence[AliasingEngine]:
+    # The torch-tensorrt adapter (writeback_trt_copyback.tensorrt) needs a blob reader from
+    # its user, so it is built by import rather than offered here.
+    from writeback_trt_copyback.engine import KVAliasEngine
+
+    return [KVAliasEngine()]
+
+
+@hookimpl
+def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
+    from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+
+    return [KVAliasRuntimeDelegate()]
+
+
+@hookimpl
+def writeback_explain_columns(
+    program: ExportedProgram, mutation: Mutation
+) -> dict[str, str] | None:
+    from writeback_trt_copyback.engine import KVAliasEngine
+    from writeback_trt_copyback.explain import explain_columns
+
+    return explain_columns(program, mutation, KVAliasEngine())

@@ -1,0 +1,199 @@
+"""Lift every mutated buffer and classify its write: engine-aliased or copy-back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+from writeback_core import meta
+from writeback_core.mutations import Mutation, MutationKind, find_mutations
+from writeback_core.types import AliasingEngine
+
+from writeback_trt_copyback._program import out_spec_of, output_values, rebuild, user_out_spec
+from writeback_trt_copyback.derive import engine_write, old_value_readers, write_node_of
+
+__all__ = ["COPY_BACK_RECORDS", "BufferClass", "Lifted", "Mode", "lift_mutated_buffers"]
+
+# graph_module.meta key of a lifted program: the copy-back records (buffer, value,
+# state) and the model's own output pytree. Written by lift, read by declare.
+COPY_BACK_RECORDS = "writeback.copy_back"
+
+DEAD_WRITE = (
+    "dead write: nothing reads its result once the write-back is gone, so it is "
+    "copied back instead, and marked so the engine leaves it alone"
+)
+
+
+class Mode(enum.Enum):
+    """``PREDICT`` decides each buffer before lowering and cross-checks after; ``KEEP_ALL``
+    keeps every buffer's copy-back value until the engine's ``aliased_io`` settles it."""
+
+    PREDICT = "predict"
+    KEEP_ALL = "keep-all"
+
+
+@dataclass(frozen=True)
+class BufferClass:
+    """How one mutated buffer is written back.
+
+    ``aliased`` is the prediction: the engine writes the buffer in place. Otherwise
+    ``reason`` says why it is copied back; ``marked`` when the write carries
+    ``meta.NO_ALIAS``; ``read_before_write`` when its old value is read (so its
+    initial value matters); ``nbytes`` the whole buffer, what copy-back costs.
+    """
+
+    target: str
+    placeholder: str
+    value: str
+    write: str
+    aliased: bool
+    reason: str | None
+    marked: bool
+    read_before_write: bool
+    nbytes: int | None
+
+    def to_meta(self, mode: Mode) -> dict[str, object]:
+        """The record kept under ``meta.COPY_BACK_CLASS`` on the buffer's placeholder."""
+        return {
+            "buffer": self.target,
+            "class": "aliased" if self.aliased else "copy-back",
+            "reason": self.reason,
+            "marked": self.marked,
+            "mode": mode.value,
+            "read_before_write": self.read_before_write,
+        }
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """A lifted program and the class of each of its mutated buffers."""
+
+    program: ExportedProgram
+    buffers: tuple[BufferClass, ...]
+    mode: Mode
+
+    @property
+    def aliased(self) -> list[str]:
+        """Buffers predicted to be written in place by the engine."""
+        return [b.target for b in self.buffers if b.aliased]
+
+    @property
+    def copy_back(self) -> list[str]:
+        """Buffers whose new value is copied back by the program."""
+        return [b.target for b in self.buffers if not b.aliased]
+
+
+def _copy_chain(value: torch.fx.Node, write: torch.fx.Node | None) -> list[torch.fx.Node]:
+    """``value`` and the copies between it and the write node (core peels the same ones)."""
+    chain = [value]
+    node = value
+    while (
+        write is not None
+        and node is not write
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
+        node = node.args[0]
+        chain.append(node)
+    return chain
+
+
+def _dead(value: torch.fx.Node, write: torch.fx.Node | None) -> bool:
+    """Nothing but the (erased) write-back reads the write's result."""
+    chain = _copy_chain(value, write)
+    if value.users:
+        return False
+    return all(len(n.users) == 1 for n in chain[1:])
+
+
+def _classify(
+    mutation: Mutation, by_name: dict[str, torch.fx.Node], engine: AliasingEngine, mode: Mode
+) -> tuple[BufferClass, torch.fx.Node | None]:
+    placeholder, value = by_name[mutation.placeholder], by_name[mutation.value]
+    write = engine_write(value, placeholder)
+    node = write_node_of(write.write, value.graph)
+    refusal = engine.alias_refusal(write)
+    marked = False
+    if refusal is None and mode is Mode.PREDICT and _dead(value, node):
+        refusal, marked = DEAD_WRITE, True
+    cls = BufferClass(
+        target=mutation.target,
+        placeholder=placeholder.name,
+        value=value.name,
+        write=mutation.write.describe(),
+        aliased=refusal is None,
+        reason=refusal,
+        marked=marked,
+        read_before_write=bool(old_value_readers(placeholder, node)),
+        nbytes=mutation.nbytes,
+    )
+    return cls, node if marked else None
+
+
+def lift_mutated_buffers(
+    program: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT
+) -> Lifted:
+    """Lift the buffer mutations of ``program`` off its outputs and classify each write.
+
+    Algorithm:
+      1. Decompose a copy of ``program`` (``run_decompositions``; the caller's
+         program is not touched) and find its buffer mutations (core's model).
+      2. Drop every ``BUFFER_MUTATION`` output: the write-back is erased, the
+         write stays in the graph for whatever reads its result.
+      3. Ask ``engine.alias_refusal`` about each write, derived by
+         ``derive.engine_write`` as the engine's lowering derives it.
+         ``PREDICT``: an accepted write is aliased, unless nothing reads its
+         result (it would be dead code, and the engine could never alias it): that
+         one is copied back and its write node gets ``meta.NO_ALIAS``.
+         ``KEEP_ALL``: every buffer is kept for copy-back; the engine settles it.
+      4. Append each copy-back value as a trailing output, record
+         ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``
+         for :func:`~writeback_trt_copyback.declare.declare_copy_back`, and record
+         each buffer's class on its placeholder under ``meta.COPY_BACK_CLASS``.
+
+    The result returns the trailing values as extra user outputs until declared.
+    User-input mutations are left as they are. Nested buffers keep their fully
+    qualified names (``layers.0.attn.k_cache``) throughout.
+    """
+    lifted = program.run_decompositions()
+    mutations = [m for m in find_mutations(lifted) if m.kind is MutationKind.BUFFER]
+    module = lifted.graph_module
+    graph = module.graph
+    specs = list(lifted.graph_signature.output_specs)
+    kept = [
+        (v, s)
+        for v, s in zip(output_values(module), specs, strict=True)
+        if s.kind is not OutputKind.BUFFER_MUTATION
+    ]
+    old = graph.output_node()
+    with graph.inserting_before(old):
+        graph.output(tuple(v for v, _ in kept))
+    graph.erase_node(old)
+    by_name = {n.name: n for n in graph.nodes}
+    classes = [_classify(m, by_name, engine, mode) for m in mutations]
+    records: list[dict[str, str]] = []
+    for cls, marked_node in classes:
+        meta.set_custom(by_name[cls.placeholder], meta.COPY_BACK_CLASS, cls.to_meta(mode))
+        if marked_node is not None:
+            meta.set_custom(marked_node, meta.NO_ALIAS, cls.target)
+        if not cls.aliased or mode is Mode.KEEP_ALL:
+            kept.append(
+                (
+                    by_name[cls.value],
+                    OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(cls.value), None),
+                )
+            )
+            records.append({"buffer": cls.target, "value": cls.value, "state": "pending"})
+    model_out_spec = out_spec_of(lifted)
+    result = rebuild(
+        lifted,
+        module,
+        [v for v, _ in kept],
+        [s for _, s in kept],
+        out_spec=user_out_spec(model_out_spec, len(records)),
+        meta={COPY_BACK_RECORDS: {"records": records, "out_spec": model_out_spec}},
+    )
+    return Lifted(result, tuple(c for c, _ in classes), mode)

@@ -1,0 +1,67 @@
+"""After lowering: make each buffer the engine wrote in place an in-place ``BUFFER_MUTATION``."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+
+from writeback_trt_copyback._program import output_values, rebuild
+from writeback_trt_copyback.crosscheck import EngineAliasing
+
+__all__ = ["settle_aliased"]
+
+
+def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> ExportedProgram:
+    """Declare each aliased buffer's new value to be its own placeholder.
+
+    Algorithm:
+      1. For each buffer the engine wrote in place, point every reader of the
+         delegate output that holds the write (the engine leaves it unwritten)
+         at the buffer's placeholder, which holds the new value once the
+         delegate has run.
+      2. Give the buffer one ``BUFFER_MUTATION`` whose value is its placeholder:
+         replacing the copy-back one (``KEEP_ALL``) or adding it (``PREDICT``,
+         where lift dropped it). exir inserts no write-back ``copy_`` for a
+         value that is the buffer itself, and still plans the buffer as
+         mutable state rather than a constant.
+      3. Order mutations: copy-back ones, then in-place ones, then user outputs
+         (exir pairs write-back copies with specs in that order).
+
+    Anything aliased that is not a buffer is refused (``ValueError``): run
+    :func:`~writeback_trt_copyback.crosscheck.check_aliasing` first.
+    """
+    module = copy.deepcopy(program.graph_module)
+    nodes = {n.name: n for n in module.graph.nodes}
+    in_place: dict[str, torch.fx.Node] = {}
+    for buffer, sites in aliasing.sites.items():
+        if buffer.startswith("<"):
+            raise ValueError(
+                f"the engine wrote {buffer} in place, which is not a buffer; "
+                "check_aliasing refuses such a program"
+            )
+        placeholder = nodes[sites[0].input_node]
+        in_place[buffer] = placeholder
+        for site in sites:
+            if site.output_index is None:
+                continue
+            for user in list(nodes[site.call].users):
+                if user.target is operator.getitem and user.args[1] == site.output_index:
+                    user.replace_all_uses_with(placeholder)
+                    module.graph.erase_node(user)
+    outputs = output_values(module)
+    specs = list(program.graph_signature.output_specs)
+    copies, users = [], []
+    for value, spec in zip(outputs, specs, strict=True):
+        if spec.kind is OutputKind.BUFFER_MUTATION and spec.target in in_place:
+            continue
+        (copies if spec.kind is not OutputKind.USER_OUTPUT else users).append((value, spec))
+    settled = [
+        (p, OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(p.name), b))
+        for b, p in sorted(in_place.items())
+    ]
+    merged = copies + settled + users
+    return rebuild(program, module, [v for v, _ in merged], [s for _, s in merged])
