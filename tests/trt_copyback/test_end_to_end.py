@@ -1,0 +1,53 @@
+"""Done-when: a KV cache (aliased), a Gated-DeltaNet state and an EMA (copy-back), 8 steps, real runtime."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.trt_copyback.conftest import EngineRun, export
+from tests.trt_copyback.models import Hybrid, hybrid_inputs
+from writeback_trt_copyback import KVAliasEngine, Mode, UninitializedCopyBackWarning, compile_for_engine
+
+KV = ["decoder.blocks.0.k_cache", "decoder.blocks.0.v_cache"]
+COPY_BACK = ["ema.running_mean", "ema.steps", "gdn.conv_state", "gdn.recurrent_state"]
+
+
+def _compile(mode: Mode) -> tuple[object, list[warnings.WarningMessage]]:
+    program = export(Hybrid(), hybrid_inputs(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UninitializedCopyBackWarning)
+        compiled = compile_for_engine(program, KVAliasEngine(), mode=mode)
+    return compiled, [w for w in caught if issubclass(w.category, UninitializedCopyBackWarning)]
+
+
+@pytest.mark.parametrize("mode", [Mode.PREDICT, Mode.KEEP_ALL])
+def test_kv_aliased_gdn_and_ema_copied_back_match_eager_for_8_steps(mode: Mode) -> None:
+    compiled, caught = _compile(mode)
+    assert compiled.aliased == KV  # type: ignore[attr-defined]
+    assert compiled.copy_back == COPY_BACK  # type: ignore[attr-defined]
+    assert len(caught) == 1 and "'ema.running_mean'" in str(caught[0].message)
+    placeholders = [b.placeholder for b in compiled.lifted.buffers]  # type: ignore[attr-defined]
+    run = EngineRun(compiled, init_buffers=placeholders)  # type: ignore[arg-type]
+    eager = Hybrid().eval()
+    for step in range(8):
+        inputs = hybrid_inputs(step)
+        logits, centered = run(*inputs)
+        with torch.no_grad():
+            want_logits, want_centered = eager(*inputs)
+        torch.testing.assert_close(logits, want_logits)
+        torch.testing.assert_close(centered, want_centered)
+        for name, want in eager.named_buffers():
+            torch.testing.assert_close(run.buffer(name), want, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_kv_write_is_made_in_place_with_no_write_back_copy() -> None:
+    compiled, _ = _compile(Mode.PREDICT)
+    et = compiled.to_executorch()  # type: ignore[attr-defined]
+    copies = [n for n in et.exported_program().graph.nodes
+              if n.op == "call_function" and "copy_" in str(n.target)]
+    written = sorted(str(n.args[0].target) for n in copies)
+    assert written == ["b_ema_running_mean", "b_ema_steps", "b_gdn_conv_state",
+                       "b_gdn_recurrent_state"]
