@@ -132,9 +132,10 @@ class Mutation:
     @property
     def nbytes(self) -> int | None:
         """Bytes of the whole state tensor (what a full write-back copies), if static."""
-        if any(isinstance(s, Dynamic) for s in self.shape):
+        sizes = [s for s in self.shape if isinstance(s, int)]
+        if len(sizes) != len(self.shape):
             return None
-        return math.prod(int(s) for s in self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(sizes) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def update_nbytes(self) -> int | None:

@@ -183,6 +183,8 @@ class GatedDeltaState(nn.Module):
         self.gate = nn.Linear(dim, heads, bias=False)
         self.conv_weight = nn.Parameter(torch.ones(dim, kernel))
         _init_(self, seed)
+        self.conv_state: torch.Tensor
+        self.recurrent_state: torch.Tensor
         self.register_buffer("conv_state", torch.zeros(1, dim, kernel))
         self.register_buffer("recurrent_state", torch.zeros(1, heads, self.dk, self.dk))
 
@@ -207,6 +209,8 @@ class EmaStat(nn.Module):
     def __init__(self, dim: int = 8, momentum: float = 0.1) -> None:
         super().__init__()
         self.momentum = momentum
+        self.running_mean: torch.Tensor
+        self.steps: torch.Tensor
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
@@ -222,6 +226,8 @@ class CounterNoInput(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.count: torch.Tensor
+        self.increment: torch.Tensor
         self.register_buffer("count", torch.zeros(2))
         self.register_buffer("increment", torch.tensor([1.0, 0.5]))
 
