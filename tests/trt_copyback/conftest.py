@@ -113,3 +113,32 @@ def engine() -> KVAliasEngine:
 
 
 Export = Callable[..., ExportedProgram]
+
+
+def run_against_eager(
+    build: Callable[[], torch.nn.Module],
+    inputs: Callable[[int], tuple[Any, ...]],
+    steps: int = 3,
+    engine: KVAliasEngine | None = None,
+    mode: Mode = Mode.PREDICT,
+    check_buffers: bool = True,
+) -> CompiledProgram:
+    """Compile ``build()`` for the engine, run ``steps`` calls in the pybind-runtime and compare
+    every output (and, with ``check_buffers``, every buffer) with a second ``build()`` run eagerly."""
+    compiled = compile_quietly(export(build(), inputs(0)), engine, mode)
+    run = EngineRun(compiled, init_buffers=[b.placeholder for b in compiled.lifted.buffers])
+    eager = build().eval()
+    for step in range(steps):
+        args = inputs(step)
+        got = run(*args)
+        with torch.no_grad():
+            want = eager(*args)
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        assert len(got) == len(want), f"step {step}: {len(got)} outputs, eager has {len(want)}"
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, msg=lambda m, s=step: f"step {s} output: {m}")
+        if check_buffers:
+            for name, w in eager.named_buffers():
+                torch.testing.assert_close(run.buffer(name), w,
+                                           msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+    return compiled

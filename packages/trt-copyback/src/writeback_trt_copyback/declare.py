@@ -38,26 +38,25 @@ def uninitialized_message(buffers: dict[str, str]) -> str:
     )
 
 
-def _trailing_run(
-    outputs: list[Any], specs: list[OutputSpec], pending: list[dict[str, str]]
-) -> int:
-    """Where the run of pending copy-back values starts; checks it holds exactly their names."""
-    start = len(specs) - len(pending)
-    run = specs[start:]
-    want = Counter(r["value"] for r in pending)
-    have = Counter(
-        s.arg.name
-        for s in run
-        if s.kind is OutputKind.USER_OUTPUT and isinstance(s.arg, TensorArgument)
-    )
-    if start < 0 or want != have:
-        missing = sorted((want - have).elements())
-        raise ValueError(
-            f"the program's trailing outputs {[s.arg.name for s in run]} are not the copy-back "
-            f"values lift recorded ({sorted(want.elements())}; missing {missing}); was the "
-            "program edited after lift_mutated_buffers? Re-run lift on the exported program"
-        )
-    return start
+def _split(
+    outputs: list[Any], specs: list[OutputSpec], model_outputs: int
+) -> tuple[list[tuple[Any, OutputSpec]], list[tuple[Any, OutputSpec]]]:
+    """``(kept, run)``: the run is every user output past the model's own ``model_outputs``.
+
+    Lift appends copy-back values after the model's outputs, so the model's
+    outputs are never part of the run, whatever their names.
+    """
+    kept: list[tuple[Any, OutputSpec]] = []
+    run: list[tuple[Any, OutputSpec]] = []
+    seen = 0
+    for value, spec in zip(outputs, specs, strict=True):
+        if spec.kind is OutputKind.USER_OUTPUT:
+            seen += 1
+            if seen > model_outputs:
+                run.append((value, spec))
+                continue
+        kept.append((value, spec))
+    return kept, run
 
 
 def declare_copy_back(program: ExportedProgram) -> ExportedProgram:
@@ -66,46 +65,53 @@ def declare_copy_back(program: ExportedProgram) -> ExportedProgram:
     Algorithm:
       1. Read the records lift left in ``graph_module.meta``; a program with no
          pending record is returned as it is (a second run changes nothing).
-      2. Detach the trailing run of copy-back values as a whole, checking that
-         it holds exactly the pending records' values.
-      3. Pair each value with its buffer **by name** (the record's value node),
-         never by position, and declare it ``BUFFER_MUTATION`` — unless the
-         buffer already has one (someone declared it), which is skipped rather
-         than declared twice.
+      2. Detach the run of copy-back values: every user output past the model's
+         own (lift recorded their pytree), so a model output is never taken.
+      3. Pair each run value with its buffer **by name** (the record's value
+         node), never by position, and declare it ``BUFFER_MUTATION`` — unless
+         the buffer already has one (someone declared it), which is skipped
+         rather than declared twice; such a buffer's value may be missing from
+         the run (whoever declared it took it).
       4. Put mutations ahead of user outputs (the verifier's order), restore the
          model's output pytree, mark every record declared.
       5. Warn (:class:`UninitializedCopyBackWarning`) naming newly declared
          buffers that are read before written.
 
-    Refuses a program whose trailing outputs are not the recorded values (it
-    would otherwise relabel a user output as a buffer's new value).
+    Refuses (``ValueError``, nothing changed) a run holding a value no record
+    names, or missing the value of a buffer nobody declared: the program was
+    edited after lift, and guessing would pair a value with the wrong buffer.
     """
     record = program.graph_module.meta.get(COPY_BACK_RECORDS)
     pending = [r for r in (record or {}).get("records", []) if r["state"] == "pending"]
     if record is None or not pending:
         return program
     module = copy.deepcopy(program.graph_module)
-    outputs = output_values(module)
     specs = list(program.graph_signature.output_specs)
-    start = _trailing_run(outputs, specs, pending)
-    by_name = {n.name: n for n in module.graph.nodes}
+    kept, run = _split(output_values(module), specs, record["out_spec"].num_leaves)
     declared = {s.target for s in specs if s.kind is OutputKind.BUFFER_MUTATION}
+    in_run = Counter(s.arg.name for _, s in run)
+    wanted = Counter(r["value"] for r in pending if r["buffer"] not in declared)
+    strays = sorted((in_run - Counter(r["value"] for r in pending)).elements())
+    missing = sorted((wanted - in_run).elements())
+    if strays or missing:
+        raise ValueError(
+            f"the copy-back outputs {sorted(in_run.elements())} do not match what lift recorded "
+            f"({[(r['buffer'], r['value']) for r in pending]}): unrecorded {strays}, missing "
+            f"{missing}. Was the program edited after lift_mutated_buffers? Lift the exported "
+            "program again"
+        )
+    by_name = {n.name: n for n in module.graph.nodes}
     mutations: list[tuple[Any, OutputSpec]] = []
     for r in pending:
         if r["buffer"] in declared:
             continue
-        mutations.append(
-            (
-                by_name[r["value"]],
-                OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(r["value"]), r["buffer"]),
-            )
-        )
+        spec = OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(r["value"]), r["buffer"])
+        mutations.append((by_name[r["value"]], spec))
         declared.add(r["buffer"])
-    head = [(o, s) for o, s in zip(outputs[:start], specs[:start], strict=True)]
     first_user = next(
-        (i for i, (_, s) in enumerate(head) if s.kind is OutputKind.USER_OUTPUT), len(head)
+        (i for i, (_, s) in enumerate(kept) if s.kind is OutputKind.USER_OUTPUT), len(kept)
     )
-    merged = head[:first_user] + mutations + head[first_user:]
+    merged = kept[:first_user] + mutations + kept[first_user:]
     records = [dict(r, state="declared") for r in record["records"]]
     result = rebuild(
         program,

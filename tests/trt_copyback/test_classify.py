@@ -1,0 +1,178 @@
+"""Which writes the engine aliases and which are copied back: the hazards of the review, by name.
+
+Each class is stated by hand; where a write is run, the engine's result is
+compared with eager PyTorch over several calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trt_copyback.conftest import export, run_against_eager
+from tests.trt_copyback.models import ClonedWrite, IndexCopyWrite, Nested, SliceWrite
+from writeback_core import meta
+from writeback_trt_copyback import KVAliasEngine, lift_mutated_buffers
+from writeback_trt_copyback.lift import DEAD_WRITE
+
+S = slice(None)
+
+
+def _only(module: torch.nn.Module, *args: object, engine: KVAliasEngine | None = None):
+    lifted = lift_mutated_buffers(export(module, args), engine or KVAliasEngine())
+    (cls,) = lifted.buffers
+    return cls
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_cache_write_on_the_sequence_dim_of_a_4d_cache_is_aliased() -> None:
+    assert _only(SliceWrite((1, 2, 16, 4), (S, S, slice(3, 4), S)), _rand(1, 2, 1, 4)).aliased
+    assert _only(IndexCopyWrite((1, 2, 16, 4), 2), _rand(1, 2, 1, 4), torch.tensor([5])).aliased
+
+
+def test_ineligible_index_copy_into_2d_cache_goes_to_copy_back() -> None:
+    cls = _only(IndexCopyWrite((16, 4), 0), _rand(1, 4), torch.tensor([5]))
+    assert not cls.aliased and "2-D" in str(cls.reason)
+    run_against_eager(lambda: IndexCopyWrite((16, 4), 0),
+                      lambda s: (_rand(1, 4, seed=s), torch.tensor([s + 2])))
+
+
+@pytest.mark.parametrize(
+    ("shape", "index", "update", "why"),
+    [
+        pytest.param((1, 2, 16, 4), (S, slice(1, 2), S, S), (1, 1, 16, 4), "dim 1",
+                     id="wrong_dim"),
+        pytest.param((2, 16, 4), (S, slice(3, 4), S), (2, 1, 4), "3-D", id="3d_cache"),
+        pytest.param((1, 2, 16, 4), (S, S, slice(0, 16), S), (1, 2, 16, 4), "no cache slot",
+                     id="full_overwrite_explicit_bounds"),
+        pytest.param((1, 2, 16, 4), (S, S, S, S), (1, 2, 16, 4), "no cache slot",
+                     id="full_overwrite_bounds_omitted"),
+        pytest.param((1, 2, 16, 4), (S, S, slice(3, None), S), (1, 2, 13, 4), "open end",
+                     id="open_end"),
+        pytest.param((1, 2, 16, 4), (S, S, slice(-4, None), S), (1, 2, 4, 4), "open end",
+                     id="negative_start_open_end"),
+    ],
+)
+def test_ineligible_slice_scatter_goes_to_copy_back(
+    shape: tuple[int, ...], index: tuple[slice, ...], update: tuple[int, ...], why: str
+) -> None:
+    cls = _only(SliceWrite(shape, index), _rand(*update))
+    assert not cls.aliased and why in str(cls.reason), cls.reason
+    # A full overwrite never reads the cache, so the engine never sees it: the output
+    # (the cache's sum) is what shows it, every call.
+    run_against_eager(lambda: SliceWrite(shape, index), lambda s: (_rand(*update, seed=s),),
+                      check_buffers="no cache slot" not in why)
+
+
+def test_slice_scatter_dynamic_bound_goes_to_copy_back() -> None:
+    class Prefix(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.cache[:, :, 2 : 2 + x.shape[2], :] = x
+            return self.cache.sum(-1)
+
+    n = torch.export.Dim("n", min=1, max=8)
+    program = export(Prefix(), (_rand(1, 2, 3, 4),), dynamic_shapes={"x": {2: n}})
+    (cls,) = lift_mutated_buffers(program, KVAliasEngine()).buffers
+    assert not cls.aliased and "run time" in str(cls.reason), cls.reason
+
+
+def test_negative_start_is_normalised_before_the_rule() -> None:
+    # -4:-3 in a 16-slot cache is slot 12: one slot, in range, so aliased and written there.
+    index = (S, S, slice(-4, -3), S)
+    assert _only(SliceWrite((1, 2, 16, 4), index), _rand(1, 2, 1, 4)).aliased
+    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index),
+                                 lambda s: (_rand(1, 2, 1, 4, seed=s),))
+    assert compiled.aliased == ["cache"]
+
+
+def test_strided_write_is_copied_back_and_lands_in_every_other_slot() -> None:
+    index = (S, S, slice(0, 8, 2), S)
+    cls = _only(SliceWrite((1, 2, 16, 4), index), _rand(1, 2, 4, 4))
+    assert not cls.aliased and "strided (step 2)" in str(cls.reason)
+    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index),
+                                 lambda s: (torch.ones(1, 2, 4, 4) * (s + 1),), steps=1)
+    assert compiled.aliased == []
+
+
+def test_strided_write_hand_worked_slots() -> None:
+    module = SliceWrite((1, 1, 8, 1), (S, S, slice(0, 8, 2), S))
+    compiled = run_against_eager(lambda: SliceWrite((1, 1, 8, 1), (S, S, slice(0, 8, 2), S)),
+                                 lambda s: (torch.tensor([1.0, 2, 3, 4]).view(1, 1, 4, 1),),
+                                 steps=1)
+    del module, compiled
+    # Eager agreement above; here the slots by hand: 0, 2, 4, 6 hold 1..4, not 0..3.
+    cache = torch.zeros(1, 1, 8, 1)
+    cache[:, :, 0:8:2, :] = torch.tensor([1.0, 2, 3, 4]).view(1, 1, 4, 1)
+    assert cache.flatten().tolist() == [1, 0, 2, 0, 3, 0, 4, 0]
+
+
+@pytest.mark.parametrize("op", ["slice", "index_copy"])
+def test_cloned_cache_write_sole_use_clone_is_peeled_and_aliased(op: str) -> None:
+    cls = _only(ClonedWrite(op), _rand(1, 2, 1, 4), torch.tensor([3]))
+    assert cls.aliased, cls.reason
+    compiled = run_against_eager(lambda: ClonedWrite(op),
+                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3])))
+    assert compiled.aliased == ["cache"]
+
+
+@pytest.mark.parametrize("op", ["slice", "index_copy"])
+def test_cloned_cache_write_shared_clone_is_not_peeled(op: str) -> None:
+    cls = _only(ClonedWrite(op, shared=True), _rand(1, 2, 1, 4), torch.tensor([3]))
+    assert not cls.aliased and "direct input" in str(cls.reason)
+    compiled = run_against_eager(lambda: ClonedWrite(op, shared=True),
+                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3])))
+    assert compiled.aliased == []
+
+
+def test_dead_cache_write_is_rerouted_to_copy_back_and_marked() -> None:
+    index = (S, S, slice(3, 4), S)
+    module = SliceWrite((1, 2, 16, 4), index, read=False)
+    lifted = lift_mutated_buffers(export(module, (_rand(1, 2, 1, 4),)), KVAliasEngine())
+    (cls,) = lifted.buffers
+    assert not cls.aliased and cls.marked and cls.reason == DEAD_WRITE
+    marked = [n.name for n in lifted.program.graph.nodes if meta.get_custom(n, meta.NO_ALIAS)]
+    assert marked == [cls.value]
+    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index, read=False),
+                                 lambda s: (_rand(1, 2, 1, 4, seed=s),), check_buffers=False)
+    assert compiled.aliased == [] and compiled.copy_back == ["cache"]
+
+
+def test_live_cache_write_is_not_marked() -> None:
+    module = SliceWrite((1, 2, 16, 4), (S, S, slice(3, 4), S), read=True)
+    lifted = lift_mutated_buffers(export(module, (_rand(1, 2, 1, 4),)), KVAliasEngine())
+    assert lifted.buffers[0].aliased and not lifted.buffers[0].marked
+    assert not [n for n in lifted.program.graph.nodes if meta.get_custom(n, meta.NO_ALIAS)]
+
+
+def test_copy_back_write_that_the_engine_would_not_alias_is_not_marked() -> None:
+    module = SliceWrite((2, 16, 4), (S, slice(3, 4), S), read=False)
+    lifted = lift_mutated_buffers(export(module, (_rand(2, 1, 4),)), KVAliasEngine())
+    assert not lifted.buffers[0].aliased and not lifted.buffers[0].marked
+    assert not [n for n in lifted.program.graph.nodes if meta.get_custom(n, meta.NO_ALIAS)]
+
+
+def test_write_excluded_from_the_engine_goes_to_copy_back() -> None:
+    engine = KVAliasEngine(excluded_ops=("aten.index_put",))
+    cls = _only(IndexCopyWrite((1, 2, 16, 4), 2), _rand(1, 2, 1, 4), torch.tensor([5]),
+                engine=engine)
+    assert not cls.aliased and "excluded" in str(cls.reason)
+    compiled = run_against_eager(lambda: IndexCopyWrite((1, 2, 16, 4), 2),
+                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])),
+                                 engine=engine, check_buffers=False)
+    assert compiled.copy_back == ["cache"]
+
+
+def test_nested_buffers_are_resolved_and_named_by_their_full_path() -> None:
+    lifted = lift_mutated_buffers(export(Nested(), (_rand(1, 2, 1, 4), torch.tensor([1]))),
+                                  KVAliasEngine())
+    assert sorted(lifted.aliased) == ["layers.0.attn.k_cache", "layers.1.attn.k_cache"]
+    assert sorted(lifted.copy_back) == ["layers.0.attn.state", "layers.1.attn.state"]
+    compiled = run_against_eager(Nested, lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])))
+    assert compiled.aliased == ["layers.0.attn.k_cache", "layers.1.attn.k_cache"]
