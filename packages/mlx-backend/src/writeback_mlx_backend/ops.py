@@ -402,6 +402,11 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     return mx.softmax(scores, axis=-1, precise=True) @ v
 
 
+def _copy(dest: Any, src: Any, non_blocking: bool = False) -> Any:
+    """Functional ``aten.copy``: ``src``'s values in ``dest``'s shape and dtype."""
+    return mx.broadcast_to(src, dest.shape).astype(dest.dtype)
+
+
 def _unary(fn: Callable[[Any], Any]) -> OpHandler:
     return OpHandler(_ok, fn)
 
@@ -484,6 +489,7 @@ OPS: dict[str, OpHandler] = {
     "aten.arange.start_step": OpHandler(_ok, _arange),
     "aten.arange.default": OpHandler(_ok, _arange),
     "aten.clone.default": OpHandler(_ok, _identity),
+    "aten.copy.default": OpHandler(_ok, _copy),
     "aten.alias_copy.default": OpHandler(_ok, _identity),
     "aten.alias.default": OpHandler(_ok, _identity),
     "aten.detach_copy.default": OpHandler(_ok, _identity),

@@ -134,14 +134,36 @@ def _add_outputs(program: ExportedProgram, result: DelegateProgram, node: torch.
         if spec.kind is OutputKind.BUFFER_MUTATION:
             result.state_updates[buffer_placeholder[str(spec.target)]] = value.name
             continue
-        if isinstance(value, torch.fx.Node) and op_key(value.target) in WRITE_OPS:
-            dest = value.args[0]
-            if isinstance(dest, torch.fx.Node) and dest.name in result.inputs:
-                result.in_place.append(
-                    InPlaceCandidate(len(result.outputs), result.inputs.index(dest.name),
-                                     value.name)
-                )
+        write = _write_into_input(value, result.inputs)
+        if write is not None:
+            dest = write.args[0]
+            assert isinstance(dest, torch.fx.Node)
+            result.in_place.append(
+                InPlaceCandidate(len(result.outputs), result.inputs.index(dest.name), write.name)
+            )
         result.outputs.append(_encode(value))
+
+
+def _write_into_input(value: Any, inputs: list[str]) -> torch.fx.Node | None:
+    """The write op behind ``value`` whose destination is a user input, if any.
+
+    Functional ``aten.copy(P, x)`` nodes that exir adds for a mutated input
+    ``P`` are looked through: their value is ``x`` in ``P``'s shape.
+    """
+    node = value
+    while isinstance(node, torch.fx.Node) and op_key(node.target) == "aten.copy.default":
+        node = node.args[1]
+    if not isinstance(node, torch.fx.Node) or op_key(node.target) not in WRITE_OPS:
+        return None
+    dest = node.args[0]
+    if not isinstance(dest, torch.fx.Node) or dest.name not in inputs:
+        return None
+    through = value
+    while through is not node:
+        if through.args[0] is not dest:
+            return None
+        through = through.args[1]
+    return node
 
 
 @final

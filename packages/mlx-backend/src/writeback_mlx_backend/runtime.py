@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -73,8 +73,6 @@ class _Handle:
     candidates: list[InPlaceCandidate]
     # Candidates the program requires in place (its write-back was dropped).
     forced: list[InPlaceCandidate]
-    # Statistics a test or benchmark can read: bytes copied into MLX on binding.
-    bound_copies: list[int] = field(default_factory=list)
 
 
 def _decode(value: Any) -> Any:
@@ -170,6 +168,11 @@ class MLXDelegate:
 
     backend_id = BACKEND_ID
 
+    def __init__(self) -> None:
+        # Bytes copied into MLX to bind each input that MLX did not own (one
+        # entry per copy), for tests, benchmarks and reports to read.
+        self.copied_input_bytes: list[int] = []
+
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
         program = DelegateProgram.from_bytes(processed)
@@ -222,7 +225,7 @@ class MLXDelegate:
         env: dict[str, Any] = dict(handle.constants)
         shared: dict[int, bool] = {}
         for index, (name, value) in enumerate(zip(program.inputs, inputs, strict=True)):
-            env[name], shared[index] = self._bind(handle, value)
+            env[name], shared[index] = self._bind(value)
         active = {c.node: c for c in handle.forced}
         for c in handle.candidates:
             if (
@@ -266,14 +269,14 @@ class MLXDelegate:
         done |= {c.output for c in handle.forced}  # nothing reads these outputs
         self._write_outputs(results, outputs, done)
 
-    def _bind(self, handle: _Handle, value: Any) -> tuple[Any, bool]:
+    def _bind(self, value: Any) -> tuple[Any, bool]:
         """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
         if not isinstance(value, torch.Tensor):
             return value, False
         found = lookup(value)
         if found is not None:
             return found, True
-        handle.bound_copies.append(value.numel() * value.element_size())
+        self.copied_input_bytes.append(value.numel() * value.element_size())
         return mx.array(value.detach().contiguous().numpy()), False
 
     def _write_in_place(

@@ -20,12 +20,14 @@ writeback_name = "passes"
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """Early write-back at ``"before_memory_planning"`` (order 100: after graph-editing passes)."""
+    """At ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order
+    50), then early write-back (order 100: after graph-editing passes)."""
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.pipeline import early_write_back_pass
+    from writeback_passes.reinplace_delegate import reinplace_delegate_pass
 
-    return (early_write_back_pass(),)
+    return (reinplace_delegate_pass(), early_write_back_pass())
 
 
 @hookimpl

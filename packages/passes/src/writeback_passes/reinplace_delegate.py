@@ -19,14 +19,17 @@ import torch.fx
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
+from writeback_core import ProgramPass
 from writeback_core.registry import InPlaceDecision
 
 __all__ = [
     "IN_PLACE_OUTPUTS_SPEC",
+    "REINPLACE_DELEGATE_ORDER",
     "DroppedWriteBack",
     "KeptWriteBack",
     "ReinplaceReport",
     "reinplace_delegate_input_mutations",
+    "reinplace_delegate_pass",
 ]
 
 # Compile-spec key added to a lowered module whose outputs were turned into
@@ -254,3 +257,21 @@ def reinplace_delegate_input_mutations(
         graph.lint()
         gm.recompile()
     return report
+
+
+# Before early write-back (order 100), which must see the write-backs that remain.
+REINPLACE_DELEGATE_ORDER = 50
+
+
+def reinplace_delegate_pass() -> ProgramPass:
+    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`."""
+
+    def run(gm: torch.fx.GraphModule) -> None:
+        reinplace_delegate_input_mutations(gm)
+
+    return ProgramPass(
+        name="reinplace_delegate_input_mutations",
+        stage="before_memory_planning",
+        run=run,
+        order=REINPLACE_DELEGATE_ORDER,
+    )

@@ -1,0 +1,274 @@
+"""User inputs written in place by the MLX delegate, through the real runtime: the seed's
+tests (axis 0 and 1, negative index, several calls) and the hazards its reviews name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlx_backend.lowering import lower_mlx, registry
+from writeback_core import Mutation, PartitionView, WriteKind, hookimpl
+from writeback_pybind_runtime import DelegateError
+
+
+class IndexCopyAxis(torch.nn.Module):
+    """``cache.index_copy_(dim, idx, update)``, returning a reduction of the new cache."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, idx: torch.Tensor, update: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(self.dim, idx, update)
+        return cache.sum(self.dim) * 2.0
+
+
+class SnapshotBeforeMutation(torch.nn.Module):
+    """The review's module: a clone taken before the write must keep the old values."""
+
+    def forward(
+        self, cache: torch.Tensor, indices: torch.Tensor, update: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        before = cache.clone()
+        cache.index_copy_(0, indices, update)
+        return before, cache
+
+
+class SnapshotViewBeforeMutation(torch.nn.Module):
+    """The variant that returns ``before.view(2, 2)``, which flips the output order."""
+
+    def forward(
+        self, cache: torch.Tensor, indices: torch.Tensor, update: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        before = cache.clone()
+        cache.index_copy_(0, indices, update)
+        return before.view(2, 2), cache
+
+
+class ReadBeforeIndexCopy(torch.nn.Module):
+    """A read of the cache before ``index_copy_`` must see the old values."""
+
+    def forward(self, cache: torch.Tensor, idx: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        old = cache * 3.0
+        cache.index_copy_(0, idx, update)
+        return old + cache
+
+
+def _eager(module: torch.nn.Module, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run eager on clones; return (outputs, the mutated inputs after the call)."""
+    inputs = [a.clone() for a in args]
+    with torch.no_grad():
+        out = module(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    return outs, inputs
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_index_copy_into_input_is_written_in_place_over_calls(dim: int) -> None:
+    cache_shape = (6, 4) if dim == 0 else (4, 6)
+    update_shape = (2, 4) if dim == 0 else (4, 2)
+    module = IndexCopyAxis(dim)
+    example = (torch.tensor([1, 3]), torch.ones(update_shape), torch.zeros(cache_shape))
+    lowered = lower_mlx(module, example)
+    assert lowered.only_delegate_runs()
+    assert lowered.write_backs() == []  # no write-back copy_ left in the program
+    method = lowered.method()
+    # The method's first output is the input value itself (index 2: the cache).
+    assert method.metadata.outputs[0].is_input == 2
+    cache = torch.zeros(cache_shape)
+    eager_cache = torch.zeros(cache_shape)
+    gen = torch.Generator().manual_seed(dim)
+    for step in range(4):
+        idx = torch.tensor([step % cache_shape[dim], (step + 2) % cache_shape[dim]])
+        update = torch.randn(update_shape, generator=gen)
+        outs = method.execute([idx, update, cache])
+        with torch.no_grad():
+            expected = module(idx, update, eager_cache)
+        torch.testing.assert_close(outs[1], expected)
+        torch.testing.assert_close(cache, eager_cache)
+
+
+def test_negative_index_copy_index_raises_and_writes_nothing() -> None:
+    module = IndexCopyAxis(0)
+    example = (torch.tensor([1]), torch.ones(1, 4), torch.zeros(5, 4))
+    method = lower_mlx(module, example).method()
+    cache = torch.arange(20.0).reshape(5, 4)
+    with pytest.raises(IndexError, match="out of bounds"):
+        torch.zeros(5, 4).index_copy_(0, torch.tensor([-1]), torch.ones(1, 4))  # ATen rejects it
+    with pytest.raises(DelegateError, match=r"index -1 .*negative indices are rejected"):
+        method.execute([torch.tensor([-1]), torch.ones(1, 4), cache])
+    torch.testing.assert_close(cache, torch.arange(20.0).reshape(5, 4))
+
+
+class ZeroDimIndex(torch.nn.Module):
+    def forward(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return x.index_copy(0, torch.tensor(2), src) + 1.0
+
+
+class ZeroDimDestination(torch.nn.Module):
+    def forward(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return x.index_copy(0, torch.tensor([0]), src) + 1.0
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        (ZeroDimIndex(), (torch.zeros(4), torch.tensor(5.0))),
+        (ZeroDimDestination(), (torch.tensor(3.0), torch.tensor(5.0))),
+    ],
+    ids=["0d_index", "0d_destination"],
+)
+def test_zero_dim_index_copy_is_not_delegated_as_index_copy_and_matches_eager(
+    module: torch.nn.Module, args: tuple[torch.Tensor, ...]
+) -> None:
+    """ATen accepts these; the MLX index_copy handler would not, so it must not take them."""
+    lowered = lower_mlx(module, args)
+    assert "aten.index_copy.default" not in lowered.delegated_ops()
+    out = lowered.method().execute(list(args))
+    torch.testing.assert_close(out[0], module(*args))
+
+
+@pytest.mark.parametrize("module", [SnapshotBeforeMutation(), SnapshotViewBeforeMutation()],
+                         ids=["snapshot", "snapshot_view"])
+def test_snapshot_before_mutation(module: torch.nn.Module) -> None:
+    cache = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    indices = torch.tensor([1, 3], dtype=torch.int64)
+    update = torch.tensor([20.0, 40.0])
+    lowered = lower_mlx(module, (cache.clone(), indices, update))
+    assert lowered.write_backs() == []
+    method = lowered.method()
+    caller = cache.clone()
+    outs = method.execute([caller, indices, update])
+    expected, after = _eager(module, cache, indices, update)
+    # The method returns the mutated input first, then the module's outputs.
+    torch.testing.assert_close(outs[1:], expected)  # before: [1, 2, 3, 4]
+    torch.testing.assert_close(caller, after[0])  # after: [1, 20, 3, 40]
+    torch.testing.assert_close(outs[0], after[0])
+
+
+def test_read_before_index_copy_sees_old_values() -> None:
+    module = ReadBeforeIndexCopy()
+    cache = torch.arange(8.0).reshape(4, 2)
+    idx, update = torch.tensor([2]), torch.full((1, 2), 100.0)
+    lowered = lower_mlx(module, (cache.clone(), idx, update))
+    assert lowered.write_backs() == []
+    caller = cache.clone()
+    outs = lowered.method().execute([caller, idx, update])
+    expected, after = _eager(module, cache, idx, update)
+    torch.testing.assert_close(outs[-1], expected[0])
+    torch.testing.assert_close(caller, after[0])
+
+
+class TwoCaches(torch.nn.Module):
+    """K and V caches mutated by one delegate."""
+
+    def forward(
+        self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> torch.Tensor:
+        kc.index_copy_(0, pos, k)
+        vc.index_copy_(0, pos, v)
+        return kc.sum() + vc.sum()
+
+
+class DeclineV:
+    """A plugin that declines the ``vc`` mutation for the MLX backend (and nothing else)."""
+
+    writeback_name = "decline-vc"
+
+    @hookimpl
+    def writeback_accepts_in_place(
+        self, backend: str, partition: PartitionView, mutation: Mutation
+    ) -> bool | None:
+        return False if mutation.target == "vc" else None
+
+
+def test_backend_declining_one_mutation_keeps_that_copy_and_drops_the_other() -> None:
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
+            torch.zeros(4, 3))
+
+    class Slice(torch.nn.Module):
+        def forward(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                    vc: torch.Tensor) -> torch.Tensor:
+            kc.index_copy_(0, pos, k)
+            vc.copy_(vc * 0.5 + v)  # a full overwrite: the MLX backend declines it
+            return kc.sum() + vc.sum()
+
+    lowered = lower_mlx(Slice(), args)
+    decisions = {d.target: d.accepted for d in lowered.partitioner.decisions}
+    assert decisions == {"kc": True, "vc": False}
+    assert lowered.write_backs() == ["vc"]
+    method = lowered.method()
+    kc, vc = torch.zeros(4, 3), torch.zeros(4, 3)
+    ekc, evc = torch.zeros(4, 3), torch.zeros(4, 3)
+    for step in range(3):
+        pos, k, v = torch.tensor([step]), torch.full((1, 3), step + 1.0), torch.ones(1, 3) * step
+        out = method.execute([pos, k, v, kc, vc])
+        with torch.no_grad():
+            expected = Slice()(pos, k, v, ekc, evc)
+        torch.testing.assert_close(out[-1], expected)
+        torch.testing.assert_close(kc, ekc)
+        torch.testing.assert_close(vc, evc)
+
+
+def test_two_inputs_written_in_place_by_one_delegate() -> None:
+    module = TwoCaches()
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
+            torch.zeros(4, 3))
+    lowered = lower_mlx(module, args)
+    assert lowered.write_backs() == []
+    method = lowered.method()
+    kc, vc, ekc, evc = (torch.zeros(4, 3) for _ in range(4))
+    for step in range(4):
+        pos, k, v = torch.tensor([step]), torch.full((1, 3), step + 1.0), torch.ones(1, 3) * -step
+        out = method.execute([pos, k, v, kc, vc])
+        with torch.no_grad():
+            expected = module(pos, k, v, ekc, evc)
+        torch.testing.assert_close(out[-1], expected)
+        torch.testing.assert_close(kc, ekc)
+        torch.testing.assert_close(vc, evc)
+
+
+def test_declining_plugin_conflicts_with_mlx_and_core_names_both() -> None:
+    """``writeback_accepts_in_place``: another plugin saying no where MLX says yes is an error."""
+    from writeback_core import InPlaceConflictError
+
+    module = TwoCaches()
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
+            torch.zeros(4, 3))
+    with pytest.raises(InPlaceConflictError, match=r"mlx-backend.*decline-vc"):
+        lower_mlx(module, args, registry_=registry(DeclineV()))
+
+
+def test_plain_torch_cache_is_copied_into_mlx_but_updated_in_place() -> None:
+    module = IndexCopyAxis(0)
+    example = (torch.tensor([0]), torch.ones(1, 4), torch.zeros(6, 4))
+    lowered = lower_mlx(module, example, planned_inputs=False)
+    method = lowered.method()
+    cache, eager_cache = torch.zeros(6, 4), torch.zeros(6, 4)
+    for step in range(3):
+        idx, update = torch.tensor([step]), torch.full((1, 4), float(step + 1))
+        method.execute([idx, update, cache])
+        with torch.no_grad():
+            module(idx, update, eager_cache)
+        torch.testing.assert_close(cache, eager_cache)
+    assert 6 * 4 * 4 in lowered.delegate().copied_input_bytes
+
+
+def test_allocator_cache_is_read_without_copy_and_updated_in_place() -> None:
+    from writeback_mlx_backend import empty
+
+    module = IndexCopyAxis(0)
+    example = (torch.tensor([0]), torch.ones(1, 4), torch.zeros(6, 4))
+    lowered = lower_mlx(module, example, planned_inputs=False)
+    method = lowered.method()
+    cache, eager_cache = empty((6, 4)), torch.zeros(6, 4)
+    for step in range(3):
+        idx, update = torch.tensor([step + 1]), torch.full((1, 4), float(-step))
+        out = method.execute([idx, update, cache])
+        with torch.no_grad():
+            expected = module(idx, update, eager_cache)
+        torch.testing.assert_close(out[-1], expected)
+        torch.testing.assert_close(cache, eager_cache)
+    # Only the small index/update inputs were copied into MLX, never the cache.
+    assert 6 * 4 * 4 not in lowered.delegate().copied_input_bytes
