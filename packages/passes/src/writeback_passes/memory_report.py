@@ -132,8 +132,15 @@ def memory_plan_report(program: ExecutorchProgramManager) -> MemoryPlanReport:
     :param program: the result of ``to_executorch`` (stock or
         :func:`writeback_passes.to_executorch`); its memory plan is read from
         the serialized program, lifetimes from the planner's tensor specs.
-    :raises ValueError: ``program`` has no method of that name in its plan.
+    :raises TypeError: ``program`` is not an ``ExecutorchProgramManager``.
+    :raises ValueError: a method of ``program`` has no execution plan.
     """
+    if not hasattr(program, "executorch_program"):
+        raise TypeError(
+            f"memory_plan_report needs the result of to_executorch (an "
+            f"ExecutorchProgramManager), got {type(program).__name__}; call "
+            "writeback_passes.to_executorch(edge_manager) first"
+        )
     plans = {plan.name: plan for plan in program.executorch_program.execution_plan}
     methods: dict[str, MethodPlan] = {}
     for method in sorted(program.methods):
