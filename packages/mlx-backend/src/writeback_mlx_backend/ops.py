@@ -449,6 +449,10 @@ OPS: dict[str, OpHandler] = {
     "aten.sum.dim_IntList": OpHandler(_ok, _sum),
     "aten.amax.default": OpHandler(_ok, lambda x, dim, keepdim=False: mx.max(
         x, axis=[_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
+    "aten.any.dim": OpHandler(_literal_ints_check(1), lambda x, dim, keepdim=False: mx.any(
+        x, axis=_dim(dim, x.ndim), keepdims=keepdim)),
+    "aten.any.dims": OpHandler(_ok, lambda x, dim=None, keepdim=False: mx.any(
+        x, axis=None if dim is None else [_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
     "aten.rsqrt.default": _unary(mx.rsqrt),
     "aten.sqrt.default": _unary(mx.sqrt),
     "aten.exp.default": _unary(mx.exp),
@@ -461,6 +465,11 @@ OPS: dict[str, OpHandler] = {
     "aten.silu.default": _unary(lambda x: x * mx.sigmoid(x)),
     "aten.relu.default": _unary(lambda x: mx.maximum(x, 0)),
     "aten.logical_not.default": _unary(mx.logical_not),
+    "aten.logical_and.default": _binary_handler(mx.logical_and),
+    "aten.logical_or.default": _binary_handler(mx.logical_or),
+    "aten.bitwise_and.Tensor": _binary_handler(mx.bitwise_and),
+    "aten.bitwise_or.Tensor": _binary_handler(mx.bitwise_or),
+    "aten.bitwise_not.default": _unary(mx.bitwise_invert),
     "aten._softmax.default": OpHandler(_literal_ints_check(1), _softmax),
     "aten.softmax.int": OpHandler(_literal_ints_check(1), _softmax),
     "aten.view_copy.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
