@@ -100,11 +100,31 @@ class EngineRun:
         return self.probe.views[placeholder].clone()
 
 
-def stock_run(program: Any) -> Any:
-    """Load an ``ExecutorchProgramManager`` in stock ``executorch.runtime``; returns its method."""
-    from executorch.runtime import Runtime
+class StockMethod:
+    """``forward`` of a program loaded in stock ``executorch.runtime``.
 
-    return Runtime.get().load_program(bytes(program.buffer)).load_method("forward")
+    Keeps the loaded program alive: a stock ``Method`` does not, and using one
+    after its program is collected reads freed memory.
+    """
+
+    def __init__(self, program: Any) -> None:
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(bytes(program.buffer))
+        self.method = self.program.load_method("forward")
+
+    def execute(self, inputs: Sequence[Any]) -> list[Any]:
+        return list(self.method.execute(list(inputs)))
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Mutable buffer ``name`` (needs ``emit_mutable_buffer_names``)."""
+        value: torch.Tensor = self.method._method.get_attribute(name)
+        return value.clone()
+
+
+def stock_run(program: Any) -> StockMethod:
+    """Load an ``ExecutorchProgramManager`` in stock ``executorch.runtime``."""
+    return StockMethod(program)
 
 
 @pytest.fixture

@@ -108,3 +108,44 @@ class Nested(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         out = self.layers[0]["attn"](x, pos)
         return out + self.layers[1]["attn"](x * 2.0, pos)
+
+
+class ThreeStates(nn.Module):
+    """Three copy-back buffers of different shapes; the user output is none of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a", torch.zeros(3))
+        self.register_buffer("b", torch.ones(2, 2))
+        self.register_buffer("c", torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.a.add_(x)
+        self.b.mul_(2.0).add_(x)
+        self.c.sub_(x * 3.0)
+        return x * 3.0
+
+
+class ReturnsWritten(nn.Module):
+    """Returns the very value it writes back into its buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new = self.state * 0.5 + x
+        self.state.copy_(new)
+        return new
+
+
+class Overwrite(nn.Module):
+    """A buffer replaced whole without reading it: its initial value never matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last.copy_(x * 2.0)
+        return x + 1.0

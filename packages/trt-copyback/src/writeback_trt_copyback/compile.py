@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,7 +62,9 @@ class CompiledProgram:
 
         extra = [InitializedMutableBufferPass(list(init_buffers))] if init_buffers else []
         config = ExecutorchBackendConfig(emit_mutable_buffer_names=True, passes=[*extra, *passes])
-        return self.edge.to_executorch(config)
+        # exir edits the edge program in place while it inserts write-backs; a copy keeps
+        # this method callable more than once.
+        return copy.deepcopy(self.edge).to_executorch(config)
 
 
 def compile_for_engine(
@@ -82,7 +85,8 @@ def compile_for_engine(
          engine's own ``partitioner()``); none with ``dryrun``.
       4. :func:`~writeback_trt_copyback.crosscheck.check_markers` and
          :func:`~writeback_trt_copyback.crosscheck.check_aliasing` (both skipped
-         under ``dryrun``: no engine was built, nothing to check).
+         under ``dryrun``: no engine was built, nothing to check; every buffer
+         is then copied back, and ``lifted`` holds what would have been aliased).
       5. :func:`~writeback_trt_copyback.settle.settle_aliased` turns what the
          engine aliased into in-place mutations (no copy).
 
@@ -91,7 +95,11 @@ def compile_for_engine(
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, to_edge_transform_and_lower
 
     lifted = lift_mutated_buffers(program, engine, mode)
-    declared = declare_copy_back(lifted.program)
+    # With nothing built, nothing can write a buffer in place: every buffer is copied back,
+    # so the dry-run program still runs correctly (on any runtime), and `lifted` still says
+    # what the engine would have aliased.
+    source = lift_mutated_buffers(program, engine, Mode.KEEP_ALL) if dryrun else lifted
+    declared = declare_copy_back(source.program)
     if partitioners is None:
         partitioners = [] if dryrun else [engine.partitioner()]  # type: ignore[attr-defined]
     config = EdgeCompileConfig(_check_ir_validity=False)

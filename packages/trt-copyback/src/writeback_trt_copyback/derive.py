@@ -83,6 +83,11 @@ def _clamped(node: torch.fx.Node, shape: WriteShape, size: int | Dynamic) -> boo
     return any(isinstance(b, int) and not -size <= b <= size for b in raw)
 
 
+# Ops whose first argument is only the destination they land in: its untouched part is
+# kept, never read into a computation.
+_LANDING_WRITES = {"index_put", "slice_scatter", "index_copy", "copy"}
+
+
 def _shape_only(node: torch.fx.Node) -> bool:
     """A slice of the destination used only as ``copy(self=slice, src)``: only its shape is read.
 
@@ -100,10 +105,14 @@ def _shape_only(node: torch.fx.Node) -> bool:
 def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list[torch.fx.Node]:
     """The nodes that read ``cache``'s old values, other than ``write`` landing in it.
 
+    ``write`` lands in ``cache`` only when it is a write op whose destination
+    is ``cache``; a computed value (``cache * 0.9 + x``) reads it.
+
     A clone of ``cache`` that the lowering peels counts as ``cache`` itself;
     a slice whose values are only overwritten (:func:`_shape_only`) is no read.
     """
-    dest = write.args[0] if write is not None and write.args else None
+    lands = write is not None and packet_name(write.target) in _LANDING_WRITES
+    dest = write.args[0] if lands and write is not None and write.args else None
     holders = [cache]
     if isinstance(dest, torch.fx.Node) and dest is not cache and peeled_input(dest) is cache:
         holders.append(dest)
@@ -111,7 +120,7 @@ def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list
         u
         for h in holders
         for u in h.users
-        if u is not write and u not in holders and not _shape_only(u)
+        if not (lands and u is write) and u not in holders and not _shape_only(u)
     ]
 
 
