@@ -149,3 +149,30 @@ class Overwrite(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.last.copy_(x * 2.0)
         return x + 1.0
+
+
+class DeadAndLive(nn.Module):
+    """``dead`` is written and never read (re-routed, marked); ``live`` is written and read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("dead", torch.zeros(1, 2, 16, 4))
+        self.register_buffer("live", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.dead[:, :, 3:4, :] = x
+        self.live.index_copy_(2, pos, x)
+        return self.live.sum(-1)
+
+
+class ReadOutside(nn.Module):
+    """The cache's old value is read by ``amax`` (keep it out of the engine to make it outside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        old = self.cache.amax()
+        self.cache.index_copy_(2, pos, x)
+        return self.cache.sum(-1) + old
