@@ -216,11 +216,12 @@ struct Block {
   explicit Block(size_t n) : nbytes(n) {
     // 64-byte alignment: ExecuTorch kernels and delegates may vectorize.
     size_t padded = ((std::max<size_t>(n, 1) + 63) / 64) * 64;
+    // Not zeroed: every byte is written before it is read, and touching all
+    // pages of a large arena up front would cost as much as a copy.
     data = std::aligned_alloc(64, padded);
     if (data == nullptr) {
       throw std::bad_alloc();
     }
-    std::memset(data, 0, padded);
   }
   ~Block() { std::free(data); }
   Block(const Block&) = delete;
@@ -678,6 +679,7 @@ struct InputSlot {
   bool planned = false;
   ScalarType type = ScalarType::Undefined;
   std::vector<int32_t> sizes;
+  size_t nbytes = 0;
   std::vector<int> as_outputs;  // outputs that are this input's value
 };
 
@@ -728,7 +730,14 @@ class NativeMethod {
         PyErr_SetString(g_program_error, ("method '" + name + "' has an invalid memory plan").c_str());
         throw py::error_already_set();
       }
-      memory_->planned.push_back(std::make_unique<Block>(static_cast<size_t>(size.get())));
+      try {
+        memory_->planned.push_back(std::make_unique<Block>(static_cast<size_t>(size.get())));
+      } catch (std::bad_alloc&) {
+        PyErr_SetString(g_program_error,
+                        ("method '" + name + "' plans a buffer of " + std::to_string(size.get()) +
+                         " bytes, which cannot be allocated (a corrupted program?)").c_str());
+        throw py::error_already_set();
+      }
       memory_->spans.emplace_back(static_cast<uint8_t*>(memory_->planned.back()->data),
                                   static_cast<size_t>(size.get()));
     }
@@ -754,18 +763,19 @@ class NativeMethod {
     inputs_.resize(n_in);
     for (size_t j = 0; j < n_in; ++j) {
       InputSlot& slot = inputs_[j];
-      slot.tag = meta->input_tag(j).get();
+      slot.tag = checked(meta->input_tag(j), "input", j);
       if (slot.tag == etr::Tag::Tensor) {
-        auto info = meta->input_tensor_meta(j).get();
+        auto info = checked(meta->input_tensor_meta(j), "input", j);
         slot.planned = info.is_memory_planned();
         slot.type = info.scalar_type();
         slot.sizes.assign(info.sizes().begin(), info.sizes().end());
+        slot.nbytes = info.nbytes();
       }
     }
     outputs_.resize(n_out);
     for (size_t i = 0; i < n_out; ++i) {
       OutputSlot& slot = outputs_[i];
-      slot.tag = meta->output_tag(i).get();
+      slot.tag = checked(meta->output_tag(i), "output", i);
       slot.input = output_is_input[i];
       slot.repeats = output_repeats[i];
       if (slot.input >= static_cast<int>(n_in)) {
@@ -778,7 +788,7 @@ class NativeMethod {
       if (slot.tag != etr::Tag::Tensor) {
         continue;
       }
-      auto info = meta->output_tensor_meta(i).get();
+      auto info = checked(meta->output_tensor_meta(i), "output", i);
       slot.planned = info.is_memory_planned();
       slot.type = info.scalar_type();
       slot.max_sizes.assign(info.sizes().begin(), info.sizes().end());
@@ -902,7 +912,7 @@ class NativeMethod {
         d["dtype"] = dtype_name(inputs_[j].type);
         d["sizes"] = inputs_[j].sizes;
         d["memory_planned"] = inputs_[j].planned;
-        d["nbytes"] = meta.input_tensor_meta(j)->nbytes();
+        d["nbytes"] = inputs_[j].nbytes;
       }
       ins.append(d);
     }
@@ -938,6 +948,19 @@ class NativeMethod {
   }
 
  private:
+  // A Result's value, or ProgramError: a corrupted program can name values
+  // that do not exist, and Result::get() on an error aborts the process.
+  template <typename T>
+  T checked(etr::Result<T> result, const char* what, size_t index) const {
+    if (!result.ok()) {
+      PyErr_SetString(g_program_error, ("method '" + name_ + "' has an unreadable " + what + " " +
+                                        std::to_string(index) + ": " + describe(result.error()))
+                                           .c_str());
+      throw py::error_already_set();
+    }
+    return std::move(result.get());
+  }
+
   bool in_arena(const void* data, size_t nbytes) const {
     for (const auto& block : memory_->planned) {
       if (overlaps(data, nbytes, block->data, block->nbytes)) {
@@ -1178,7 +1201,11 @@ class NativeMethod {
       if (slot.tag != etr::Tag::Tensor || !slot.planned || slot.as_outputs.empty()) {
         continue;
       }
-      const Tensor& t = method_->get_output(slot.as_outputs[0]).toTensor();
+      const etr::EValue& value = method_->get_output(slot.as_outputs[0]);
+      if (!value.isTensor()) {
+        continue;
+      }
+      const Tensor& t = value.toTensor();
       const InstalledInput& caller = installed_[j];
       if (t.const_data_ptr() != caller.data && t.nbytes() == caller.nbytes) {
         std::memcpy(caller.data, t.const_data_ptr(), caller.nbytes);

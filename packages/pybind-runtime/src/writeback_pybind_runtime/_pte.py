@@ -12,15 +12,24 @@ a corrupted file raises :class:`ValueError` instead of reading out of range.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
-__all__ = ["PlanIO", "plan_io", "program_prefix_size"]
+__all__ = ["PlanIO", "plan_io", "program_prefix_size", "validate_plan"]
 
 # Field numbers in executorch's schema/program.fbs (Program and ExecutionPlan tables).
 _PROGRAM_EXECUTION_PLAN = 1
 _PLAN_NAME = 0
 _PLAN_INPUTS = 3
 _PLAN_OUTPUTS = 4
+_PLAN_VALUES = 2
+_PLAN_CHAINS = 5
+_PLAN_OPERATORS = 6
+_PLAN_DELEGATES = 7
+_CHAIN_INSTRUCTIONS = 2
+# A union field takes two slots: its type (u8), then its value.
+_UNION_TYPE, _UNION_VALUE = 0, 1
 _EXTENDED_HEADER_MAGIC = b"eh00"
 
 
@@ -59,6 +68,15 @@ class _Reader:
 
     def u32(self, pos: int) -> int:
         return self._unpack("<I", pos)
+
+    def scalar(self, table: int, number: int, fmt: str = "<i") -> int:
+        """A scalar field's value; 0 (flatbuffers' default) when absent."""
+        pos = self.field(table, number)
+        return 0 if pos is None else self._unpack(fmt, pos)
+
+    def tables(self, table: int, number: int) -> list[int]:
+        start, length = self.vector(table, number)
+        return [self.indirect(start + 4 * k) for k in range(length)]
 
     def field(self, table: int, number: int) -> int | None:
         """Absolute position of a table field's data, or ``None`` when it is absent."""
@@ -112,6 +130,17 @@ def program_prefix_size(header: bytes) -> int | None:
     return size
 
 
+def _find_plan(reader: _Reader, method: str) -> int:
+    root = reader.indirect(0)
+    names = []
+    for plan in reader.tables(root, _PROGRAM_EXECUTION_PLAN):
+        name = reader.string(plan, _PLAN_NAME)
+        if name == method:
+            return plan
+        names.append(name)
+    raise ValueError(f"the program has no method {method!r}; it has {names}")
+
+
 def plan_io(data: bytes | memoryview, method: str) -> PlanIO:
     """The input and output value indices of ``method`` in the program ``data``.
 
@@ -121,13 +150,223 @@ def plan_io(data: bytes | memoryview, method: str) -> PlanIO:
     :raises ValueError: the data is not a program, or it has no such method.
     """
     reader = _Reader(data)
-    root = reader.indirect(0)
-    start, count = reader.vector(root, _PROGRAM_EXECUTION_PLAN)
-    names = []
-    for k in range(count):
-        plan = reader.indirect(start + 4 * k)
-        name = reader.string(plan, _PLAN_NAME)
-        if name == method:
-            return PlanIO(reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS))
-        names.append(name)
-    raise ValueError(f"the program has no method {method!r}; it has {names}")
+    plan = _find_plan(reader, method)
+    return PlanIO(reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS))
+
+
+# --- plan validation ----------------------------------------------------------------------
+# ExecuTorch 1.5.1 verifies a program's flatbuffer structure, not what its
+# instructions point at: an operator index out of range is logged and then
+# crashes at execute, and a kernel argument of the wrong kind aborts inside the
+# kernel (``EValue is not a Tensor``). validate_plan refuses those programs.
+
+# Tensor table fields.
+_TENSOR_SIZES, _TENSOR_DATA_BUFFER, _TENSOR_ALLOCATION, _TENSOR_EXTRA_INFO = 2, 5, 6, 9
+# KernelTypes union codes (schema/program.fbs), 1-based; 0 is "none".
+_NULL, _INT, _BOOL, _DOUBLE, _TENSOR, _STRING = 1, 2, 3, 4, 5, 6
+_INT_LIST, _DOUBLE_LIST, _BOOL_LIST, _TENSOR_LIST, _OPTIONAL_TENSOR_LIST = 7, 8, 9, 10, 11
+# InstructionArguments union codes.
+_KERNEL_CALL, _DELEGATE_CALL, _MOVE_CALL, _JUMP_FALSE_CALL, _FREE_CALL = 1, 2, 3, 4, 5
+
+# What value kinds a schema argument type accepts, keyed by the type as torch prints it.
+_ACCEPTS: dict[str, frozenset[int]] = {
+    "Tensor": frozenset({_TENSOR}),
+    "number": frozenset({_INT, _DOUBLE, _BOOL}),
+    "int": frozenset({_INT}),
+    "SymInt": frozenset({_INT}),
+    "float": frozenset({_DOUBLE}),
+    "bool": frozenset({_BOOL}),
+    "str": frozenset({_STRING}),
+    "ScalarType": frozenset({_INT}),
+    "Layout": frozenset({_INT}),
+    "MemoryFormat": frozenset({_INT}),
+    "List[int]": frozenset({_INT_LIST}),
+    "List[SymInt]": frozenset({_INT_LIST}),
+    "List[float]": frozenset({_DOUBLE_LIST}),
+    "List[bool]": frozenset({_BOOL_LIST}),
+    "List[Tensor]": frozenset({_TENSOR_LIST}),
+    "List[Optional[Tensor]]": frozenset({_OPTIONAL_TENSOR_LIST}),
+}
+
+
+def _accepted(type_name: str) -> frozenset[int] | None:
+    """Value kinds a schema type accepts, or ``None`` for a type not checked."""
+    if type_name.startswith("Optional[") and type_name.endswith("]"):
+        inner = _accepted(type_name[len("Optional[") : -1])
+        return None if inner is None else inner | {_NULL}
+    return _ACCEPTS.get(type_name)
+
+
+@cache
+def _signature(name: str, overload: str) -> tuple[str, ...] | None:
+    """The argument then return types of operator ``name.overload`` from torch, or ``None``
+    when torch does not know it (then only index ranges are checked)."""
+    import torch
+
+    namespace, _, op = name.partition("::")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op)
+        schema = getattr(packet, overload or "default")._schema
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(str(a.type) for a in schema.arguments) + tuple(str(r.type) for r in schema.returns)
+
+
+def validate_plan(data: bytes | memoryview, method: str) -> None:
+    """Check that every instruction of ``method`` points at things that exist.
+
+    1. Every operator, delegate and value index an instruction names is in range.
+    2. A jump's destination is an instruction of its chain (or its end).
+    3. A kernel call has one argument per schema argument and return of its
+       operator (when torch knows the operator), each of a kind that type accepts.
+    4. The method's inputs and outputs name existing values.
+
+    :raises ValueError: naming the method, chain, instruction and what is wrong.
+    """
+    reader = _Reader(data)
+    plan = _find_plan(reader, method)
+    values = reader.tables(plan, _PLAN_VALUES)
+    kinds = [reader.scalar(v, _UNION_TYPE, "<B") for v in values]
+    operators = [
+        (reader.string(op, 0), reader.string(op, 1)) for op in reader.tables(plan, _PLAN_OPERATORS)
+    ]
+    _, n_delegates = reader.vector(plan, _PLAN_DELEGATES)
+    for k, (name, _overload) in enumerate(operators):
+        if not name:
+            # ExecuTorch logs "Missing operator name", loads, then crashes at execute.
+            raise ValueError(f"method {method!r}: operator {k} has no name")
+
+    def check_value(index: int, where: str) -> None:
+        if not 0 <= index < len(values):
+            raise ValueError(f"method {method!r}: {where} names value {index}, but it has {len(values)}")
+
+    inputs, outputs = reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS)
+    for j, index in enumerate(inputs):
+        check_value(index, f"input {j}")
+    for i, index in enumerate(outputs):
+        check_value(index, f"output {i}")
+    # Inputs and outputs get storage from the caller; a view gets its pointer
+    # from the view kernel that makes it.
+    exempt = set(inputs) | set(outputs) | _view_results(reader, plan, operators)
+    for index, value in enumerate(values):
+        if kinds[index] == _TENSOR and index not in exempt and _lacks_storage(reader, value):
+            raise ValueError(f"method {method!r}: value {index} is a tensor with no storage (not "
+                             "constant, not memory planned, not an input or output)")
+    for c, chain in enumerate(reader.tables(plan, _PLAN_CHAINS)):
+        instructions = reader.tables(chain, _CHAIN_INSTRUCTIONS)
+        for n, instruction in enumerate(instructions):
+            where = f"chain {c} instruction {n}"
+            kind = reader.scalar(instruction, _UNION_TYPE, "<B")
+            pos = reader.field(instruction, _UNION_VALUE)
+            if kind not in _CHECKS or pos is None:
+                raise ValueError(f"method {method!r}: {where} has unknown kind {kind}")
+            context = _Context(method, where, check_value, kinds, operators, n_delegates,
+                               len(instructions))
+            _CHECKS[kind](reader, reader.indirect(pos), context)
+
+
+_VIEW_OPERATORS = frozenset({"executorch_prim::et_view"})
+
+
+def _view_results(reader: _Reader, plan: int, operators: list[tuple[str, str]]) -> set[int]:
+    """Values written by a view operator (its last argument): they alias memory, unplanned."""
+    found: set[int] = set()
+    for chain in reader.tables(plan, _PLAN_CHAINS):
+        for instruction in reader.tables(chain, _CHAIN_INSTRUCTIONS):
+            pos = reader.field(instruction, _UNION_VALUE)
+            if reader.scalar(instruction, _UNION_TYPE, "<B") != _KERNEL_CALL or pos is None:
+                continue
+            call = reader.indirect(pos)
+            op_index = reader.scalar(call, 0)
+            args = reader.ints(call, 1)
+            if 0 <= op_index < len(operators) and operators[op_index][0] in _VIEW_OPERATORS and args:
+                found.add(args[-1])
+    return found
+
+
+def _lacks_storage(reader: _Reader, value: int) -> bool:
+    """Whether a Tensor value has data from nowhere: the runtime would run a kernel on a
+    null pointer (crash), since only inputs and outputs get storage from the caller."""
+    pos = reader.field(value, _UNION_VALUE)
+    if pos is None:
+        return True
+    tensor = reader.indirect(pos)
+    if reader.scalar(tensor, _TENSOR_DATA_BUFFER, "<I") != 0:
+        return False
+    if reader.field(tensor, _TENSOR_ALLOCATION) is not None:
+        return False
+    if reader.field(tensor, _TENSOR_EXTRA_INFO) is not None:
+        return False  # external or named data, resolved by the runtime
+    numel = 1
+    for size in reader.ints(tensor, _TENSOR_SIZES):
+        numel *= size
+    return numel > 0
+
+
+@dataclass(frozen=True)
+class _Context:
+    method: str
+    where: str
+    check_value: Callable[[int, str], None]
+    kinds: list[int]
+    operators: list[tuple[str, str]]
+    n_delegates: int
+    n_instructions: int
+
+
+def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
+    op_index = reader.scalar(call, 0)
+    if not 0 <= op_index < len(ctx.operators):
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} calls operator {op_index}, "
+                         f"but it has {len(ctx.operators)}")
+    args = reader.ints(call, 1)
+    for a in args:
+        ctx.check_value(a, ctx.where)
+    name, overload = ctx.operators[op_index]
+    signature = _signature(name, overload)
+    if signature is None:
+        return
+    if len(args) != len(signature):
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} passes {len(args)} arguments to "
+                         f"{name}.{overload}, whose schema takes {len(signature)}")
+    for k, (a, type_name) in enumerate(zip(args, signature, strict=True)):
+        accepted = _accepted(type_name)
+        if accepted is not None and ctx.kinds[a] not in accepted:
+            raise ValueError(f"method {ctx.method!r}: {ctx.where} passes value {a} of kind "
+                             f"{ctx.kinds[a]} as argument {k} ({type_name}) of {name}.{overload}")
+
+
+def _check_delegate_call(reader: _Reader, call: int, ctx: _Context) -> None:
+    index = reader.scalar(call, 0)
+    if not 0 <= index < ctx.n_delegates:
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} calls delegate {index}, "
+                         f"but it has {ctx.n_delegates}")
+    for a in reader.ints(call, 1):
+        ctx.check_value(a, ctx.where)
+
+
+def _check_move_call(reader: _Reader, call: int, ctx: _Context) -> None:
+    ctx.check_value(reader.scalar(call, 0), ctx.where)
+    ctx.check_value(reader.scalar(call, 1), ctx.where)
+
+
+def _check_jump_false_call(reader: _Reader, call: int, ctx: _Context) -> None:
+    ctx.check_value(reader.scalar(call, 0), ctx.where)
+    destination = reader.scalar(call, 1)
+    if not 0 <= destination <= ctx.n_instructions:
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} jumps to instruction {destination} "
+                         f"of {ctx.n_instructions}")
+
+
+def _check_free_call(reader: _Reader, call: int, ctx: _Context) -> None:
+    ctx.check_value(reader.scalar(call, 0), ctx.where)
+
+
+# Dispatch table keyed by instruction kind.
+_CHECKS: dict[int, Callable[[_Reader, int, _Context], None]] = {
+    _KERNEL_CALL: _check_kernel_call,
+    _DELEGATE_CALL: _check_delegate_call,
+    _MOVE_CALL: _check_move_call,
+    _JUMP_FALSE_CALL: _check_jump_false_call,
+    _FREE_CALL: _check_free_call,
+}

@@ -196,6 +196,7 @@ class Program:
         """Load ``name`` with its own planned memory. Raises :class:`ProgramError`."""
         try:
             io = _pte.plan_io(self._plan_source, name)
+            _pte.validate_plan(self._plan_source, name)
         except ValueError as error:
             raise ProgramError(f"cannot load method {name!r}: {error}") from error
         repeats = [list(r) for r in io.output_repeats()]

@@ -1,5 +1,49 @@
-"""Entry-point plugin of writeback-pybind-runtime (thin: imports core and torch only)."""
+"""Entry-point plugin of writeback-pybind-runtime (thin: imports core and torch only).
+
+The compiled runtime is imported inside the runtime spec's ``load_program``,
+so loading the plugin never builds or loads the extension.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from writeback_core import hookimpl
+from writeback_core.types import RuntimeDelegate, RuntimeSpec
+
 writeback_name = "pybind-runtime"
+
+
+class _Delegates:
+    """A plugin offering exactly the delegate objects a pipeline hands over."""
+
+    writeback_name = "pipeline-delegates"
+
+    def __init__(self, delegates: Mapping[str, RuntimeDelegate]) -> None:
+        self._delegates = list(delegates.values())
+
+    @hookimpl
+    def writeback_runtime_delegates(self) -> Sequence[RuntimeDelegate]:
+        return self._delegates
+
+
+def _load_program(data: bytes, delegates: Mapping[str, RuntimeDelegate]) -> Any:
+    from writeback_core.registry import load_registry
+
+    from writeback_pybind_runtime import Runtime
+
+    runtime = Runtime.get()
+    runtime.register_delegates(load_registry(entry_points=False, plugins=[_Delegates(delegates)]))
+    return runtime.load_program(data)
+
+
+@hookimpl
+def writeback_runtimes() -> Sequence[RuntimeSpec]:
+    return [
+        RuntimeSpec(
+            name="pybind",
+            load_program=_load_program,
+            description="the ExecuTorch runtime library; mutated caller tensors updated in place",
+        )
+    ]
