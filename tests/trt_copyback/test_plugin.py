@@ -1,0 +1,88 @@
+"""The plugin: its hooks (``writeback_engines``, runtime delegates, explain columns), thin import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from click.testing import CliRunner
+
+from writeback_core.cli import main
+from writeback_core.registry import hookimpl, load_registry
+from writeback_core.types import AliasingEngine, EngineWrite
+from writeback_core.zoo import builtin_models
+from writeback_trt_copyback import BACKEND_ID, KVAliasEngine
+from writeback_trt_copyback.explain import ALIASED, COPY_BACK, COST, explain_columns
+
+
+def _engines(registry: object) -> list[AliasingEngine]:
+    return [e for found in registry.hook.writeback_engines() for e in found]  # type: ignore[attr-defined]
+
+
+def test_writeback_engines_hook_offers_the_kv_alias_engine() -> None:
+    engines = _engines(load_registry())
+    (engine,) = [e for e in engines if e.name == "kv-alias"]
+    assert isinstance(engine, AliasingEngine) and engine.backend_id == BACKEND_ID
+
+
+def test_writeback_engines_hook_takes_an_inline_plugin() -> None:
+    class Never:
+        name = "never"
+        backend_id = "NeverBackend"
+
+        def alias_refusal(self, write: EngineWrite) -> str | None:
+            return "this engine aliases nothing"
+
+        def aliased_io(self, processed: bytes) -> dict[str, int]:
+            return {}
+
+    class Plugin:
+        writeback_name = "never-plugin"
+
+        @hookimpl
+        def writeback_engines(self) -> Sequence[AliasingEngine]:
+            return [Never()]
+
+    engines = _engines(load_registry(entry_points=False, plugins=[Plugin()]))
+    assert [e.name for e in engines] == ["never"] and isinstance(engines[0], AliasingEngine)
+
+
+def test_runtime_delegate_is_offered_under_the_engine_backend_id() -> None:
+    delegates = load_registry().runtime_delegates()
+    assert delegates[BACKEND_ID].backend_id == BACKEND_ID
+
+
+def test_plugin_module_imports_no_exir_backend_machinery() -> None:
+    code = ("import sys, writeback_trt_copyback.plugin; "
+            "print(any(m.startswith('executorch.exir.backend') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def _columns(name: str) -> dict[str, dict[str, str]]:
+    from writeback_core.explain import export_case
+    from writeback_core.mutations import find_mutations
+
+    program = export_case(builtin_models()[name])
+    return {m.target: explain_columns(program, m, KVAliasEngine())
+            for m in find_mutations(program.run_decompositions())}
+
+
+def test_explain_columns_show_aliased_and_copy_back_cost_per_call() -> None:
+    decoder = _columns("decoder")
+    assert decoder["blocks.0.k_cache"] == {ALIASED: "aliased (kv-alias)", COPY_BACK: "", COST: "0 B"}
+    ema = _columns("ema")
+    # running_mean: 8 fp32 = 32 B, materialized as an output and copied back: 64 B per call.
+    assert ema["running_mean"][ALIASED] == "copy-back"
+    assert ema["running_mean"][COST] == "64 B (2 x 32 B)"
+    assert ema["steps"][COST] == "16 B (2 x 8 B)"
+
+
+def test_writeback_explain_columns_reach_the_cli() -> None:
+    result = CliRunner().invoke(main, ["explain", "recurrent"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    # conv_state is 16x4 fp32 = 256 B, recurrent_state 2x8x8 fp32 = 512 B; the table wraps
+    # cells at its fixed width, so match the start of each cost.
+    assert "copy-back/call" in result.output and "trt-style" in result.output
+    assert "512 B (2 x 256" in result.output and "1.0 KiB (2 x" in result.output
