@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import writeback_passes
 from executorch.exir import (
     EdgeCompileConfig,
     EdgeProgramManager,
@@ -16,8 +17,6 @@ from executorch.exir import (
 )
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
-
-import writeback_passes
 
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import sys
 
 import torch
+import writeback_passes
 from executorch.exir import ExecutorchBackendConfig
 from executorch.exir.dialects._ops import ops
 from torch.export.graph_signature import InputKind
-
-import writeback_passes
 from writeback_passes import insert_write_back_early
 
 from .hazard_models import (
@@ -55,8 +54,11 @@ def test_old_value_read_after_new_value_is_computed_keeps_copy_after_the_read() 
     copy, value = _copy_of(program, "b_state")
     # The read of the old state is the multiply by 3 of the state placeholder.
     graph = program.exported_program().graph
-    readers = [calls.index(u.name) for u in graph.find_nodes(op="placeholder", target="b_state")[0].users
-               if u.op == "call_function" and u.target is not torch.ops.aten.copy_.default]
+    readers = [
+        calls.index(u.name)
+        for u in graph.find_nodes(op="placeholder", target="b_state")[0].users
+        if u.op == "call_function" and u.target is not torch.ops.aten.copy_.default
+    ]
     assert readers and copy > max(readers) > value
     assert_runs_like_eager(program, OldReadAfterNew(), _inputs)
 
@@ -65,8 +67,14 @@ def test_read_through_view_of_buffer_keeps_copy_after_the_view_reader() -> None:
     program = lower(ReadThroughView(), _inputs(0))
     graph = program.exported_program().graph
     # exir has turned the view_copy into a real view of the state by now.
-    view = next(n for n in graph.nodes if n.op == "call_function" and n.args and getattr(n.args[0], "name", "") == "b_state"
-                and n.target is not torch.ops.aten.copy_.default)
+    view = next(
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.args
+        and getattr(n.args[0], "name", "") == "b_state"
+        and n.target is not torch.ops.aten.copy_.default
+    )
     calls = call_positions(program)
     copy, _ = _copy_of(program, "b_state")
     view_readers = [calls.index(u.name) for u in view.users]
@@ -175,7 +183,6 @@ def test_nothing_to_write_back_changes_nothing_and_builds_no_analysis() -> None:
 
 
 # --- custom ops: the runtime has no kernel for them, so these run the graph in Python ---
-
 
 
 @torch.library.custom_op("wbtest::sneaky_scale", mutates_args=())

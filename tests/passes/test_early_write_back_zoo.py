@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback_core import MutationKind, builtin_models, find_mutations
-
 import writeback_passes
+from writeback_core import MutationKind, builtin_models, find_mutations
 from writeback_passes import insert_write_back_early
 
 from .hazard_models import Plain, seeded
@@ -46,8 +45,7 @@ def test_zoo_model_runs_like_eager_over_four_calls(name: str, reinplace: bool) -
     """
     case = builtin_models()[name]
     program = lower(case.build(), case.example_args(0), run_reinplace_pass=reinplace)
-    assert_runs_like_eager(program, case.build(), case.step_inputs, calls=4,
-                           caller_state=case.make_state())
+    assert_runs_like_eager(program, case.build(), case.step_inputs, calls=4, caller_state=case.make_state())
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -96,7 +94,7 @@ def test_pass_is_idempotent_on_its_own_output() -> None:
 
 
 def test_bad_program_type_is_refused_with_the_type_named() -> None:
-    with pytest.raises(TypeError, match="ExportedProgram or a torch.fx.GraphModule, got str"):
+    with pytest.raises(TypeError, match=r"ExportedProgram or a torch\.fx\.GraphModule, got str"):
         insert_write_back_early("forward")  # type: ignore[arg-type]
 
 
@@ -105,5 +103,4 @@ def test_stock_exir_fails_caller_cache_with_reinplace_too() -> None:
     case = builtin_models()["decoder-caller-cache"]
     program = lower(case.build(), case.example_args(0), early=False, run_reinplace_pass=True)
     with pytest.raises(AssertionError, match="call 0 state 0"):
-        assert_runs_like_eager(program, case.build(), case.step_inputs, calls=1,
-                               caller_state=case.make_state())
+        assert_runs_like_eager(program, case.build(), case.step_inputs, calls=1, caller_state=case.make_state())

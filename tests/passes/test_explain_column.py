@@ -9,7 +9,6 @@ from writeback_core import MutationKind, find_mutations, load_registry
 from writeback_core.cli import main
 from writeback_core.explain import export_case
 from writeback_core.zoo import builtin_models
-
 from writeback_passes import plugin
 
 _CELL = re.compile(r"node (\d+) \(value ready at (\d+)\); value lives (\d+) steps, (-?\d+) fewer than stock")

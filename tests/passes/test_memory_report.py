@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import writeback_passes
 from writeback_passes import memory_plan_report
 
@@ -49,5 +48,7 @@ def test_early_ready_model_plans_at_least_one_state_less() -> None:
 
 def test_report_of_an_edge_program_is_refused_naming_the_fix() -> None:
     edge = edge_of(EarlyReady(_N), (seeded(5, _N, _N),))
-    with pytest.raises(TypeError, match="needs the result of to_executorch.*got EdgeProgramManager.*writeback_passes.to_executorch"):
+    with pytest.raises(
+        TypeError, match=r"needs the result of to_executorch.*got EdgeProgramManager.*writeback_passes\.to_executorch"
+    ):
         writeback_passes.memory_plan_report(edge)  # type: ignore[arg-type]

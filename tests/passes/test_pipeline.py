@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+import writeback_passes
 from executorch.exir import ExecutorchBackendConfig
 from writeback_core import ProgramPass, Stage, hookimpl, load_registry
-
-import writeback_passes
 from writeback_passes import EARLY_WRITE_BACK_ORDER, plugin
 
 from .hazard_models import Plain, seeded
@@ -73,8 +72,12 @@ def test_to_executorch_runs_registered_passes_in_order_then_name_order() -> None
 def test_registration_order_never_changes_pass_order() -> None:
     first = _Recorder([("b", 10), ("a", 10)])
     second = _Recorder([("b", 10), ("a", 10)])
-    writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[first, plugin]))
-    writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[plugin, second]))
+    writeback_passes.to_executorch(
+        edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[first, plugin])
+    )
+    writeback_passes.to_executorch(
+        edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[plugin, second])
+    )
     assert [n for n, _ in first.seen] == [n for n, _ in second.seen] == ["a", "b"]
 
 
@@ -88,7 +91,9 @@ def test_user_config_passes_run_first_and_config_is_not_changed() -> None:
         return PassResult(gm, False)
 
     config = ExecutorchBackendConfig(passes=[user_pass])
-    writeback_passes.to_executorch(edge_of(Plain(), _X), config, registry=load_registry(entry_points=False, plugins=[plugin]))
+    writeback_passes.to_executorch(
+        edge_of(Plain(), _X), config, registry=load_registry(entry_points=False, plugins=[plugin])
+    )
     assert seen == [False]
     assert config.passes == [user_pass]
 
@@ -111,7 +116,9 @@ class _BadPass:
 
 def test_edge_pass_returning_a_new_program_is_refused_naming_the_pass() -> None:
     with pytest.raises(TypeError, match="'edge' pass 'edge_returns_new' returned a new program for method 'forward'"):
-        writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[_BadPass()]))
+        writeback_passes.to_executorch(
+            edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[_BadPass()])
+        )
 
 
 def test_pass_returning_something_without_graph_module_is_refused_naming_the_pass() -> None:
@@ -121,7 +128,9 @@ def test_pass_returning_something_without_graph_module_is_refused_naming_the_pas
             return list(super().writeback_program_passes(stage)) if stage == "before_memory_planning" else []
 
     with pytest.raises(TypeError, match="pass 'returns_a_string' returned str"):
-        writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[OnlyLate()]))
+        writeback_passes.to_executorch(
+            edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[OnlyLate()])
+        )
 
 
 def test_edge_pass_runs_in_place_before_write_backs_exist() -> None:
@@ -134,8 +143,16 @@ def test_edge_pass_runs_in_place_before_write_backs_exist() -> None:
         def writeback_program_passes(self, stage: Stage) -> Sequence[ProgramPass]:
             if stage != "edge":
                 return ()
-            return [ProgramPass("count_copies", stage, lambda ep: seen.append(
-                sum(n.target is torch.ops.aten.copy_.default for n in ep.graph.nodes)), 0)]
+            return [
+                ProgramPass(
+                    "count_copies",
+                    stage,
+                    lambda ep: seen.append(sum(n.target is torch.ops.aten.copy_.default for n in ep.graph.nodes)),
+                    0,
+                )
+            ]
 
-    writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[EdgeProbe()]))
+    writeback_passes.to_executorch(
+        edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[EdgeProbe()])
+    )
     assert seen == [0]

@@ -37,7 +37,7 @@ class EarlyReadyState(nn.Module):
         self.weight = nn.Parameter(torch.randn(n, n, generator=gen) / n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.state.add_(x)
+        self.get_buffer("state").add_(x)
         h = torch.relu(self.weight @ self.weight)
         h = torch.tanh(h @ self.weight)
         return (h @ self.weight).sum(0)

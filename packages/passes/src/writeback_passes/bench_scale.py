@@ -87,8 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'nodes':>8}{'median ms':>12}")
     print(f"{sizes[0]:>8}{m_small * 1e3:>12.1f}")
     print(f"{sizes[1]:>8}{m_large * 1e3:>12.1f}")
-    print(f"ratio {ratio:.2f} for {sizes[1] / sizes[0]:.1f}x the nodes "
-          f"(limit {args.max_ratio:g}, medians of {args.repeats})")
+    print(
+        f"ratio {ratio:.2f} for {sizes[1] / sizes[0]:.1f}x the nodes "
+        f"(limit {args.max_ratio:g}, medians of {args.repeats})"
+    )
     return 0 if ratio <= args.max_ratio else 1
 
 

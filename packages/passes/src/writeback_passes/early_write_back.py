@@ -97,10 +97,8 @@ def _write_backs(graph: torch.fx.Graph) -> list[_WriteBack]:
     for node in graph.nodes:
         if node.op != "call_function" or node not in returned or _packet(node.target) != _COPY_PACKET:
             continue
-        dest, value = (node.args + (None, None))[:2]
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(
-            value, torch.fx.Node
-        ):
+        dest, value = (*node.args, None, None)[:2]
+        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(value, torch.fx.Node):
             found.append(_WriteBack(node, dest, value))
     return found
 
@@ -131,9 +129,7 @@ class _Storage:
                     if isinstance(base, torch.fx.Node):
                         frontier.append(base)
                 frontier.extend(
-                    u
-                    for u in member.users
-                    if _packet(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
+                    u for u in member.users if _packet(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
                 )
         result = frozenset(seen)
         for member in result:
@@ -150,9 +146,7 @@ class _Storage:
             yield from self.alias.writers_of(member)
 
 
-def _latest(
-    nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int], limit: int
-) -> torch.fx.Node | None:
+def _latest(nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int], limit: int) -> torch.fx.Node | None:
     """The latest of ``nodes`` placed before position ``limit``.
 
     Nodes at or after ``limit`` already run after the copy and see the new
@@ -167,9 +161,7 @@ def _latest(
     return best
 
 
-def _interference(
-    write_backs: Sequence[_WriteBack], storage: _Storage
-) -> tuple[str, str] | None:
+def _interference(write_backs: Sequence[_WriteBack], storage: _Storage) -> tuple[str, str] | None:
     """The first pair of write-backs whose order matters, or ``None`` when all are independent.
 
     Write-back ``a`` and ``b`` interfere when ``a``'s state may share storage
@@ -196,12 +188,7 @@ def _anchor(
     last_placeholder: torch.fx.Node | None,
 ) -> torch.fx.Node:
     """The node the write-back must follow: the latest of the four rules of the pass."""
-    readers = (
-        user
-        for member in storage.members(wb.dest)
-        for user in member.users
-        if user not in copies
-    )
+    readers = (user for member in storage.members(wb.dest) for user in member.users if user not in copies)
     writers = (w for w in storage.writers(wb.value) if w not in copies)
     floor = [wb.value] if last_placeholder is None else [wb.value, last_placeholder]
     anchor = _latest([*floor, *readers, *writers], position, position[wb.copy])
@@ -231,9 +218,7 @@ def _buffer_placeholders(graph: torch.fx.Graph) -> frozenset[str]:
     except ImportError:  # an older torch: no descriptors, so no placeholder is known
         return frozenset()
     return frozenset(
-        n.name
-        for n in graph.nodes
-        if n.op == "placeholder" and isinstance(n.meta.get("desc"), BufferAOTInput)
+        n.name for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("desc"), BufferAOTInput)
     )
 
 
@@ -259,8 +244,7 @@ def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.G
             insert_write_back_for_buffers_pass(program)
         return program.graph_module
     raise TypeError(
-        f"insert_write_back_early takes an ExportedProgram or a torch.fx.GraphModule, "
-        f"got {type(program).__name__}"
+        f"insert_write_back_early takes an ExportedProgram or a torch.fx.GraphModule, got {type(program).__name__}"
     )
 
 
@@ -346,11 +330,7 @@ def insert_write_back_early(
     if not write_backs:
         return EarlyWriteBack(gm)
     if buffers is None:
-        buffers = (
-            _signature_buffers(program)
-            if isinstance(program, ExportedProgram)
-            else _buffer_placeholders(graph)
-        )
+        buffers = _signature_buffers(program) if isinstance(program, ExportedProgram) else _buffer_placeholders(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     write_backs.sort(key=lambda wb: order[wb.copy])
     storage = _Storage(graph)

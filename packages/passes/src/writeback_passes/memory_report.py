@@ -147,8 +147,7 @@ def memory_plan_report(program: ExecutorchProgramManager) -> MemoryPlanReport:
         plan = plans.get(method)
         if plan is None:
             raise ValueError(
-                f"method {method!r} has no execution plan in the program; was it "
-                "produced by to_executorch?"
+                f"method {method!r} has no execution plan in the program; was it produced by to_executorch?"
             )
         sizes = {i: int(s) for i, s in enumerate(plan.non_const_buffer_sizes) if i > 0}
         methods[method] = MethodPlan(method, sizes, _write_backs(program.exported_program(method)))
