@@ -1,9 +1,11 @@
 """Delegate-owned buffers: kept as MLX arrays in the delegate and updated by buffer donation
-(the same memory every step, so a one-slot write costs O(update)), checked by calling the
-runtime delegate's ``init``/``execute`` directly on the processed blob of a real lowering."""
+(no second buffer of the cache's size is ever allocated, so a one-slot write costs
+O(update)), checked by calling the runtime delegate's ``init``/``execute`` directly on the
+processed blob of a real lowering."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
@@ -13,49 +15,50 @@ from writeback_mlx_backend import MLXDelegate
 
 
 class RowCache(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 8, width: int = 4) -> None:
         super().__init__()
-        self.register_buffer("cache", torch.zeros(8, 4))
+        self.register_buffer("cache", torch.zeros(rows, width))
 
     def forward(self, pos: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         self.cache.index_copy_(0, pos, row)
         return self.cache.sum(0)
 
 
-def _address(array: object) -> int:
-    return int(np.asarray(array).__array_interface__["data"][0])
-
-
-def test_owned_buffer_is_updated_in_its_own_memory_by_donation() -> None:
-    lowered = lower_mlx(RowCache(), (torch.tensor([0]), torch.ones(1, 4)))
+def _lowered_blob(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> bytes:
+    lowered = lower_mlx(module, args)
     assert lowered.only_delegate_runs()
     modules = [m for m in lowered.program.exported_program().graph_module.children()
                if isinstance(m, LoweredBackendModule)]
     assert len(modules) == 1
+    return bytes(modules[0].processed_bytes)
+
+
+def test_owned_buffer_is_updated_by_donation_without_a_second_buffer() -> None:
+    rows, width = 1024, 1024  # a 4 MiB cache, far above any other allocation of a step
+    blob = _lowered_blob(RowCache(rows, width), (torch.tensor([0]), torch.ones(1, width)))
     delegate = MLXDelegate()
-    handle = delegate.init(modules[0].processed_bytes, {})
+    handle = delegate.init(blob, {})
     (state_name,) = handle.state
-    address = _address(handle.state[state_name])
-    eager = RowCache()
-    for step in range(5):
-        pos, row = torch.tensor([step]), torch.full((1, 4), step + 1.0)
-        out = torch.empty(4)
+    eager = RowCache(rows, width)
+    for step in range(4):
+        pos, row = torch.tensor([step * 7]), torch.full((1, width), step + 1.0)
+        out = torch.empty(width)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
         delegate.execute(handle, [pos, row, out])
+        grown = mx.get_peak_memory() - before
+        assert grown < rows * width * 4 // 2, f"step {step} allocated {grown} bytes"
         with torch.no_grad():
             expected = eager(pos, row)
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(torch.from_numpy(np.array(handle.state[state_name])),
                                    eager.cache)
-        assert _address(handle.state[state_name]) == address
-    assert delegate.copied_input_bytes == [8, 16] * 5
+    assert delegate.copied_input_bytes == [8, width * 4] * 4
 
 
 def test_owned_buffer_is_unchanged_when_an_index_is_rejected() -> None:
-    lowered = lower_mlx(RowCache(), (torch.tensor([0]), torch.ones(1, 4)))
-    module = next(m for m in lowered.program.exported_program().graph_module.children()
-                  if isinstance(m, LoweredBackendModule))
     delegate = MLXDelegate()
-    handle = delegate.init(module.processed_bytes, {})
+    handle = delegate.init(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))), {})
     delegate.execute(handle, [torch.tensor([2]), torch.ones(1, 4), torch.empty(4)])
     before = np.array(next(iter(handle.state.values())))
     try:

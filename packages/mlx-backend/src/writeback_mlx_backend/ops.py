@@ -284,6 +284,27 @@ def _slice_scatter_region(
 # -- compute ops --------------------------------------------------------------------
 
 
+def _reshape(x: Any, size: Sequence[int]) -> Any:
+    """``reshape`` that stays a view when only unit dims are added or removed.
+
+    MLX copies when reshaping an array that is not row-contiguous (a transposed
+    cache); adding or dropping size-1 dims never needs that copy.
+    """
+    shape = list(size)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = x.size // known if known else 0
+    if tuple(shape) == tuple(x.shape):
+        return x
+    if [d for d in x.shape if d != 1] == [d for d in shape if d != 1]:
+        out = mx.squeeze(x) if 1 in x.shape else x
+        for position, dim in enumerate(shape):
+            if dim == 1:
+                out = mx.expand_dims(out, position)
+        return out
+    return mx.reshape(x, shape)
+
+
 def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
     axes = None if dim is None or dim == [] else [_dim(d, x.ndim) for d in dim]
     return mx.mean(x, axis=axes, keepdims=keepdim)
@@ -472,10 +493,10 @@ OPS: dict[str, OpHandler] = {
     "aten.bitwise_not.default": _unary(mx.bitwise_invert),
     "aten._softmax.default": OpHandler(_literal_ints_check(1), _softmax),
     "aten.softmax.int": OpHandler(_literal_ints_check(1), _softmax),
-    "aten.view_copy.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
-    "aten.view.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
-    "aten.reshape.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
-    "aten._unsafe_view.default": OpHandler(_ok, lambda x, size: mx.reshape(x, list(size))),
+    "aten.view_copy.default": OpHandler(_ok, _reshape),
+    "aten.view.default": OpHandler(_ok, _reshape),
+    "aten.reshape.default": OpHandler(_ok, _reshape),
+    "aten._unsafe_view.default": OpHandler(_ok, _reshape),
     "aten.permute_copy.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
     "aten.permute.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
     "aten.transpose_copy.int": OpHandler(_literal_ints_check(1, 2), _transpose),

@@ -66,3 +66,15 @@ def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
     from writeback_mlx_backend.runtime import MLXDelegate
 
     return [MLXDelegate()]
+
+
+def _empty(shape: Sequence[int], dtype: Any) -> Any:
+    from writeback_mlx_backend.memory import empty
+
+    return empty(shape, dtype)
+
+
+@hookimpl
+def writeback_state_allocators() -> dict[str, Any]:
+    """Caller-owned state allocated in MLX, so the delegate reads and writes it without a copy."""
+    return {BACKEND_NAME: _empty}
