@@ -8,7 +8,7 @@ subset of a hook's parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -17,16 +17,20 @@ from writeback_core._name import NAME
 
 if TYPE_CHECKING:
     import click
+    from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
     from torch.export import ExportedProgram
 
     from writeback_core.mutations import Mutation
+    from writeback_core.registry import Registry
     from writeback_core.types import (
         AliasingEngine,
         BackendSpec,
         PartitionView,
         ProgramPass,
         RuntimeDelegate,
+        RuntimeSpec,
         Stage,
+        StateAllocator,
     )
     from writeback_core.zoo import ModelCase
 
@@ -133,3 +137,55 @@ def writeback_cli_commands(group: click.Group) -> None:
     """
     raise NotImplementedError
 
+
+
+@hookspec(firstresult=True)
+def writeback_to_executorch(
+    edge_manager: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry
+) -> ExecutorchProgramManager | None:
+    """Called by the pipeline (``writeback run``, ``writeback bench``) to turn a lowered edge
+    program into an ExecuTorch program, running the passes ``registry`` offers.
+
+    Stops at the first non-None result: one plugin owns the ``to_executorch`` step
+    (writeback-passes does, running every ``writeback_program_passes`` pass at its
+    stage). The step belongs to a plugin rather than to core because where each
+    :data:`~writeback_core.types.Stage` runs inside exir is the passes' business.
+
+    :param edge_manager: the edge program, already partitioned and lowered.
+    :param config: the ``ExecutorchBackendConfig`` the pipeline wants (its memory
+        planning keeps caller-owned inputs unplanned); implementations add their
+        passes to a copy and must not change it.
+    :param registry: the registry whose passes to run.
+    :return: the ExecuTorch program; ``None`` when this plugin does not own the
+        step (if no plugin does, the pipeline calls stock
+        ``edge_manager.to_executorch(config)`` and runs no registered pass).
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_runtimes() -> Sequence[RuntimeSpec]:
+    """Called when a pipeline needs a runtime to execute a ``.pte`` (``writeback run --runtime``).
+
+    :return: the runtimes this plugin offers (``writeback_core.types.RuntimeSpec``:
+        a name and a ``load_program(data, delegates)`` callable); an empty
+        sequence for none. Two plugins offering one name is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_state_allocators() -> Mapping[str, StateAllocator]:
+    """Called when a pipeline allocates caller-owned state (a KV cache passed as an input)
+    for a program lowered to some backend.
+
+    A backend whose delegate reads caller memory without copying only when it
+    allocated that memory itself (MLX on Linux) offers its allocator here; the
+    pipeline then allocates the state with it and binds it in place.
+
+    :return: allocators keyed by backend name (``BackendSpec.name``); each
+        ``allocator(shape, dtype)`` returns a zero-filled contiguous CPU
+        ``torch.Tensor``. Empty for none: the pipeline then uses ``torch.zeros``.
+        Two plugins offering an allocator for one backend is an error naming both.
+    """
+    raise NotImplementedError

@@ -22,7 +22,15 @@ from torch.export import ExportedProgram
 from writeback_core import hookspecs, meta
 from writeback_core._name import NAME
 from writeback_core.mutations import Mutation
-from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
+from writeback_core.types import (
+    BackendSpec,
+    PartitionView,
+    ProgramPass,
+    RuntimeDelegate,
+    RuntimeSpec,
+    Stage,
+    StateAllocator,
+)
 
 __all__ = [
     "BLOCK_ENV",
@@ -155,6 +163,15 @@ class Registry:
         """Every Python runtime delegate offered, keyed by backend id."""
         found = self._unique("writeback_runtime_delegates", "backend_id", "runtime delegate")
         return {n: d for n, (_, d) in found.items()}
+
+    def runtimes(self) -> dict[str, RuntimeSpec]:
+        """Every runtime offered (``writeback_runtimes``), keyed by name."""
+        return {n: r for n, (_, r) in self._unique("writeback_runtimes", "name", "runtime").items()}
+
+    def state_allocators(self) -> dict[str, StateAllocator]:
+        """Every state allocator offered (``writeback_state_allocators``), keyed by backend name."""
+        found = self._unique("writeback_state_allocators", "name", "state allocator for backend")
+        return {n: a for n, (_, a) in found.items()}
 
     def models(self) -> dict[str, Any]:
         """Every model offered (built-in zoo included), keyed by name."""

@@ -18,7 +18,11 @@ __all__ = [
     "PartitionView",
     "ProgramPass",
     "RuntimeDelegate",
+    "RuntimeMethod",
+    "RuntimeProgram",
+    "RuntimeSpec",
     "Stage",
+    "StateAllocator",
 ]
 
 # Where a program pass runs inside ``to_executorch``:
@@ -151,3 +155,49 @@ class AliasingEngine(Protocol):
 
         :param processed: the processed blob of one lowered delegate of this engine.
         """
+
+
+# Allocates caller-owned state that a backend's delegate reads and writes in
+# place: ``allocator(shape, dtype)`` returns a zero-filled contiguous CPU tensor.
+# Offered per backend name through ``writeback_state_allocators``.
+StateAllocator = Callable[[Sequence[int], torch.dtype], torch.Tensor]
+
+
+@runtime_checkable
+class RuntimeMethod(Protocol):
+    """One loaded method of a program, as a runtime offers it to pipelines."""
+
+    def execute(self, inputs: Sequence[Any], clone_outputs: bool = True) -> list[Any]:
+        """Run once on ``inputs`` and return every output of the method.
+
+        The method's outputs start with one entry per mutated user input (in
+        input order), then the user outputs. A mutated input must be updated in
+        the caller's tensor itself. With ``clone_outputs=False`` outputs may
+        alias runtime memory that the next call overwrites.
+        """
+
+
+@runtime_checkable
+class RuntimeProgram(Protocol):
+    """A loaded ``.pte`` program."""
+
+    def load_method(self, name: str) -> RuntimeMethod:
+        """Load method ``name`` (``"forward"``) with its own planned memory."""
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """A runtime a plugin offers to run ``.pte`` programs (``writeback run --runtime NAME``).
+
+    ``load_program(data, delegates)`` registers ``delegates`` (Python runtime
+    delegates keyed by backend id, as ``Registry.runtime_delegates()`` returns
+    them) as ExecuTorch backends and loads the program in ``data`` (the
+    ``.pte`` bytes). The pipeline passes the same delegate objects to every
+    load of one session and reads, from any delegate that has one, the
+    optional attribute ``copied_input_bytes: list[int]`` (bytes the delegate
+    copied to bind an input, one entry per copy) to report copies it made.
+    """
+
+    name: str
+    load_program: Callable[[bytes, Mapping[str, RuntimeDelegate]], RuntimeProgram]
+    description: str = ""

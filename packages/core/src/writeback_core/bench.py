@@ -1,0 +1,476 @@
+"""``writeback bench``: one decode step through stock ExecuTorch and through writeback.
+
+For each cache size (K + V, fp32, MiB) the built-in one-layer decoder is
+lowered three ways and timed interleaved in one process, one call of each per
+round, so a noisy machine slows every pipeline alike:
+
+- ``stock``: the decoder with its KV cache in registered buffers,
+  ``to_edge(...).to_executorch()`` defaults, stock ``executorch.runtime``
+  (the way ExecuTorch users write a KV cache today);
+- ``stock+reinplace``: the same with ``ExecutorchBackendConfig(run_reinplace_pass=True)``;
+- ``writeback``: the same decoder with a caller-owned cache
+  (``decoder-caller-cache``), lowered by the pipeline (default backend, the
+  registered passes), run by the pipeline's runtime with the cache allocated
+  by the backend's allocator and bound in place.
+
+Floors, timed in the same rounds: ``eager`` (PyTorch running the same step on
+its own cache) and ``slice copy_`` (the step's state update done by hand:
+``k_cache[:, :, p:p+1].copy_(k)`` and the same for V).
+
+How the state-update part is measured: each pipeline also lowers two small
+programs over the same cache, ``update`` (only the two ``index_copy_`` writes
+of one slot, returning ``k + v``) and ``idle`` (returning ``k + v``, writing
+nothing). The state update of a pipeline is ``median(update) - median(idle)``:
+the cost of the write with the pipeline's fixed per-call overhead (runtime
+entry, delegate dispatch, input binding) taken out. Both medians are printed
+too, so the subtraction can be checked.
+
+Every pipeline's outputs (and the caller-owned cache, where there is one) are
+compared with eager on the warm-up calls; a pipeline that fails to lower, to
+load or to match is reported as such in its cells, never dropped.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from torch import nn
+
+from writeback_core.pipeline import Eager, Pipeline, PipelineError, Session, assemble, compare, lower
+from writeback_core.registry import Registry
+from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+
+__all__ = ["BenchResult", "SizeResult", "bench_command", "run_bench"]
+
+STOCK = "stock"
+REINPLACE = "stock+reinplace"
+WRITEBACK = "writeback"
+EAGER = "eager"
+SLICE_COPY = "slice copy_"
+PIPELINES = (STOCK, REINPLACE, WRITEBACK)
+WARMUP = 2
+MIB = 1 << 20
+
+Call = Callable[[int], list[Any]]
+
+
+class CacheUpdate(nn.Module):
+    """The decode step's state update alone: one slot of K and V written with ``index_copy_``.
+
+    ``caller_cache``: the caches are ``forward``'s trailing inputs; else registered
+    buffers. ``write=False`` is the idle twin (same inputs and output, no write).
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def __init__(self, cfg: DecoderConfig, caller_cache: bool, write: bool = True) -> None:
+        super().__init__()
+        self.caller_cache, self.write = caller_cache, write
+        if not caller_cache:
+            self.register_buffer("k_cache", torch.zeros(cfg.cache_shape))
+            self.register_buffer("v_cache", torch.zeros(cfg.cache_shape))
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = caches if self.caller_cache else (self.k_cache, self.v_cache)
+        if self.write:
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v)
+        return k + v
+
+
+def _update_case(cfg: DecoderConfig, caller_cache: bool, write: bool) -> ModelCase:
+    def inputs(step: int) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(1000 + step)
+        shape = (1, cfg.heads, 1, cfg.head_dim)
+        return (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+                torch.tensor([step % cfg.max_seq]))
+
+    return ModelCase(
+        name=f"cache-{'update' if write else 'idle'}",
+        description="one slot of K and V written" if write else "no write",
+        build=lambda: CacheUpdate(cfg, caller_cache, write),
+        step_inputs=inputs,
+        make_state=(lambda: (torch.zeros(cfg.cache_shape), torch.zeros(cfg.cache_shape))) if caller_cache
+        else (lambda: ()),
+    )
+
+
+def _cases(cfg: DecoderConfig, caller_cache: bool) -> dict[str, ModelCase]:
+    return {
+        "step": decoder_case(cfg, caller_cache=caller_cache),
+        "update": _update_case(cfg, caller_cache, write=True),
+        "idle": _update_case(cfg, caller_cache, write=False),
+    }
+
+
+@dataclass
+class Contender:
+    """One timed thing: a pipeline running one program kind (``step``/``update``/``idle``)."""
+
+    pipeline: str
+    kind: str
+    call: Call | None = None
+    error: str | None = None
+    times: list[float] = field(default_factory=list)
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times and self.error is None else None
+
+
+def _stock_call(case: ModelCase, reinplace: bool) -> Call:
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+
+    from writeback_core.explain import export_case
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from executorch.runtime import Runtime
+
+        program = to_edge(export_case(case)).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))
+        # The stock runtime reads the program from this buffer after loading: keep it alive.
+        data = bytes(program.buffer)
+        method = Runtime.get().load_program(data).load_method("forward")
+
+    def call(step: int) -> list[Any]:
+        assert data
+        return list(method.execute(list(case.step_inputs(step))))
+
+    return call
+
+
+def _writeback_call(case: ModelCase, pipeline: Pipeline) -> tuple[Call, Session]:
+    session = Session.open(pipeline, lower(case, pipeline))
+
+    def call(step: int) -> list[Any]:
+        return session.step(step).outputs
+
+    return call, session
+
+
+def _eager_call(case: ModelCase) -> Call:
+    eager = Eager(case)
+    return eager.step
+
+
+def _slice_copy_call(cfg: DecoderConfig) -> Call:
+    caches = (torch.zeros(cfg.cache_shape), torch.zeros(cfg.cache_shape))
+    update = _update_case(cfg, True, True)
+
+    def call(step: int) -> list[Any]:
+        k, v, pos = update.step_inputs(step)
+        p = int(pos)
+        caches[0][:, :, p:p + 1].copy_(k)
+        caches[1][:, :, p:p + 1].copy_(v)
+        return []
+
+    return call
+
+
+def _reference(case: ModelCase, steps: int) -> list[tuple[list[Any], tuple[torch.Tensor, ...]]]:
+    """Eager outputs and state after each of the first ``steps`` calls."""
+    eager = Eager(case)
+    found = []
+    for step in range(steps):
+        outputs = eager.step(step)
+        found.append(([o.clone() for o in outputs], tuple(s.clone() for s in eager.state)))
+    return found
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+def _warm_up(contender: Contender, session: Session | None, reference: list[Any]) -> None:
+    """Run the warm-up calls, each checked against eager; mark the contender on any failure."""
+    from writeback_core.pipeline import StepResult
+
+    assert contender.call is not None
+    for step, (expected, state) in enumerate(reference):
+        try:
+            outputs = contender.call(step)
+        except Exception as error:  # a pipeline that fails at run time is reported, not dropped
+            contender.error = f"failed at run time: {_short(error)}"
+            return
+        mine = session.state if session is not None else ()
+        check = compare(StepResult(step, 0.0, outputs, 0, 0), expected, mine, state[: len(mine)])
+        if not check.ok:
+            contender.error = f"wrong at warm-up step {step}: {'; '.join(check.problems)}"
+            return
+
+
+def _build(pipeline_name: str, kind: str, case: ModelCase, pipeline: Pipeline | None) -> tuple[Contender, Any]:
+    contender = Contender(pipeline_name, kind)
+    session = None
+    try:
+        if pipeline_name == WRITEBACK:
+            if pipeline is None:
+                raise PipelineError("no writeback pipeline could be assembled")
+            contender.call, session = _writeback_call(case, pipeline)
+        else:
+            contender.call = _stock_call(case, reinplace=pipeline_name == REINPLACE)
+    except Exception as error:  # reported in the table
+        contender.error = f"failed to lower or load: {_short(error)}"
+    return contender, session
+
+
+@dataclass
+class SizeResult:
+    """Every contender at one cache size."""
+
+    mib: float
+    contenders: dict[tuple[str, str], Contender]
+
+    def median(self, pipeline: str, kind: str) -> float | None:
+        found = self.contenders.get((pipeline, kind))
+        return found.median() if found is not None else None
+
+    def update(self, pipeline: str) -> float | None:
+        """The state-update part: ``median(update) - median(idle)`` (raw slice copy for the floor)."""
+        if pipeline == SLICE_COPY:
+            return self.median(SLICE_COPY, "update")
+        update, idle = self.median(pipeline, "update"), self.median(pipeline, "idle")
+        return None if update is None or idle is None else update - idle
+
+    def error(self, pipeline: str, kind: str) -> str | None:
+        found = self.contenders.get((pipeline, kind))
+        return found.error if found is not None else None
+
+
+def _contenders(mib: float, pipeline: Pipeline | None) -> dict[tuple[str, str], Contender]:
+    cfg = DecoderConfig.for_cache_bytes(int(mib * MIB))
+    references = {kind: _reference(case, WARMUP) for kind, case in _cases(cfg, True).items()}
+    found: dict[tuple[str, str], Contender] = {}
+    for name in PIPELINES:
+        for kind, case in _cases(cfg, caller_cache=name == WRITEBACK).items():
+            contender, session = _build(name, kind, case, pipeline)
+            if contender.error is None:
+                _warm_up(contender, session, references[kind])
+            found[(name, kind)] = contender
+    found[(EAGER, "step")] = Contender(EAGER, "step", _eager_call(decoder_case(cfg, caller_cache=True)))
+    found[(SLICE_COPY, "update")] = Contender(SLICE_COPY, "update", _slice_copy_call(cfg))
+    for floor in (found[(EAGER, "step")], found[(SLICE_COPY, "update")]):
+        for step in range(WARMUP):
+            assert floor.call is not None
+            floor.call(step)
+    return found
+
+
+def _time_rounds(contenders: Sequence[Contender], repeats: int) -> None:
+    """One call of each contender per round, the order rotated each round."""
+    live = [c for c in contenders if c.error is None and c.call is not None]
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(repeats):
+            step = WARMUP + round_
+            shift = round_ % max(1, len(live))
+            for contender in live[shift:] + live[:shift]:
+                assert contender.call is not None
+                start = time.perf_counter()
+                try:
+                    contender.call(step)
+                except Exception as error:
+                    contender.error = f"failed at run time: {_short(error)}"
+                    continue
+                contender.times.append(time.perf_counter() - start)
+            live = [c for c in live if c.error is None]
+    finally:
+        gc.enable()
+
+
+@dataclass
+class BenchResult:
+    """Every size, in the order measured."""
+
+    sizes: list[SizeResult]
+    repeats: int
+
+
+def run_bench(registry: Registry, sizes: Sequence[float], repeats: int, backend: str | None = None,
+              progress: Progress | None = None) -> BenchResult:
+    """Measure every size (see the module docstring). Never raises for a failing pipeline."""
+    try:
+        pipeline: Pipeline | None = assemble(registry, backend)
+    except PipelineError:
+        pipeline = None
+    results = []
+    task = progress.add_task("bench", total=len(sizes)) if progress is not None else None
+    for mib in sizes:
+        contenders = _contenders(mib, pipeline)
+        _time_rounds(list(contenders.values()), repeats)
+        results.append(SizeResult(mib, contenders))
+        # Drop this size's programs and caches before building the next one's.
+        for contender in contenders.values():
+            contender.call = None
+        gc.collect()
+        if progress is not None and task is not None:
+            progress.advance(task)
+    return BenchResult(results, repeats)
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    if num is None or den is None or den <= 0:
+        return "-"
+    return f"{num / den:.1f}x"
+
+
+def _cell(size: SizeResult, pipeline: str, kind: str) -> str:
+    error = size.error(pipeline, kind) or (size.error(pipeline, "idle") if kind == "update" else None)
+    if error is not None:
+        return "[red]failed[/red]" if error.startswith("failed") else "[red]wrong[/red]"
+    value = size.median(pipeline, kind) if kind == "step" else size.update(pipeline)
+    return _ms(value)
+
+
+def _tables(result: BenchResult) -> list[Table]:
+    step = Table(title=f"decode step, median of {result.repeats} interleaved calls")
+    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "stock / writeback",
+                  "writeback / eager"):
+        step.add_column(title, justify="right")
+    update = Table(title="state update: median(update-only call) - median(idle call)")
+    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "slice copy_ (floor)", "stock / writeback",
+                  "writeback / slice copy_", "writeback update, idle calls"):
+        update.add_column(title, justify="right")
+    for size in result.sizes:
+        label = f"{size.mib:g} MiB"
+        wb = size.median(WRITEBACK, "step")
+        step.add_row(label, *(_cell(size, p, "step") for p in PIPELINES), _ms(size.median(EAGER, "step")),
+                     _ratio(size.median(STOCK, "step"), wb), _ratio(wb, size.median(EAGER, "step")))
+        update.add_row(label, *(_cell(size, p, "update") for p in PIPELINES), _ms(size.update(SLICE_COPY)),
+                       _ratio(size.update(STOCK), size.update(WRITEBACK)),
+                       _ratio(size.update(WRITEBACK), size.update(SLICE_COPY)),
+                       f"{_ms(size.median(WRITEBACK, 'update'))}, {_ms(size.median(WRITEBACK, 'idle'))}")
+    return [step, update]
+
+
+def _failures(result: BenchResult) -> list[str]:
+    lines = []
+    for size in result.sizes:
+        for (pipeline, kind), contender in size.contenders.items():
+            if contender.error is not None:
+                lines.append(f"{size.mib:g} MiB, {pipeline}, {kind} program: {contender.error}")
+    return lines
+
+
+def _goal(label: str, value: float | None, target: float, at_least: bool) -> str:
+    if value is None:
+        return f"{label}: not measured"
+    met = value >= target if at_least else value <= target
+    sign = ">=" if at_least else "<="
+    return f"{label}: {value:.2f} ({'met' if met else 'MISSED'}, goal {sign} {target:g})"
+
+
+def goals(result: BenchResult) -> list[str]:
+    """The issue's goals at the largest size measured, each with its measured value."""
+    if not result.sizes:
+        return []
+    big, small = result.sizes[-1], result.sizes[0]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b <= 0 else a / b
+
+    wb_big, wb_small = big.median(WRITEBACK, "step"), small.median(WRITEBACK, "step")
+    return [
+        f"goals at {big.mib:g} MiB:",
+        _goal("  stock / writeback, whole step", ratio(big.median(STOCK, "step"), wb_big), 3, True),
+        _goal("  stock / writeback, state update", ratio(big.update(STOCK), big.update(WRITEBACK)), 50, True),
+        _goal("  writeback update / slice copy_", ratio(big.update(WRITEBACK), big.update(SLICE_COPY)), 10, False),
+        _goal(f"  writeback step {big.mib:g} MiB / {small.mib:g} MiB", ratio(wb_big, wb_small), 1.5, False),
+    ]
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Step time and state-update time against cache size, one line per pipeline, log scales."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise click.ClickException(
+            "--plot needs matplotlib: pip install matplotlib==3.11.2 (the workspace's dev group has it)"
+        ) from error
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sizes = [s.mib for s in result.sizes]
+    styles = {STOCK: "o-", REINPLACE: "s-", WRITEBACK: "^-", EAGER: "k--", SLICE_COPY: "k:"}
+
+    def line(axis: Any, name: str, values: list[float | None]) -> None:
+        points = [(x, v * 1e3) for x, v in zip(sizes, values, strict=True) if v is not None and v > 0]
+        if points:
+            axis.plot(*zip(*points, strict=True), styles[name], label=name)
+
+    for name in (*PIPELINES, EAGER):
+        line(left, name, [s.median(name, "step") for s in result.sizes])
+    for name in (*PIPELINES, SLICE_COPY):
+        line(right, name, [s.update(name) for s in result.sizes])
+    for axis, title in ((left, "decode step"), (right, "state update (update - idle call)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("K+V cache (MiB)")
+        axis.set_ylabel("ms (median)")
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = sorted({float(s) for s in text.split(",") if s.strip()})
+    except ValueError as error:
+        raise click.BadParameter(f"{text!r}: give cache sizes in MiB separated by commas, like 1,8,128") from error
+    if not sizes or sizes[0] <= 0:
+        raise click.BadParameter(f"{text!r}: give at least one positive size in MiB")
+    return sizes
+
+
+@click.command("bench")
+@click.option("--sizes", default="1,2,4,8,16,32,64,128", show_default=True,
+              help="K+V cache sizes in MiB, comma-separated.")
+@click.option("--repeats", default=15, show_default=True, type=click.IntRange(min=1),
+              help="Timed calls of each pipeline per size (interleaved).")
+@click.option("--backend", default=None, help="The writeback pipeline's backend. Default: mlx when installed.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG plot here (needs matplotlib).")
+@click.pass_context
+def bench_command(ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None) -> None:
+    """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
+    at each cache size; print medians, ratios and floors (eager, raw slice copy_)."""
+    registry = ctx.find_object(Registry)
+    assert registry is not None, "the writeback group puts the registry on the context"
+    console = Console(width=160)
+    with Progress(console=console, transient=True) as progress:
+        result = run_bench(registry, _sizes(sizes), repeats, backend, progress)
+    for table in _tables(result):
+        console.print(table)
+    for line in [*_failures(result), *goals(result)]:
+        console.print(line, markup=False)
+    if plot_path is not None:
+        plot(result, plot_path)
+        console.print(f"plot written to {plot_path}")

@@ -1,0 +1,361 @@
+"""The writeback pipeline, assembled from whatever the registry offers.
+
+``export -> find_mutations -> to_edge_transform_and_lower(backend's partitioner)
+-> to_executorch (the plugin that owns the step runs the registered passes)
+-> .pte -> runtime``, with caller-owned state allocated by the backend's
+allocator and bound in place. Core names no backend, runtime or pass: each
+comes from a hook (``writeback_backends``, ``writeback_to_executorch``,
+``writeback_runtimes``, ``writeback_state_allocators``,
+``writeback_runtime_delegates``).
+
+What this module guarantees:
+
+1. Caller-owned state (the inputs a model mutates) is left out of memory
+   planning (``MemoryPlanningPass(alloc_graph_input=False)``), so the runtime
+   uses the caller's tensor itself; it is allocated with the backend's
+   allocator when one is offered, else with ``torch.zeros``.
+2. Every copy of whole state the program still performs per call is counted:
+   the write-back ``copy_`` nodes left in the final program (static), and the
+   bytes a delegate reports it copied to bind its inputs (dynamic, read from
+   the optional ``copied_input_bytes`` attribute of a runtime delegate).
+3. :meth:`Session.step` checks nothing; :func:`compare` compares one step with
+   eager PyTorch, outputs and caller-owned state.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+
+from writeback_core.explain import export_case, write_back_positions
+from writeback_core.mutations import Mutation, MutationKind, find_mutations
+from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.types import BackendSpec, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
+from writeback_core.zoo import ModelCase
+
+if TYPE_CHECKING:
+    from executorch.exir import ExecutorchProgramManager
+
+__all__ = [
+    "ATOL",
+    "RTOL",
+    "Eager",
+    "Lowered",
+    "Pipeline",
+    "PipelineError",
+    "Session",
+    "StepCheck",
+    "StepResult",
+    "assemble",
+    "compare",
+    "lower",
+    "state_nbytes",
+]
+
+# Tolerances of the eager comparison: fp32 reductions in another order (MLX,
+# ExecuTorch's portable kernels) differ from PyTorch's in the last bits.
+RTOL = 1e-4
+ATOL = 1e-4
+
+
+class PipelineError(RuntimeError):
+    """The registry cannot assemble the pipeline asked for (a backend or runtime is missing)."""
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    # exir warns about every mutated buffer and torch.export about pytree internals;
+    # neither is actionable for a user of `writeback run`.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What the registry offers for one run: a backend (or none: no delegate), a runtime,
+    the delegates that runtime registers, and the state allocator."""
+
+    registry: Registry
+    backend: BackendSpec | None
+    runtime: RuntimeSpec
+    delegates: Mapping[str, RuntimeDelegate]
+    allocator: StateAllocator | None
+
+    def allocate(self, like: torch.Tensor) -> torch.Tensor:
+        """Caller-owned state shaped like ``like``, holding its values, from the backend's allocator."""
+        if self.allocator is None:
+            tensor = torch.zeros(like.shape, dtype=like.dtype)
+        else:
+            tensor = self.allocator(tuple(like.shape), like.dtype)
+        tensor.copy_(like)
+        return tensor
+
+
+def assemble(registry: Registry, backend: str | None = None, runtime: str | None = None) -> Pipeline:
+    """Pick a backend and a runtime among those the registry offers.
+
+    :param backend: a backend name, ``"none"`` for no delegate (everything runs on
+        ExecuTorch's kernels), or ``None`` for the default: ``"mlx"`` when offered,
+        else the only backend offered, else none.
+    :param runtime: a runtime name, or ``None`` for the only one offered (or ``"pybind"``).
+    :raises PipelineError: the name is not offered; the message lists what is.
+    """
+    backends = registry.backends()
+    spec: BackendSpec | None
+    if backend is None:
+        spec = backends.get("mlx") or (next(iter(backends.values())) if len(backends) == 1 else None)
+    elif backend == "none":
+        spec = None
+    elif backend in backends:
+        spec = backends[backend]
+    else:
+        raise PipelineError(
+            f"no backend named {backend!r}; installed plugins offer: "
+            f"{', '.join(sorted(backends)) or 'none'} (or 'none' for no delegate)"
+        )
+    runtimes = registry.runtimes()
+    if not runtimes:
+        raise PipelineError(
+            "no plugin offers a runtime (hook writeback_runtimes); install writeback-pybind-runtime"
+        )
+    if runtime is None:
+        chosen = runtimes.get("pybind") or runtimes[sorted(runtimes)[0]]
+    elif runtime in runtimes:
+        chosen = runtimes[runtime]
+    else:
+        raise PipelineError(f"no runtime named {runtime!r}; installed plugins offer: {', '.join(sorted(runtimes))}")
+    allocator = registry.state_allocators().get(spec.name) if spec is not None else None
+    return Pipeline(registry, spec, chosen, registry.runtime_delegates(), allocator)
+
+
+@dataclass
+class Lowered:
+    """A model taken through the pipeline: its ``.pte`` and what became of its mutations.
+
+    ``write_back_bytes`` maps each state still written back whole by a ``copy_``
+    in the final program to the bytes that copy moves per call;
+    ``passes_run`` is False when no plugin owns ``to_executorch`` (stock exir ran).
+    """
+
+    case: ModelCase
+    exported: ExportedProgram
+    mutations: list[Mutation]
+    decisions: dict[str, InPlaceDecision]
+    program: ExecutorchProgramManager
+    pte: bytes
+    write_back_bytes: dict[str, int]
+    user_input_mutations: int
+    passes_run: bool
+    seconds: float
+
+    @property
+    def copied_per_call(self) -> int:
+        """Bytes of whole-state write-back copies the program makes every call."""
+        return sum(self.write_back_bytes.values())
+
+
+def _write_back_bytes(program: ExportedProgram) -> dict[str, int]:
+    """Bytes per call of each write-back ``copy_`` into a placeholder of the final graph."""
+    graph = program.graph_module.graph
+    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    found: dict[str, int] = {}
+    for name in write_back_positions(graph):
+        val = by_name[name].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            found[name] = val.numel() * val.element_size()
+    return found
+
+
+def lower(case: ModelCase, pipeline: Pipeline) -> Lowered:
+    """Export ``case``, lower it with the pipeline's backend, run the passes, serialize.
+
+    :raises PipelineError: the backend's partitioner or the passes fail; the
+        message names the model and the backend.
+    """
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    start = time.perf_counter()
+    registry = pipeline.registry
+    with _quiet():
+        exported = export_case(case)
+        mutations = find_mutations(exported.run_decompositions())
+        partitioners = [pipeline.backend.partitioner(registry)] if pipeline.backend else []
+        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
+        try:
+            edge = to_edge_transform_and_lower(exported, partitioner=partitioners)
+            decisions = in_place_decisions(edge.exported_program())
+            program = registry.hook.writeback_to_executorch(edge_manager=edge, config=config, registry=registry)
+            passes_run = program is not None
+            if program is None:
+                program = edge.to_executorch(config)
+        except Exception as error:
+            backend = pipeline.backend.name if pipeline.backend else "none"
+            raise PipelineError(
+                f"lowering model {case.name!r} to backend {backend!r} failed: {type(error).__name__}: {error}"
+            ) from error
+    final = program.exported_program()
+    signature = final.graph_signature
+    return Lowered(
+        case=case,
+        exported=exported,
+        mutations=mutations,
+        decisions=decisions,
+        program=program,
+        pte=bytes(program.buffer),
+        write_back_bytes=_write_back_bytes(final),
+        user_input_mutations=sum(1 for s in signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION),
+        passes_run=passes_run,
+        seconds=time.perf_counter() - start,
+    )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One call through the runtime: its latency, its user outputs and the bytes it copied.
+
+    ``copied_bytes`` = the program's whole-state write-backs per call plus
+    ``delegate_copied_bytes``, what delegates reported copying to bind inputs.
+    """
+
+    step: int
+    seconds: float
+    outputs: list[Any]
+    copied_bytes: int
+    delegate_copied_bytes: int
+
+
+def _delegate_copies(delegates: Mapping[str, RuntimeDelegate]) -> int:
+    total = 0
+    for delegate in delegates.values():
+        counter = getattr(delegate, "copied_input_bytes", None)
+        if isinstance(counter, list):
+            total += sum(counter)
+    return total
+
+
+@dataclass
+class Session:
+    """A lowered program loaded in the pipeline's runtime, with its caller-owned state.
+
+    ``state`` holds the model's caller-owned state tensors (allocated by the
+    backend's allocator), bound in place on every call.
+    """
+
+    pipeline: Pipeline
+    lowered: Lowered
+    method: RuntimeMethod
+    state: tuple[torch.Tensor, ...]
+    _inputs: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, pipeline: Pipeline, lowered: Lowered) -> Session:
+        """Load the ``.pte`` in the pipeline's runtime and allocate the state."""
+        program = pipeline.runtime.load_program(lowered.pte, pipeline.delegates)
+        method = program.load_method("forward")
+        state = tuple(pipeline.allocate(t) for t in lowered.case.make_state())
+        return cls(pipeline, lowered, method, state)
+
+    def step(self, step: int) -> StepResult:
+        """Run decode step ``step`` (the case's inputs for that step, then the state)."""
+        inputs = [*self.lowered.case.step_inputs(step), *self.state]
+        before = _delegate_copies(self.pipeline.delegates)
+        start = time.perf_counter()
+        outputs = self.method.execute(inputs, clone_outputs=False)
+        seconds = time.perf_counter() - start
+        # Keep the inputs alive until the next call: a runtime may hold their pointers.
+        self._inputs = inputs
+        copied = _delegate_copies(self.pipeline.delegates) - before
+        user = [o.clone() if isinstance(o, torch.Tensor) else o
+                for o in outputs[self.lowered.user_input_mutations:]]
+        return StepResult(step, seconds, user, self.lowered.copied_per_call + copied, copied)
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    return [value]
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """How far one step is from eager: the largest absolute error of outputs and of state,
+    and what differed (empty when the step matches)."""
+
+    output_error: float
+    state_error: float | None
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class Eager:
+    """The same model in eager PyTorch, stepped alongside, with its own copy of the state."""
+
+    def __init__(self, case: ModelCase) -> None:
+        self.case = case
+        self.module = case.build().eval().requires_grad_(False)
+        self.state = case.make_state()
+
+    def step(self, step: int) -> list[Any]:
+        """Run eager step ``step``; returns the flattened outputs."""
+        with torch.no_grad():
+            return _flatten(self.module(*self.case.step_inputs(step), *self.state))
+
+
+def _max_error(actual: Any, expected: Any) -> float:
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return 0.0 if actual == expected else float("inf")
+    if actual.shape != expected.shape:
+        return float("inf")
+    if actual.numel() == 0:
+        return 0.0
+    return float((actual.double() - expected.double()).abs().max())
+
+
+def _close(actual: Any, expected: Any) -> bool:
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return bool(actual == expected)
+    if actual.shape != expected.shape:
+        return False
+    return bool(torch.allclose(actual.to(expected.dtype), expected, rtol=RTOL, atol=ATOL))
+
+
+def compare(result: StepResult, eager_outputs: Sequence[Any], state: Sequence[torch.Tensor],
+            eager_state: Sequence[torch.Tensor]) -> StepCheck:
+    """Compare one step's outputs and state with eager's (``rtol``/``atol`` = :data:`RTOL`/:data:`ATOL`)."""
+    problems: list[str] = []
+    if len(result.outputs) != len(eager_outputs):
+        problems.append(f"the program returned {len(result.outputs)} outputs, eager {len(eager_outputs)}")
+    out_error = 0.0
+    for index, (mine, theirs) in enumerate(zip(result.outputs, eager_outputs, strict=False)):
+        error = _max_error(mine, theirs)
+        out_error = max(out_error, error)
+        if not _close(mine, theirs):
+            shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
+            problems.append(f"output {index} {shape} differs from eager by {error:.3g}")
+    state_error: float | None = None
+    for index, (mine, theirs) in enumerate(zip(state, eager_state, strict=True)):
+        error = _max_error(mine, theirs)
+        state_error = max(state_error or 0.0, error)
+        if not _close(mine, theirs):
+            problems.append(f"state {index} {tuple(mine.shape)} differs from eager by {error:.3g}")
+    return StepCheck(out_error, state_error, tuple(problems))
+
+
+def state_nbytes(mutations: Sequence[Mutation]) -> tuple[int, int]:
+    """``(caller-owned, program-owned)`` bytes of the mutated state, from the mutations."""
+    caller = sum(m.nbytes or 0 for m in mutations if m.kind is MutationKind.USER_INPUT)
+    owned = sum(m.nbytes or 0 for m in mutations if m.kind is not MutationKind.USER_INPUT)
+    return caller, owned

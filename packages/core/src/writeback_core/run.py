@@ -1,0 +1,183 @@
+"""``writeback run [MODEL]``: the whole pipeline on one model, every step checked against eager.
+
+Exports MODEL, finds its mutations, lowers it with the chosen backend, runs the
+registered passes, writes the ``.pte``, then runs ``--steps`` calls through the
+runtime with caller-owned state bound in place, comparing each call's outputs
+and state with eager PyTorch. Exits non-zero, naming the step and the value,
+when any step differs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from writeback_core.explain import format_bytes
+from writeback_core.pipeline import (
+    ATOL,
+    RTOL,
+    Eager,
+    Lowered,
+    Pipeline,
+    PipelineError,
+    Session,
+    StepCheck,
+    StepResult,
+    assemble,
+    compare,
+    lower,
+    state_nbytes,
+)
+from writeback_core.registry import Registry
+from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+
+__all__ = ["RunReport", "run_command", "run_model"]
+
+DEFAULT_MODEL = "decoder-caller-cache"
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What ``writeback run`` did: the lowering and every step with its check."""
+
+    pipeline: Pipeline
+    lowered: Lowered
+    pte_path: Path
+    steps: list[tuple[StepResult, StepCheck]]
+
+    @property
+    def failures(self) -> list[tuple[StepResult, StepCheck]]:
+        return [(r, c) for r, c in self.steps if not c.ok]
+
+
+def _case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
+    from writeback_core.loading import resolve_model
+
+    if cache_mib is not None:
+        if model not in ("decoder", "decoder-caller-cache"):
+            raise click.UsageError(f"--cache-mib applies to the built-in decoders, not to {model!r}")
+        config = DecoderConfig.for_cache_bytes(int(cache_mib * (1 << 20)))
+        return decoder_case(config, caller_cache=model == "decoder-caller-cache")
+    try:
+        return resolve_model(model, registry.models())
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+
+
+def run_model(
+    pipeline: Pipeline, case: ModelCase, steps: int, output: Path, console: Console | None = None
+) -> RunReport:
+    """Lower ``case`` through ``pipeline``, write the ``.pte`` to ``output`` and run ``steps``
+    decode steps, each compared with eager. Never raises for a mismatch: see ``failures``."""
+    lowered = lower(case, pipeline)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(lowered.pte)
+    session = Session.open(pipeline, lowered)
+    eager = Eager(case)
+    done: list[tuple[StepResult, StepCheck]] = []
+    progress = Progress(
+        TextColumn("[bold]decode"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=True, disable=console is None,
+    )
+    with progress:
+        task = progress.add_task("decode", total=steps)
+        for step in range(steps):
+            result = session.step(step)
+            expected = eager.step(step)
+            done.append((result, compare(result, expected, session.state, eager.state)))
+            progress.advance(task)
+    return RunReport(pipeline, lowered, output, done)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _summary(report: RunReport) -> str:
+    lowered = report.lowered
+    caller, owned = state_nbytes(lowered.mutations)
+    backend = report.pipeline.backend.name if report.pipeline.backend else "none"
+    accepted = [d.target for d in lowered.decisions.values() if d.accepted]
+    lines = [
+        f"model {lowered.case.name}: {lowered.case.description}",
+        f"backend {backend}, runtime {report.pipeline.runtime.name}, "
+        f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}",
+        f"{len(lowered.mutations)} mutations; state: {format_bytes(caller)} caller-owned, "
+        f"{format_bytes(owned)} program-owned; written in place by the backend: "
+        f"{', '.join(accepted) or 'none'}",
+        "whole-state write-backs left in the program: "
+        + (", ".join(f"{k} ({format_bytes(v)}/call)" for k, v in lowered.write_back_bytes.items()) or "none"),
+    ]
+    if not lowered.passes_run:
+        lines.append("no plugin owns writeback_to_executorch: stock exir ran, no registered pass")
+    return "\n".join(lines)
+
+
+def _table(report: RunReport) -> Table:
+    table = Table(title=f"writeback run {report.lowered.case.name}: {len(report.steps)} steps vs eager")
+    titles = ("step", "latency ms", "state write-back", "copied into delegate", "max abs err (out)",
+              "max abs err (state)", "match")
+    for title in titles:
+        table.add_column(title, justify="right")
+    for result, check in report.steps:
+        table.add_row(
+            str(result.step),
+            _ms(result.seconds),
+            format_bytes(result.copied_bytes - result.delegate_copied_bytes),
+            format_bytes(result.delegate_copied_bytes),
+            f"{check.output_error:.2e}",
+            "n/a" if check.state_error is None else f"{check.state_error:.2e}",
+            "yes" if check.ok else "[red]NO[/red]",
+        )
+    return table
+
+
+@click.command("run")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps to run.")
+@click.option("--backend", default=None,
+              help="A backend plugins offer (see `writeback plugins`), or 'none'. Default: mlx when installed.")
+@click.option("--runtime", "runtime_name", default=None, help="A runtime plugins offer. Default: pybind.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the .pte. Default: a temporary directory.")
+@click.option("--cache-mib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="For the built-in decoders: size the K+V cache to this many MiB.")
+@click.pass_context
+def run_command(ctx: click.Context, model: str, steps: int, backend: str | None, runtime_name: str | None,
+                output: Path | None, cache_mib: float | None) -> None:
+    """Lower MODEL (default: decoder-caller-cache; a built-in name or path/to/file.py:factory)
+    through the installed backend and passes, run it STEPS times with its state bound in place,
+    and check every step against eager PyTorch."""
+    registry = ctx.find_object(Registry)
+    assert registry is not None, "the writeback group puts the registry on the context"
+    console = Console(width=120)
+    case = _case(registry, model, cache_mib)
+    try:
+        pipeline = assemble(registry, backend, runtime_name)
+    except PipelineError as error:
+        raise click.UsageError(str(error)) from error
+    with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
+        path = output if output is not None else Path(scratch) / "model.pte"
+        try:
+            report = run_model(pipeline, case, steps, path, console)
+        except PipelineError as error:
+            raise click.ClickException(str(error)) from error
+        console.print(_summary(report))
+    console.print(_table(report))
+    console.print(
+        "state write-back: bytes of whole-state copies the program makes per call; copied into delegate: "
+        "bytes a delegate reported copying to bind its inputs (state and per-step inputs alike)"
+    )
+    if report.failures:
+        result, check = report.failures[0]
+        raise click.ClickException(
+            f"{len(report.failures)} of {len(report.steps)} steps differ from eager PyTorch "
+            f"(rtol={RTOL}, atol={ATOL}); first at step {result.step}: {'; '.join(check.problems)}"
+        )
+    console.print(f"all {len(report.steps)} steps match eager PyTorch (rtol={RTOL}, atol={ATOL})")
