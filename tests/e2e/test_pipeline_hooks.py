@@ -1,0 +1,124 @@
+"""The hooks `writeback run` is assembled from: writeback_to_executorch (the passes own the
+to_executorch step), writeback_runtimes (the pybind-runtime), writeback_state_allocators (the
+MLX backend's allocator). Real plugins, real exir, real runtime, real MLX; eager computed here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import writeback_mlx_backend.plugin as mlx_plugin
+import writeback_passes.plugin as passes_plugin
+import writeback_pybind_runtime.plugin as runtime_plugin
+from writeback_core import hookimpl
+from writeback_core.pipeline import PipelineError, Session, assemble, lower
+from writeback_core.registry import DuplicateNameError, load_registry
+from writeback_core.types import RuntimeSpec, StateAllocator
+from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
+
+CFG = DecoderConfig(max_seq=8)
+CACHE_BYTES = 1 * 2 * 8 * 16 * 4  # [1, heads=2, max_seq=8, head_dim=16] fp32
+
+
+def _check_against_eager(session: Session, steps: int, expect_copied: int) -> None:
+    case = session.lowered.case
+    model = CallerCacheDecoder(CFG).eval()
+    eager_caches = [torch.zeros(CFG.cache_shape) for _ in range(2)]
+    for step in range(steps):
+        result = session.step(step)
+        with torch.no_grad():
+            expected = model(*case.step_inputs(step), *eager_caches)
+        torch.testing.assert_close(result.outputs[0], expected, rtol=1e-4, atol=1e-5)
+        for mine, theirs in zip(session.state, eager_caches, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        assert result.copied_bytes == expect_copied
+
+
+def test_writeback_to_executorch_from_the_passes_drops_write_backs_the_delegate_accepted() -> None:
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
+    pipeline = assemble(registry)
+    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    assert lowered.passes_run
+    assert lowered.write_back_bytes == {}
+    # Only the token and the position (8 B each) are copied, into the delegate.
+    _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16)
+
+
+def test_without_a_writeback_to_executorch_plugin_stock_exir_runs_and_every_copy_is_reported() -> None:
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, runtime_plugin])
+    pipeline = assemble(registry)
+    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    assert not lowered.passes_run
+    # Stock exir keeps a whole-cache write-back copy_ per cache, every call.
+    assert lowered.write_back_bytes == {"caches_0": CACHE_BYTES, "caches_1": CACHE_BYTES}
+    _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16 + 2 * CACHE_BYTES)
+
+
+def test_writeback_to_executorch_is_firstresult_a_plugin_returning_none_defers() -> None:
+    calls: list[str] = []
+
+    class Declines:
+        writeback_name = "declines"
+
+        @hookimpl
+        def writeback_to_executorch(self) -> None:
+            calls.append("asked")
+            return None
+
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin, Declines()])
+    lowered = lower(decoder_case(CFG, caller_cache=True), assemble(registry))
+    assert calls == ["asked"]
+    assert lowered.passes_run and lowered.write_back_bytes == {}
+
+
+def test_state_not_from_the_backend_allocator_is_copied_into_the_delegate_and_reported() -> None:
+    """writeback_state_allocators: without the MLX allocator the delegate copies each cache into
+    MLX every call; the run still matches eager and reports those bytes."""
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
+    assert set(registry.state_allocators()) == {"mlx"}
+    pipeline = dataclasses.replace(assemble(registry), allocator=None)
+    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    _check_against_eager(Session.open(pipeline, lowered), steps=2, expect_copied=16 + 2 * CACHE_BYTES)
+
+
+def test_writeback_state_allocators_mlx_allocator_gives_zeroed_tensors_of_the_asked_shape() -> None:
+    allocate = load_registry(entry_points=False, plugins=[mlx_plugin]).state_allocators()["mlx"]
+    tensor = allocate((3, 5), torch.float32)
+    assert tensor.shape == (3, 5) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert torch.equal(tensor, torch.zeros(3, 5))
+
+
+def test_two_plugins_offering_an_allocator_for_one_backend_is_an_error_naming_both() -> None:
+    class Other:
+        writeback_name = "other-allocator"
+
+        @hookimpl
+        def writeback_state_allocators(self) -> dict[str, StateAllocator]:
+            return {"mlx": lambda shape, dtype: torch.zeros(tuple(shape), dtype=dtype)}
+
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, Other()])
+    with pytest.raises(DuplicateNameError, match="'mlx-backend' and plugin 'other-allocator'|"
+                                                 "'other-allocator' and plugin 'mlx-backend'"):
+        registry.state_allocators()
+
+
+def test_two_plugins_offering_one_runtime_name_is_an_error_naming_both() -> None:
+    class Another:
+        writeback_name = "another-runtime"
+
+        @hookimpl
+        def writeback_runtimes(self) -> Sequence[RuntimeSpec]:
+            return [RuntimeSpec("pybind", load_program=lambda data, delegates: None)]
+
+    registry = load_registry(entry_points=False, plugins=[runtime_plugin, Another()])
+    with pytest.raises(DuplicateNameError, match="runtime 'pybind'.*another-runtime"):
+        registry.runtimes()
+
+
+def test_writeback_runtimes_none_installed_is_a_clear_error() -> None:
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin])
+    with pytest.raises(PipelineError, match="no plugin offers a runtime.*writeback-pybind-runtime"):
+        assemble(registry)
