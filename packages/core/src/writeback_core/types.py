@@ -136,12 +136,16 @@ class AliasingEngine(Protocol):
 
     It aliases a write (writes it into its input's memory, so no copy-back is
     needed) only when its rule allows; every other write must be copied back
-    by the program. ``name`` is what users pick; ``backend_id`` the ExecuTorch
-    backend id its delegate blobs carry.
+    by the program.
     """
 
-    name: str
-    backend_id: str
+    @property
+    def name(self) -> str:
+        """What users pick the engine by."""
+
+    @property
+    def backend_id(self) -> str:
+        """The ExecuTorch backend id its delegate blobs carry."""
 
     def alias_refusal(self, write: EngineWrite) -> str | None:
         """The predicate: ``None`` when the engine will alias ``write``, else why not.
@@ -150,8 +154,13 @@ class AliasingEngine(Protocol):
         prediction made before lowering holds after it.
         """
 
-    def aliased_io(self, processed: bytes) -> Mapping[int, int]:
-        """What lowering really aliased: delegate output index -> delegate input index.
+    def aliased_io(self, processed: bytes) -> Mapping[str, int]:
+        """What lowering really aliased: output binding -> delegate input index.
+
+        One entry per write the engine performs in place. A binding named
+        ``output<k>`` is the delegate's output ``k`` (the engine leaves it
+        unwritten: the input holds the value); any other name is a write whose
+        result stays inside the engine.
 
         :param processed: the processed blob of one lowered delegate of this engine.
         """
