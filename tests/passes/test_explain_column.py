@@ -37,12 +37,14 @@ def test_writeback_explain_columns_places_decoder_copies_right_after_their_value
         assert saved > 0
 
 
-def test_writeback_explain_columns_keeps_caller_cache_copies_last_saving_nothing() -> None:
+def test_writeback_explain_columns_moves_caller_cache_copies_too() -> None:
     for kind, cell in _columns("decoder-caller-cache").values():
         assert kind is MutationKind.USER_INPUT
         match = _CELL.fullmatch(cell)
         assert match, cell
-        assert int(match.group(4)) == 0
+        copy, value, _lives, saved = map(int, match.groups())
+        assert copy == value + 1
+        assert saved > 0
 
 
 def test_explain_command_shows_the_early_write_back_column() -> None:

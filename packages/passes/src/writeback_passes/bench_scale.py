@@ -57,7 +57,7 @@ def time_pass(nodes: int) -> tuple[float, int]:
     gm, states = synthetic_graph(nodes)
     size = len(gm.graph.nodes)
     start = time.perf_counter()
-    result = insert_write_back_early(gm, buffers=states)
+    result = insert_write_back_early(gm)
     elapsed = time.perf_counter() - start
     if len(result.placements) != len(states) or not result.modified:
         raise RuntimeError(f"the pass moved {len(result.placements)} of {len(states)} write-backs")

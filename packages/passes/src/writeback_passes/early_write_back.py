@@ -9,13 +9,13 @@ allows.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import OutputKind
 from writeback_core import AliasAnalysis
 
 __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
@@ -65,8 +65,6 @@ class EarlyWriteBack:
     ``analysed`` is False when the graph had no write-back to move (no alias
     analysis was built). ``fallback`` names the pair of write-backs that may
     interfere when all copies were kept at the end in their original order.
-    ``kept_last`` names the state placeholders that are not known to be
-    mutable buffers (user inputs), whose copies stay where exir put them.
     ``graph_module`` makes this usable as an exir ``PassResult``.
     """
 
@@ -74,7 +72,6 @@ class EarlyWriteBack:
     placements: tuple[WriteBackPlacement, ...] = ()
     analysed: bool = False
     fallback: tuple[str, str] | None = None
-    kept_last: tuple[str, ...] = ()
     modified: bool = field(default=False)
 
     def by_state(self) -> dict[str, WriteBackPlacement]:
@@ -90,15 +87,18 @@ class _WriteBack:
 
 
 def _write_backs(graph: torch.fx.Graph) -> list[_WriteBack]:
-    """The write-back copies exir inserted: ``copy_(placeholder, value)`` nodes the output returns."""
+    """The write-back copies: ``copy_(placeholder, value)`` nodes whose result or placeholder
+    the output returns (exir returns the copy; this pass, once run, the placeholder)."""
     output = graph.output_node()
     returned = set(output.all_input_nodes)
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node not in returned or _packet(node.target) != _COPY_PACKET:
+        if node.op != "call_function" or _packet(node.target) != _COPY_PACKET:
             continue
         dest, value = (*node.args, None, None)[:2]
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(value, torch.fx.Node):
+        if not (isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(value, torch.fx.Node)):
+            continue
+        if node in returned or (dest in returned and not node.users):
             found.append(_WriteBack(node, dest, value))
     return found
 
@@ -211,23 +211,28 @@ def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bo
     return before != list(graph.nodes)
 
 
-def _buffer_placeholders(graph: torch.fx.Graph) -> frozenset[str]:
-    """Placeholders that ``torch.export`` marked as buffers (``meta["desc"]``), by name."""
-    try:
-        from torch._functorch._aot_autograd.descriptors import BufferAOTInput
-    except ImportError:  # an older torch: no descriptors, so no placeholder is known
-        return frozenset()
-    return frozenset(
-        n.name for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("desc"), BufferAOTInput)
-    )
+def _name_states_at_output(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph, program: object) -> None:
+    """Make the output return each state placeholder instead of its write-back ``copy_``.
 
-
-def _signature_buffers(program: ExportedProgram) -> frozenset[str]:
-    return frozenset(
-        spec.arg.name
-        for spec in program.graph_signature.input_specs
-        if spec.kind is InputKind.BUFFER and hasattr(spec.arg, "name")
-    )
+    exir 1.5.1's memory planner skips in-place nodes such as ``copy_`` when it
+    computes lifetimes, so a user input returned through an early ``copy_``
+    would have its planned slot freed after its last use in graph order and
+    overwritten before the caller reads it. Returning the placeholder itself
+    keeps the slot alive to the end. The emitted program is the same (an
+    in-place ``copy_``'s value is its first argument's); a mutable buffer's
+    slot lives for the whole method anyway, and exir drops buffer outputs
+    before emitting. An ``ExportedProgram``'s signature is renamed to match.
+    """
+    output = graph.output_node()
+    renamed = {}
+    for wb in write_backs:
+        output.replace_input_with(wb.copy, wb.dest)
+        renamed[wb.copy.name] = wb.dest.name
+    if isinstance(program, ExportedProgram):
+        for spec in program.graph_signature.output_specs:
+            name = getattr(spec.arg, "name", None)
+            if name in renamed:
+                spec.arg.name = renamed[name]
 
 
 def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -249,36 +254,26 @@ def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.G
 
 
 def _needs_write_backs(program: ExportedProgram) -> bool:
-    """Whether some state output is still a plain value (no ``copy_`` written back yet)."""
+    """Whether some state output is still a plain value (no write-back ``copy_`` yet)."""
     outputs = list(program.graph_module.graph.output_node().args[0])
     for spec, node in zip(program.graph_signature.output_specs, outputs, strict=False):
         if spec.kind not in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
             continue
-        if not (isinstance(node, torch.fx.Node) and _packet(node.target) == _COPY_PACKET):
+        # A copy_ is exir's write-back; a placeholder is one this pass already
+        # moved (or a state written fully in place, which needs none).
+        if not (isinstance(node, torch.fx.Node) and (node.op == "placeholder" or _packet(node.target) == _COPY_PACKET)):
             return True
     return False
 
 
-def insert_write_back_early(
-    program: ExportedProgram | torch.fx.GraphModule, buffers: Collection[str] | None = None
-) -> EarlyWriteBack:
+def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> EarlyWriteBack:
     """Move every write-back ``copy_(state, value)`` to its earliest safe point, in place.
 
     ``program`` is either a ``GraphModule`` whose write-backs exir already
     inserted (what ``ExecutorchBackendConfig.passes`` receive), or an
     ``ExportedProgram``: an edge program whose state outputs are still values
     gets its copies from exir's ``insert_write_back_for_buffers_pass`` first.
-    Buffer mutations and user-input mutations go through the same analysis,
-    but only a copy into a mutable buffer is moved: exir's memory planner
-    (1.5.1) keeps a mutable buffer's slot for the whole method, while a user
-    input's slot is freed after its last use *in graph order* (the ``copy_``
-    the output returns is skipped as an in-place alias), so an early copy into
-    a user input would be overwritten by later temporaries before the caller
-    sees it. Those copies stay where exir put them and are listed in
-    ``kept_last``. Which placeholders are buffers comes from ``buffers`` (names),
-    else from the signature of an ``ExportedProgram``, else from the
-    ``meta["desc"]`` that ``torch.export`` leaves on each placeholder; a
-    placeholder not known to be a buffer is treated as a user input.
+    Buffer mutations and user-input mutations are handled alike.
 
     Algorithm:
 
@@ -304,6 +299,10 @@ def insert_write_back_early(
        d. the last placeholder (if the graph has any).
 
        Copies that land at the same point keep their original order.
+    5. Make the output return each state placeholder instead of its copy, so
+       exir's memory planner keeps a user input's slot alive to the end (it
+       skips in-place nodes when it computes lifetimes; without this an early
+       copy into a caller's tensor is overwritten before the caller sees it).
 
     Safety rules, with the example each one refuses:
 
@@ -319,8 +318,6 @@ def insert_write_back_early(
       (step 3).
 
     :param program: the graph to edit in place.
-    :param buffers: names of the placeholders that are mutable buffers, when
-        the caller knows better than the graph.
     :return: what moved where, usable as an exir ``PassResult``.
     :raises TypeError: ``program`` is neither an ``ExportedProgram`` nor a ``GraphModule``.
     """
@@ -329,8 +326,6 @@ def insert_write_back_early(
     write_backs = _write_backs(graph)
     if not write_backs:
         return EarlyWriteBack(gm)
-    if buffers is None:
-        buffers = _signature_buffers(program) if isinstance(program, ExportedProgram) else _buffer_placeholders(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     write_backs.sort(key=lambda wb: order[wb.copy])
     storage = _Storage(graph)
@@ -340,15 +335,13 @@ def insert_write_back_early(
         if moved:
             gm.recompile()
         return EarlyWriteBack(gm, analysed=True, fallback=clash, modified=moved)
-    kept = tuple(wb.dest.name for wb in write_backs if wb.dest.name not in buffers)
-    movable = [wb for wb in write_backs if wb.dest.name in buffers]
     copies = frozenset(wb.copy for wb in write_backs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last_placeholder = placeholders[-1] if placeholders else None
-    anchors = [_anchor(wb, storage, copies, order, last_placeholder) for wb in movable]
-    stock_lifetime = {wb.value: _lifetime(wb.value, order) for wb in movable}
+    anchors = [_anchor(wb, storage, copies, order, last_placeholder) for wb in write_backs]
+    stock_lifetime = {wb.value: _lifetime(wb.value, order) for wb in write_backs}
     tail: dict[torch.fx.Node, torch.fx.Node] = {}
-    for wb, anchor in zip(movable, anchors, strict=True):
+    for wb, anchor in zip(write_backs, anchors, strict=True):
         follow = tail.get(anchor, anchor)
         follow.append(wb.copy)
         tail[anchor] = wb.copy
@@ -363,10 +356,14 @@ def insert_write_back_early(
             early_position=after[wb.copy],
             lifetime_saved=stock_lifetime[wb.value] - _lifetime(wb.value, after),
         )
-        for wb in movable
+        for wb in write_backs
     )
-    modified = any(p.stock_position != p.early_position for p in placements)
+    returned_before = list(graph.output_node().args)
+    _name_states_at_output(write_backs, graph, program)
+    modified = returned_before != list(graph.output_node().args) or any(
+        p.stock_position != p.early_position for p in placements
+    )
     if modified:
         graph.lint()
         gm.recompile()
-    return EarlyWriteBack(gm, placements, analysed=True, kept_last=kept, modified=modified)
+    return EarlyWriteBack(gm, placements, analysed=True, modified=modified)
