@@ -1,0 +1,40 @@
+"""`writeback bench` works end to end on the two smallest sizes (not its speed: that is what
+the command itself reports), and a pipeline that cannot run is reported, not dropped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+from rich.console import Console
+
+import writeback_mlx_backend.plugin as mlx_plugin
+import writeback_passes.plugin as passes_plugin
+from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, _tables, run_bench
+from writeback_core.cli import main
+from writeback_core.registry import load_registry
+
+
+def test_bench_two_smallest_sizes_one_repeat_prints_every_pipeline_and_writes_the_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    result = CliRunner().invoke(main, ["bench", "--sizes", "1,2", "--repeats", "1", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    for text in ("1 MiB", "2 MiB", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "slice copy_ (floor)",
+                 "stock / writeback", "goals at 2 MiB:"):
+        assert text in result.output
+    # Every pipeline lowered, ran and matched eager on its warm-up calls.
+    assert "failed" not in result.output and "wrong" not in result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_a_pipeline_that_cannot_be_assembled_instead_of_dropping_its_row() -> None:
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin])  # no runtime plugin
+    result = run_bench(registry, [1.0], repeats=1)
+    (size,) = result.sizes
+    assert size.error(WRITEBACK, "step") is not None and "no writeback pipeline" in size.error(WRITEBACK, "step")
+    assert size.error(STOCK, "step") is None and size.median(STOCK, "step") is not None
+    console = Console(record=True, width=200)
+    for table in _tables(result):
+        console.print(table)
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│ ") and "MiB" in line]
+    assert len(rows) == 2 and all("failed" in row for row in rows)
