@@ -287,3 +287,21 @@ def test_value_mutated_in_place_after_it_is_computed_keeps_copy_after_the_mutati
     assert bump.args[0].name == placed.value
     assert names.index(placed.copy) == names.index(bump.name) + 1 > value + 1
     _run_graph(ep, MutatedAfterComputed())
+
+
+def test_user_input_written_back_early_keeps_its_planned_slot_to_the_end() -> None:
+    """exir's planner skips the in-place ``copy_`` when computing lifetimes; the pass returns the
+    caller's placeholder so the input's slot is not handed to later temporaries."""
+    from writeback_core import builtin_models
+
+    case = builtin_models()["decoder-caller-cache"]
+    program = lower(case.build(), case.example_args(0))
+    graph = program.exported_program().graph
+    nodes = list(graph.nodes)
+    for name in ("caches_0", "caches_1"):
+        placeholder = nodes[[n.name for n in nodes].index(name)]
+        copy = next(u for u in placeholder.users if u.target is torch.ops.aten.copy_.default)
+        assert nodes.index(copy) < len(nodes) // 2  # moved well before the end
+        assert placeholder in graph.output_node().all_input_nodes
+        assert placeholder.meta["spec"].lifetime[1] == len(nodes) - 1  # alive through the output
+    assert_runs_like_eager(program, case.build(), case.step_inputs, caller_state=case.make_state())
