@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 from torch.export import ExportedProgram
-
 from writeback_core.registry import Registry, hookimpl, load_registry
 from writeback_core.types import RuntimeDelegate
 from writeback_trt_copyback import CompiledProgram, KVAliasEngine, Mode, compile_for_engine
@@ -33,7 +32,9 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], dynamic_shapes: Any =
 
 
 def compile_quietly(
-    program: ExportedProgram, engine: KVAliasEngine | None = None, mode: Mode = Mode.PREDICT,
+    program: ExportedProgram,
+    engine: KVAliasEngine | None = None,
+    mode: Mode = Mode.PREDICT,
     dryrun: bool = False,
 ) -> CompiledProgram:
     """``compile_for_engine`` with the uninitialized-buffer warning silenced (tested on its own)."""
@@ -95,8 +96,9 @@ class EngineRun:
         """The runtime's buffer ``name`` (fully qualified), as it holds it now."""
         placeholder = self.placeholder_of[name]
         if placeholder not in self.probe.views:
-            raise KeyError(f"buffer {name!r} ({placeholder}) is not an input of the engine; "
-                           f"inputs: {sorted(self.probe.views)}")
+            raise KeyError(
+                f"buffer {name!r} ({placeholder}) is not an input of the engine; inputs: {sorted(self.probe.views)}"
+            )
         return self.probe.views[placeholder].clone()
 
 
@@ -159,6 +161,5 @@ def run_against_eager(
             torch.testing.assert_close(g, w, msg=lambda m, s=step: f"step {s} output: {m}")
         if check_buffers:
             for name, w in eager.named_buffers():
-                torch.testing.assert_close(run.buffer(name), w,
-                                           msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+                torch.testing.assert_close(run.buffer(name), w, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
     return compiled

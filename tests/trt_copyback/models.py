@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from writeback_core.zoo import DecoderConfig, EmaStat, GatedDeltaState, TinyDecoder
 
 
@@ -176,3 +175,21 @@ class ReadOutside(nn.Module):
         old = self.cache.amax()
         self.cache.index_copy_(2, pos, x)
         return self.cache.sum(-1) + old
+
+
+class ReadLater(nn.Module):
+    """The old cache is read (through a clone) by ops that depend on the write's result.
+
+    With ``amax`` kept out of the engine, the ops after it form a second partition that
+    reads the cache after the first partition has written it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        old = self.cache.clone()
+        self.cache.index_copy_(2, pos, x)
+        peak = self.cache.sum(-1).amax()
+        return (old * peak).sum(-1)

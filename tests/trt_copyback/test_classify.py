@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.trt_copyback.conftest import EngineRun, compile_quietly, export, run_against_eager
-from tests.trt_copyback.models import ClonedWrite, IndexCopyWrite, Nested, SliceWrite
 from writeback_core import meta
 from writeback_trt_copyback import KVAliasEngine, lift_mutated_buffers
 from writeback_trt_copyback.lift import DEAD_WRITE
+
+from tests.trt_copyback.conftest import EngineRun, compile_quietly, export, run_against_eager
+from tests.trt_copyback.models import ClonedWrite, IndexCopyWrite, Nested, SliceWrite
 
 S = slice(None)
 
@@ -36,24 +36,20 @@ def test_cache_write_on_the_sequence_dim_of_a_4d_cache_is_aliased() -> None:
 def test_ineligible_index_copy_into_2d_cache_goes_to_copy_back() -> None:
     cls = _only(IndexCopyWrite((16, 4), 0), _rand(1, 4), torch.tensor([5]))
     assert not cls.aliased and "2-D" in str(cls.reason)
-    run_against_eager(lambda: IndexCopyWrite((16, 4), 0),
-                      lambda s: (_rand(1, 4, seed=s), torch.tensor([s + 2])))
+    run_against_eager(lambda: IndexCopyWrite((16, 4), 0), lambda s: (_rand(1, 4, seed=s), torch.tensor([s + 2])))
 
 
 @pytest.mark.parametrize(
     ("shape", "index", "update", "why"),
     [
-        pytest.param((1, 2, 16, 4), (S, slice(1, 2), S, S), (1, 1, 16, 4), "dim 1",
-                     id="wrong_dim"),
+        pytest.param((1, 2, 16, 4), (S, slice(1, 2), S, S), (1, 1, 16, 4), "dim 1", id="wrong_dim"),
         pytest.param((2, 16, 4), (S, slice(3, 4), S), (2, 1, 4), "3-D", id="3d_cache"),
-        pytest.param((1, 2, 16, 4), (S, S, slice(0, 16), S), (1, 2, 16, 4), "no cache slot",
-                     id="full_overwrite_explicit_bounds"),
-        pytest.param((1, 2, 16, 4), (S, S, S, S), (1, 2, 16, 4), "no cache slot",
-                     id="full_overwrite_bounds_omitted"),
-        pytest.param((1, 2, 16, 4), (S, S, slice(3, None), S), (1, 2, 13, 4), "open end",
-                     id="open_end"),
-        pytest.param((1, 2, 16, 4), (S, S, slice(-4, None), S), (1, 2, 4, 4), "open end",
-                     id="negative_start_open_end"),
+        pytest.param(
+            (1, 2, 16, 4), (S, S, slice(0, 16), S), (1, 2, 16, 4), "no cache slot", id="full_overwrite_explicit_bounds"
+        ),
+        pytest.param((1, 2, 16, 4), (S, S, S, S), (1, 2, 16, 4), "no cache slot", id="full_overwrite_bounds_omitted"),
+        pytest.param((1, 2, 16, 4), (S, S, slice(3, None), S), (1, 2, 13, 4), "open end", id="open_end"),
+        pytest.param((1, 2, 16, 4), (S, S, slice(-4, None), S), (1, 2, 4, 4), "open end", id="negative_start_open_end"),
     ],
 )
 def test_ineligible_slice_scatter_goes_to_copy_back(
@@ -63,8 +59,9 @@ def test_ineligible_slice_scatter_goes_to_copy_back(
     assert not cls.aliased and why in str(cls.reason), cls.reason
     # A full overwrite never reads the cache, so the engine never sees it: the output
     # (the cache's sum) is what shows it, every call.
-    run_against_eager(lambda: SliceWrite(shape, index), lambda s: (_rand(*update, seed=s),),
-                      check_buffers="no cache slot" not in why)
+    run_against_eager(
+        lambda: SliceWrite(shape, index), lambda s: (_rand(*update, seed=s),), check_buffers="no cache slot" not in why
+    )
 
 
 def test_slice_scatter_dynamic_bound_goes_to_copy_back() -> None:
@@ -87,8 +84,7 @@ def test_negative_start_is_normalised_before_the_rule() -> None:
     # -4:-3 in a 16-slot cache is slot 12: one slot, in range, so aliased and written there.
     index = (S, S, slice(-4, -3), S)
     assert _only(SliceWrite((1, 2, 16, 4), index), _rand(1, 2, 1, 4)).aliased
-    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index),
-                                 lambda s: (_rand(1, 2, 1, 4, seed=s),))
+    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index), lambda s: (_rand(1, 2, 1, 4, seed=s),))
     assert compiled.aliased == ["cache"]
 
 
@@ -110,8 +106,7 @@ def test_strided_write_is_copied_back_and_lands_in_every_other_slot() -> None:
 def test_cloned_cache_write_sole_use_clone_is_peeled_and_aliased(op: str) -> None:
     cls = _only(ClonedWrite(op), _rand(1, 2, 1, 4), torch.tensor([3]))
     assert cls.aliased, cls.reason
-    compiled = run_against_eager(lambda: ClonedWrite(op),
-                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3])))
+    compiled = run_against_eager(lambda: ClonedWrite(op), lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3])))
     assert compiled.aliased == ["cache"]
 
 
@@ -119,8 +114,9 @@ def test_cloned_cache_write_sole_use_clone_is_peeled_and_aliased(op: str) -> Non
 def test_cloned_cache_write_shared_clone_is_not_peeled(op: str) -> None:
     cls = _only(ClonedWrite(op, shared=True), _rand(1, 2, 1, 4), torch.tensor([3]))
     assert not cls.aliased and "direct input" in str(cls.reason)
-    compiled = run_against_eager(lambda: ClonedWrite(op, shared=True),
-                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3])))
+    compiled = run_against_eager(
+        lambda: ClonedWrite(op, shared=True), lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s + 3]))
+    )
     assert compiled.aliased == []
 
 
@@ -132,8 +128,11 @@ def test_dead_cache_write_is_rerouted_to_copy_back_and_marked() -> None:
     assert not cls.aliased and cls.marked and cls.reason == DEAD_WRITE
     marked = [n.name for n in lifted.program.graph.nodes if meta.get_custom(n, meta.NO_ALIAS)]
     assert marked == [cls.value]
-    compiled = run_against_eager(lambda: SliceWrite((1, 2, 16, 4), index, read=False),
-                                 lambda s: (_rand(1, 2, 1, 4, seed=s),), check_buffers=False)
+    compiled = run_against_eager(
+        lambda: SliceWrite((1, 2, 16, 4), index, read=False),
+        lambda s: (_rand(1, 2, 1, 4, seed=s),),
+        check_buffers=False,
+    )
     assert compiled.aliased == [] and compiled.copy_back == ["cache"]
 
 
@@ -153,19 +152,54 @@ def test_copy_back_write_that_the_engine_would_not_alias_is_not_marked() -> None
 
 def test_write_excluded_from_the_engine_goes_to_copy_back() -> None:
     engine = KVAliasEngine(excluded_ops=("aten.index_put",))
-    cls = _only(IndexCopyWrite((1, 2, 16, 4), 2), _rand(1, 2, 1, 4), torch.tensor([5]),
-                engine=engine)
+    cls = _only(IndexCopyWrite((1, 2, 16, 4), 2), _rand(1, 2, 1, 4), torch.tensor([5]), engine=engine)
     assert not cls.aliased and "excluded" in str(cls.reason)
-    compiled = run_against_eager(lambda: IndexCopyWrite((1, 2, 16, 4), 2),
-                                 lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])),
-                                 engine=engine, check_buffers=False)
+    compiled = run_against_eager(
+        lambda: IndexCopyWrite((1, 2, 16, 4), 2),
+        lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])),
+        engine=engine,
+        check_buffers=False,
+    )
     assert compiled.copy_back == ["cache"]
 
 
 def test_nested_buffers_are_resolved_and_named_by_their_full_path() -> None:
-    lifted = lift_mutated_buffers(export(Nested(), (_rand(1, 2, 1, 4), torch.tensor([1]))),
-                                  KVAliasEngine())
+    lifted = lift_mutated_buffers(export(Nested(), (_rand(1, 2, 1, 4), torch.tensor([1]))), KVAliasEngine())
     assert sorted(lifted.aliased) == ["layers.0.attn.k_cache", "layers.1.attn.k_cache"]
     assert sorted(lifted.copy_back) == ["layers.0.attn.state", "layers.1.attn.state"]
     compiled = run_against_eager(Nested, lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])))
     assert compiled.aliased == ["layers.0.attn.k_cache", "layers.1.attn.k_cache"]
+
+
+def test_keep_all_mode_needs_no_prediction_and_aliases_the_dead_write() -> None:
+    # Non-destructive: every value is kept for copy-back until aliased_io settles it, so a
+    # write nothing reads stays alive and the engine may alias it; no marker is needed.
+    from tests.trt_copyback.models import DeadAndLive
+    from writeback_trt_copyback import Mode
+
+    lifted = lift_mutated_buffers(
+        export(DeadAndLive(), (_rand(1, 2, 1, 4), torch.tensor([1]))), KVAliasEngine(), Mode.KEEP_ALL
+    )
+    assert not any(b.marked for b in lifted.buffers)
+    compiled = run_against_eager(
+        DeadAndLive, lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])), mode=Mode.KEEP_ALL
+    )
+    assert compiled.aliased == ["dead", "live"] and compiled.copy_back == []
+
+
+@pytest.mark.parametrize("mode_name", ["KEEP_ALL", "PREDICT"])
+def test_alias_whose_old_value_a_later_partition_reads_is_refused(mode_name: str) -> None:
+    # amax, kept out of the engine, splits it in two; the second partition reads the old
+    # cache (through a clone) after the first has written it in place.
+    from tests.trt_copyback.conftest import compile_quietly
+    from tests.trt_copyback.models import ReadLater
+    from writeback_trt_copyback import AliasMismatchError, Mode
+
+    engine = KVAliasEngine(excluded_ops=("aten.amax",))
+    program = export(ReadLater(), (_rand(1, 2, 1, 4), torch.tensor([1])))
+    expected = {
+        "KEEP_ALL": (ValueError, r"'cache' in place .* \['executorch_call_delegate_1'\] read"),
+        "PREDICT": (AliasMismatchError, r"wrote \['cache'\] in place, but they were filed copy-back"),
+    }[mode_name]
+    with pytest.raises(expected[0], match=expected[1]):
+        compile_quietly(program, engine, Mode[mode_name])

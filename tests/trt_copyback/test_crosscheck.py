@@ -8,9 +8,6 @@ from typing import Any
 import pytest
 import torch
 from torch.export import ExportedProgram
-
-from tests.trt_copyback.conftest import compile_quietly, export
-from tests.trt_copyback.models import DeadAndLive, IndexCopyWrite, ReadOutside
 from writeback_core import meta
 from writeback_trt_copyback import (
     AliasMismatchError,
@@ -23,13 +20,15 @@ from writeback_trt_copyback import (
     lift_mutated_buffers,
 )
 
+from tests.trt_copyback.conftest import compile_quietly, export
+from tests.trt_copyback.models import DeadAndLive, IndexCopyWrite, ReadOutside
+
 
 def _args() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1, 2, 1, 4, generator=torch.Generator().manual_seed(3)), torch.tensor([2])
 
 
-def _lower(module: torch.nn.Module, engine: KVAliasEngine, partitioners: list[Any] | None = None
-           ) -> ExportedProgram:
+def _lower(module: torch.nn.Module, engine: KVAliasEngine, partitioners: list[Any] | None = None) -> ExportedProgram:
     """Lift, declare and lower, stopping before the checks."""
     from executorch.exir import to_edge_transform_and_lower
 
@@ -38,7 +37,8 @@ def _lower(module: torch.nn.Module, engine: KVAliasEngine, partitioners: list[An
         warnings.simplefilter("ignore", UninitializedCopyBackWarning)
         declared = declare_copy_back(lifted.program)
     edge = to_edge_transform_and_lower(
-        declared, partitioner=partitioners if partitioners is not None else [engine.partitioner()])
+        declared, partitioner=partitioners if partitioners is not None else [engine.partitioner()]
+    )
     program: ExportedProgram = edge.exported_program()
     return program
 
@@ -84,8 +84,7 @@ def test_both_directions_pass_when_prediction_and_engine_agree() -> None:
 
 def test_no_cross_check_when_no_engine_was_built() -> None:
     engine = KVAliasEngine(min_block_size=50)
-    compiled = compile_quietly(export(IndexCopyWrite((1, 2, 16, 4), 2), _args()), engine,
-                               dryrun=True)
+    compiled = compile_quietly(export(IndexCopyWrite((1, 2, 16, 4), 2), _args()), engine, dryrun=True)
     assert compiled.lifted.aliased == ["cache"] and compiled.aliased == []
     # It is the flag that skips, not the absence of engines: the same program, checked, raises.
     lowered = _lower(IndexCopyWrite((1, 2, 16, 4), 2), engine, [])

@@ -13,9 +13,6 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
-
-from tests.trt_copyback.conftest import compile_quietly, export, stock_run
-from tests.trt_copyback.models import Hybrid, Overwrite, ReturnsWritten, ThreeStates, hybrid_inputs
 from writeback_core.zoo import EmaStat
 from writeback_trt_copyback import (
     COPY_BACK_RECORDS,
@@ -25,6 +22,9 @@ from writeback_trt_copyback import (
     lift_mutated_buffers,
 )
 from writeback_trt_copyback._program import output_values, rebuild
+
+from tests.trt_copyback.conftest import compile_quietly, export, stock_run
+from tests.trt_copyback.models import Hybrid, Overwrite, ReturnsWritten, ThreeStates, hybrid_inputs
 
 
 def _lifted(module: torch.nn.Module, *args: Any) -> ExportedProgram:
@@ -48,8 +48,9 @@ def _run_stock(program: ExportedProgram, buffers: list[str], inputs: list[tuple[
 
     # Every buffer keeps its initial value (the remedy the warning names; tested below).
     placeholders = list(program.graph_signature.inputs_to_buffers)
-    config = ExecutorchBackendConfig(emit_mutable_buffer_names=True,
-                                     passes=[InitializedMutableBufferPass(placeholders)])
+    config = ExecutorchBackendConfig(
+        emit_mutable_buffer_names=True, passes=[InitializedMutableBufferPass(placeholders)]
+    )
     et = to_edge(program).to_executorch(config)
     method = stock_run(et)
     for args in inputs:
@@ -61,8 +62,12 @@ def test_declaration_is_idempotent() -> None:
     lifted = _lifted(ThreeStates(), torch.tensor([1.0]))
     once = _declare(lifted)
     assert _declare(once) is once
-    assert _specs(once) == [("BUFFER_MUTATION", "a"), ("BUFFER_MUTATION", "b"),
-                            ("BUFFER_MUTATION", "c"), ("USER_OUTPUT", None)]
+    assert _specs(once) == [
+        ("BUFFER_MUTATION", "a"),
+        ("BUFFER_MUTATION", "b"),
+        ("BUFFER_MUTATION", "c"),
+        ("USER_OUTPUT", None),
+    ]
     # The lifted program itself is untouched, so declaring it again gives the same answer.
     assert _specs(_declare(lifted)) == _specs(once)
 
@@ -76,28 +81,26 @@ def test_second_declaration_does_not_destroy_a_user_output(build: type[torch.nn.
     eager = build().eval()
     with torch.no_grad():
         want = eager(x)
-    (outputs, _), = _run_stock(twice, [], [(x,)])
+    ((outputs, _),) = _run_stock(twice, [], [(x,)])
     assert len(outputs) == 1
     torch.testing.assert_close(outputs[0], want)
 
 
 def _declare_by_hand(program: ExportedProgram, buffer: str, keep_value: bool) -> ExportedProgram:
     """What another exporter does: declare ``buffer`` itself, taking its trailing value or not."""
-    (record,) = [r for r in program.graph_module.meta[COPY_BACK_RECORDS]["records"]
-                 if r["buffer"] == buffer]
+    (record,) = [r for r in program.graph_module.meta[COPY_BACK_RECORDS]["records"] if r["buffer"] == buffer]
     module = program.graph_module
     pairs = list(zip(output_values(module), program.graph_signature.output_specs, strict=True))
-    value = next(v for v, s in pairs if s.kind is OutputKind.USER_OUTPUT
-                 and s.arg.name == record["value"])
+    value = next(v for v, s in pairs if s.kind is OutputKind.USER_OUTPUT and s.arg.name == record["value"])
     if not keep_value:
-        pairs = [(v, s) for v, s in pairs if not (s.kind is OutputKind.USER_OUTPUT
-                                                  and s.arg.name == record["value"])]
+        pairs = [(v, s) for v, s in pairs if not (s.kind is OutputKind.USER_OUTPUT and s.arg.name == record["value"])]
     spec = OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(value.name), buffer)
     pairs.insert(0, (value, spec))
     meta = dict(module.meta[COPY_BACK_RECORDS])
     out_spec = program.call_spec.out_spec
-    return rebuild(program, module, [v for v, _ in pairs], [s for _, s in pairs],
-                   out_spec=out_spec, meta={COPY_BACK_RECORDS: meta})
+    return rebuild(
+        program, module, [v for v, _ in pairs], [s for _, s in pairs], out_spec=out_spec, meta={COPY_BACK_RECORDS: meta}
+    )
 
 
 @pytest.mark.parametrize("keep_value", [False, True], ids=["value_taken", "value_left"])
@@ -116,8 +119,7 @@ def test_mixed_declared_and_undeclared_buffers_pair_each_value_with_its_own_buff
             assert tuple(nodes[spec.arg.name].meta["val"].shape) == shapes[spec.target]
     eager = ThreeStates().eval()
     steps = [(torch.tensor([float(s + 1)]),) for s in range(3)]
-    for (outputs, buffers), args in zip(_run_stock(declared, ["a", "b", "c"], steps), steps,
-                                        strict=True):
+    for (outputs, buffers), args in zip(_run_stock(declared, ["a", "b", "c"], steps), steps, strict=True):
         with torch.no_grad():
             want = eager(*args)
         torch.testing.assert_close(outputs[0], want)
@@ -130,8 +132,7 @@ def test_declaration_refuses_a_program_edited_after_lift_and_changes_nothing() -
     module = lifted.graph_module
     pairs = list(zip(output_values(module), lifted.graph_signature.output_specs, strict=True))
     # Someone dropped the last trailing output (c's new value, node ``sub``).
-    edited = rebuild(lifted, module, [v for v, _ in pairs[:-1]], [s for _, s in pairs[:-1]],
-                     meta=dict(module.meta))
+    edited = rebuild(lifted, module, [v for v, _ in pairs[:-1]], [s for _, s in pairs[:-1]], meta=dict(module.meta))
     before = _specs(edited)
     with pytest.raises(ValueError, match=r"missing \['sub'\].*edited after lift_mutated_buffers"):
         _declare(edited)
@@ -144,8 +145,9 @@ def test_compiled_program_keeps_the_model_arity() -> None:
     kinds = [s.kind for s in program.graph_signature.output_specs]
     assert kinds.count(OutputKind.USER_OUTPUT) == 2  # logits, centered: the model's two
     # The copy-back values are still on the graph, as buffer mutations for exporters.
-    values = {s.target: s.arg.name for s in program.graph_signature.output_specs
-              if s.kind is OutputKind.BUFFER_MUTATION}
+    values = {
+        s.target: s.arg.name for s in program.graph_signature.output_specs if s.kind is OutputKind.BUFFER_MUTATION
+    }
     on_graph = {getattr(v, "name", None) for v in output_values(program.graph_module)}
     assert set(compiled.copy_back) <= set(values) and set(values.values()) <= on_graph
     et = compiled.to_executorch()

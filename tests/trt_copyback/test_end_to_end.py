@@ -6,10 +6,10 @@ import warnings
 
 import pytest
 import torch
+from writeback_trt_copyback import KVAliasEngine, Mode, UninitializedCopyBackWarning, compile_for_engine
 
 from tests.trt_copyback.conftest import EngineRun, export
 from tests.trt_copyback.models import Hybrid, hybrid_inputs
-from writeback_trt_copyback import KVAliasEngine, Mode, UninitializedCopyBackWarning, compile_for_engine
 
 KV = ["decoder.blocks.0.k_cache", "decoder.blocks.0.v_cache"]
 COPY_BACK = ["ema.running_mean", "ema.steps", "gdn.conv_state", "gdn.recurrent_state"]
@@ -42,8 +42,6 @@ def test_kv_aliased_gdn_and_ema_copied_back_match_eager_for_8_steps(mode: Mode) 
         for name, want in eager.named_buffers():
             torch.testing.assert_close(run.buffer(name), want, msg=lambda m, n=name: f"{n}: {m}")
     # The KV caches are written in place: the program has no write-back copy for them.
-    copies = [n for n in run.program.graph.nodes
-              if n.op == "call_function" and "copy_" in str(n.target)]
+    copies = [n for n in run.program.graph.nodes if n.op == "call_function" and "copy_" in str(n.target)]
     written = sorted(str(n.args[0].target) for n in copies)
-    assert written == ["b_ema_running_mean", "b_ema_steps", "b_gdn_conv_state",
-                       "b_gdn_recurrent_state"]
+    assert written == ["b_ema_running_mean", "b_ema_steps", "b_gdn_conv_state", "b_gdn_recurrent_state"]

@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from click.testing import CliRunner
-
 from writeback_core.cli import main
 from writeback_core.registry import hookimpl, load_registry
 from writeback_core.types import AliasingEngine, EngineWrite
@@ -54,8 +53,10 @@ def test_runtime_delegate_is_offered_under_the_engine_backend_id() -> None:
 
 
 def test_plugin_module_imports_no_exir_backend_machinery() -> None:
-    code = ("import sys, writeback_trt_copyback.plugin; "
-            "print(any(m.startswith('executorch.exir.backend') for m in sys.modules))")
+    code = (
+        "import sys, writeback_trt_copyback.plugin; "
+        "print(any(m.startswith('executorch.exir.backend') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
 
@@ -65,8 +66,9 @@ def _columns(name: str) -> dict[str, dict[str, str]]:
     from writeback_core.mutations import find_mutations
 
     program = export_case(builtin_models()[name])
-    return {m.target: explain_columns(program, m, KVAliasEngine())
-            for m in find_mutations(program.run_decompositions())}
+    return {
+        m.target: explain_columns(program, m, KVAliasEngine()) for m in find_mutations(program.run_decompositions())
+    }
 
 
 def test_explain_columns_show_aliased_and_copy_back_cost_per_call() -> None:

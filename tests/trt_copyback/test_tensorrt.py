@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.trt_copyback.conftest import export
-from tests.trt_copyback.models import IndexCopyWrite
 from writeback_trt_copyback import lift_mutated_buffers
 from writeback_trt_copyback.tensorrt import TensorRTEngine, available, unavailable_reason
 
-REASON = ("torch-tensorrt cannot run here: it needs torch 2.14 and CUDA TensorRT libraries and "
-          "raises on import without them (FACTS.md)")
+from tests.trt_copyback.conftest import export
+from tests.trt_copyback.models import IndexCopyWrite
+
+REASON = (
+    "torch-tensorrt cannot run here: it needs torch 2.14 and CUDA TensorRT libraries and "
+    "raises on import without them (FACTS.md)"
+)
 
 
 @pytest.mark.skipif(available(), reason="torch-tensorrt is importable here")

@@ -79,9 +79,7 @@ def encode_arg(value: Any) -> Any:
         return {_LAYOUT: str(value).removeprefix("torch.")}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise TypeError(
-        f"the kv-alias engine cannot serialize argument {value!r} ({type(value).__name__})"
-    )
+    raise TypeError(f"the kv-alias engine cannot serialize argument {value!r} ({type(value).__name__})")
 
 
 def decode_arg(value: Any, env: dict[str, Any]) -> Any:

@@ -41,9 +41,7 @@ def rebuild(
     graph.erase_node(old)
     module.recompile()
     module.meta.update(meta or {})
-    signature = ExportGraphSignature(
-        input_specs=list(program.graph_signature.input_specs), output_specs=list(specs)
-    )
+    signature = ExportGraphSignature(input_specs=list(program.graph_signature.input_specs), output_specs=list(specs))
     call_graph = copy.deepcopy(program._module_call_graph)
     if out_spec is not None and call_graph and call_graph[0].signature is not None:
         call_graph[0].signature.out_spec = out_spec

@@ -45,9 +45,7 @@ class CompiledProgram:
     @property
     def copy_back(self) -> list[str]:
         """Buffers the program copies back after the engine runs."""
-        return sorted(
-            b.target for b in self.lifted.buffers if b.target not in self.aliasing.buffers
-        )
+        return sorted(b.target for b in self.lifted.buffers if b.target not in self.aliasing.buffers)
 
     def to_executorch(self, init_buffers: Sequence[str] = (), passes: Sequence[Any] = ()) -> Any:
         """``to_executorch`` with mutable buffers named (``Method.get_attribute`` reads them).
@@ -106,14 +104,10 @@ def compile_for_engine(
     with warnings.catch_warnings():
         # exir's own deprecation chatter while retracing; ours are raised outside this block.
         warnings.simplefilter("ignore", FutureWarning)
-        edge = to_edge_transform_and_lower(
-            declared, partitioner=list(partitioners), compile_config=config
-        )
+        edge = to_edge_transform_and_lower(declared, partitioner=list(partitioners), compile_config=config)
     lowered = edge.exported_program()
     if mode is Mode.PREDICT and not dryrun:
         check_markers(lowered, [b.target for b in lifted.buffers if b.marked])
     aliasing = check_aliasing(lowered, engine, engines_built=not dryrun)
     settled = settle_aliased(lowered, aliasing)
-    return CompiledProgram(
-        EdgeProgramManager({"forward": settled}, compile_config=config), lifted, aliasing
-    )
+    return CompiledProgram(EdgeProgramManager({"forward": settled}, compile_config=config), lifted, aliasing)

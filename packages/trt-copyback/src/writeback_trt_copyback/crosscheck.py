@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -68,16 +69,15 @@ class EngineAliasing:
         return set(self.sites)
 
 
-def _delegate_calls(
-    program: ExportedProgram, backend_id: str
-) -> Iterator[tuple[torch.fx.Node, object]]:
+def _delegate_calls(program: ExportedProgram) -> Iterator[tuple[torch.fx.Node, Any]]:
+    """Each ``executorch_call_delegate`` node and its ``LoweredBackendModule``."""
     module = program.graph_module
     for node in module.graph.nodes:
         if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
             continue
-        lowered = getattr(module, str(node.args[0].target))  # type: ignore[union-attr]
-        if lowered.backend_id == backend_id:
-            yield node, lowered
+        handle = node.args[0]
+        assert isinstance(handle, torch.fx.Node)
+        yield node, getattr(module, str(handle.target))
 
 
 def engine_aliasing(program: ExportedProgram, engine: AliasingEngine) -> EngineAliasing:
@@ -85,16 +85,16 @@ def engine_aliasing(program: ExportedProgram, engine: AliasingEngine) -> EngineA
     buffers = program.graph_signature.inputs_to_buffers
     result = EngineAliasing()
     count = 0
-    for call, lowered in _delegate_calls(program, engine.backend_id):
+    for call, lowered in _delegate_calls(program):
+        if lowered.backend_id != engine.backend_id:
+            continue
         count += 1
-        for binding, index in engine.aliased_io(lowered.processed_bytes).items():  # type: ignore[attr-defined]
+        for binding, index in engine.aliased_io(lowered.processed_bytes).items():
             node = call.args[1 + index]
             assert isinstance(node, torch.fx.Node)
             key = buffers.get(node.name, f"<{node.name}>")
             out = int(binding[len("output") :]) if binding.startswith("output") else None
-            result.sites.setdefault(key, []).append(
-                AliasSite(call.name, binding, index, out, node.name)
-            )
+            result.sites.setdefault(key, []).append(AliasSite(call.name, binding, index, out, node.name))
     return EngineAliasing(result.sites, count)
 
 
@@ -107,17 +107,12 @@ def _classes(program: ExportedProgram) -> dict[str, dict[str, object]]:
     return found
 
 
-def _graphs(
-    program: ExportedProgram, backend_id: str | None = None
-) -> Iterator[tuple[torch.fx.Graph, dict[str, torch.fx.Node]]]:
+def _graphs(program: ExportedProgram) -> Iterator[tuple[torch.fx.Graph, dict[str, torch.fx.Node]]]:
     """The top graph, then each delegate's graph, each with a map buffer name -> its cache node."""
     buffers = program.graph_signature.inputs_to_buffers
     nodes = {n.name: n for n in program.graph_module.graph.nodes}
     yield program.graph_module.graph, {b: nodes[p] for p, b in buffers.items() if p in nodes}
-    for node in program.graph_module.graph.nodes:
-        if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
-            continue
-        lowered = getattr(program.graph_module, str(node.args[0].target))
+    for node, lowered in _delegate_calls(program):
         inner = lowered.original_module
         placeholders = {n.name: n for n in inner.graph.nodes if n.op == "placeholder"}
         caches = {}
@@ -129,21 +124,16 @@ def _graphs(
 
 
 def _writes_into(cache: torch.fx.Node) -> list[torch.fx.Node]:
-    holders = [cache] + [
-        u for u in cache.users if peeled_input(u) is cache and u.op != "placeholder"
-    ]
-    return [
-        u
-        for h in holders
-        for u in h.users
-        if packet_name(u.target) in _WRITES and u.args and u.args[0] is h
-    ]
+    holders = [cache] + [u for u in cache.users if peeled_input(u) is cache and u.op != "placeholder"]
+    return [u for h in holders for u in h.users if packet_name(u.target) in _WRITES and u.args and u.args[0] is h]
 
 
 def _why_not_aliased(program: ExportedProgram, engine: AliasingEngine, buffer: str) -> str:
-    for graph, caches in list(_graphs(program))[1:]:
+    for _, caches in list(_graphs(program))[1:]:
         cache = caches.get(buffer)
-        for write in _writes_into(cache) if cache is not None else []:
+        if cache is None:
+            continue
+        for write in _writes_into(cache):
             refusal = engine.alias_refusal(engine_write(write, cache))
             return (
                 f"its write {write.name} reached the engine, whose lowering refused it: "
@@ -162,9 +152,7 @@ def _why_not_aliased(program: ExportedProgram, engine: AliasingEngine, buffer: s
     )
 
 
-def check_aliasing(
-    program: ExportedProgram, engine: AliasingEngine, engines_built: bool = True
-) -> EngineAliasing:
+def check_aliasing(program: ExportedProgram, engine: AliasingEngine, engines_built: bool = True) -> EngineAliasing:
     """Check the classes lift recorded on ``program``'s placeholders against the real aliasing.
 
     Both directions raise :class:`AliasMismatchError`, naming the buffers:
@@ -249,15 +237,9 @@ def check_markers(program: ExportedProgram, expected: Iterable[str]) -> None:
         bare = [w.name for w in own if w not in marked]
         elsewhere = [n.name for n in marked if n not in own]
         if (bare or not own) and elsewhere:
-            faults.append(
-                f"moved: the marker of {buffer!r} is on {elsewhere}, not on its "
-                f"write {bare or '(gone)'}"
-            )
+            faults.append(f"moved: the marker of {buffer!r} is on {elsewhere}, not on its write {bare or '(gone)'}")
         elif bare or not own:
-            faults.append(
-                f"lost: the write of {buffer!r} ({bare or 'gone'}) no longer "
-                "carries its no-alias marker"
-            )
+            faults.append(f"lost: the write of {buffer!r} ({bare or 'gone'}) no longer carries its no-alias marker")
         elif elsewhere:
             faults.append(f"gained: {elsewhere} carry the marker of {buffer!r} besides its write")
     for buffer in sorted(set(markers) - wanted):

@@ -108,9 +108,7 @@ def declare_copy_back(program: ExportedProgram) -> ExportedProgram:
         spec = OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(r["value"]), r["buffer"])
         mutations.append((by_name[r["value"]], spec))
         declared.add(r["buffer"])
-    first_user = next(
-        (i for i, (_, s) in enumerate(kept) if s.kind is OutputKind.USER_OUTPUT), len(kept)
-    )
+    first_user = next((i for i, (_, s) in enumerate(kept) if s.kind is OutputKind.USER_OUTPUT), len(kept))
     merged = kept[:first_user] + mutations + kept[first_user:]
     records = [dict(r, state="declared") for r in record["records"]]
     result = rebuild(

@@ -76,10 +76,7 @@ def _clamped(node: torch.fx.Node, shape: WriteShape, size: int | Dynamic) -> boo
     """Whether a slice bound as written lies outside ``[-size, size]`` (so it was clamped)."""
     if shape.op is None or "slice_scatter" not in shape.op or not isinstance(size, int):
         return False
-    raw = [
-        node.args[i] if len(node.args) > i else node.kwargs.get(k)
-        for i, k in ((3, "start"), (4, "end"))
-    ]
+    raw = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in ((3, "start"), (4, "end"))]
     return any(isinstance(b, int) and not -size <= b <= size for b in raw)
 
 
@@ -97,9 +94,7 @@ def _shape_only(node: torch.fx.Node) -> bool:
     """
     if packet_name(node.target) not in ("slice", "slice_copy"):
         return False
-    return bool(node.users) and all(
-        packet_name(u.target) == "copy" and u.args[0] is node for u in node.users
-    )
+    return bool(node.users) and all(packet_name(u.target) == "copy" and u.args[0] is node for u in node.users)
 
 
 def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list[torch.fx.Node]:
@@ -117,10 +112,7 @@ def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list
     if isinstance(dest, torch.fx.Node) and dest is not cache and peeled_input(dest) is cache:
         holders.append(dest)
     return [
-        u
-        for h in holders
-        for u in h.users
-        if not (lands and u is write) and u not in holders and not _shape_only(u)
+        u for h in holders for u in h.users if not (lands and u is write) and u not in holders and not _shape_only(u)
     ]
 
 

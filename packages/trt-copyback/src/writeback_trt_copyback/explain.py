@@ -16,9 +16,7 @@ COPY_BACK = "why copy-back"
 COST = "copy-back/call"
 
 
-def explain_columns(
-    program: ExportedProgram, mutation: Mutation, engine: AliasingEngine
-) -> dict[str, str]:
+def explain_columns(program: ExportedProgram, mutation: Mutation, engine: AliasingEngine) -> dict[str, str]:
     """Whether ``engine`` would write ``mutation`` in place, and what copying it back costs.
 
     A copy-back buffer pays, every call, its whole new value materialized as a

@@ -90,12 +90,7 @@ def _copy_chain(value: torch.fx.Node, write: torch.fx.Node | None) -> list[torch
     """``value`` and the copies between it and the write node (core peels the same ones)."""
     chain = [value]
     node = value
-    while (
-        write is not None
-        and node is not write
-        and node.args
-        and isinstance(node.args[0], torch.fx.Node)
-    ):
+    while write is not None and node is not write and node.args and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
         chain.append(node)
     return chain
@@ -133,9 +128,7 @@ def _classify(
     return cls, node if marked else None
 
 
-def lift_mutated_buffers(
-    program: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT
-) -> Lifted:
+def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT) -> Lifted:
     """Lift the buffer mutations of ``program`` off its outputs and classify each write.
 
     Algorithm:
@@ -164,9 +157,7 @@ def lift_mutated_buffers(
     graph = module.graph
     specs = list(lifted.graph_signature.output_specs)
     kept = [
-        (v, s)
-        for v, s in zip(output_values(module), specs, strict=True)
-        if s.kind is not OutputKind.BUFFER_MUTATION
+        (v, s) for v, s in zip(output_values(module), specs, strict=True) if s.kind is not OutputKind.BUFFER_MUTATION
     ]
     old = graph.output_node()
     with graph.inserting_before(old):

@@ -29,13 +29,11 @@ __all__ = ["KVAliasPartitioner", "WritebackKVAliasBackend"]
 _IN_PLACE_WRITES = {"index_put", "slice_scatter", "index_copy"}
 
 
-class _Support(OperatorSupportBase):  # type: ignore[misc]  # torch's base is untyped
+class _Support(OperatorSupportBase):
     def __init__(self, engine: KVAliasEngine) -> None:
         self.engine = engine
 
-    def is_node_supported(
-        self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node
-    ) -> bool:
+    def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
         if node.target is operator.getitem:
@@ -96,9 +94,7 @@ def _owned_tensor(program: ExportedProgram, name: str) -> torch.Tensor:
     return value
 
 
-def _in_place_step(
-    node: torch.fx.Node, position: int, engine: KVAliasEngine
-) -> dict[str, Any] | None:
+def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) -> dict[str, Any] | None:
     """The in-place update for write ``node`` into input ``position``, or ``None`` if refused."""
     cache = node.args[0]
     assert isinstance(cache, torch.fx.Node)
@@ -117,9 +113,7 @@ def _in_place_step(
             src=encode_arg(node.args[1]),
         )
     elif packet == "index_put":
-        step.update(
-            update="index_put", indices=encode_arg(node.args[1]), src=encode_arg(node.args[2])
-        )
+        step.update(update="index_put", indices=encode_arg(node.args[1]), src=encode_arg(node.args[2]))
     else:
         step.update(
             update="index_copy",
@@ -147,9 +141,7 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
     """
 
     @staticmethod
-    def preprocess(
-        edge_program: ExportedProgram, compile_specs: list[CompileSpec]
-    ) -> PreprocessResult:
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         engine = KVAliasEngine.from_compile_specs(compile_specs)
         module = copy.deepcopy(edge_program.graph_module)
         graph = module.graph
@@ -163,9 +155,7 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
                 blob.marked.append(node.name)
             if node.op == "placeholder":
                 if node.name not in position:
-                    blob.constants[node.name] = encode_tensor(
-                        _owned_tensor(edge_program, node.name)
-                    )
+                    blob.constants[node.name] = encode_tensor(_owned_tensor(edge_program, node.name))
                 continue
             if node.op != "call_function":
                 continue
@@ -191,9 +181,7 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         blob.outputs = [encode_arg(o) for o in outputs]
         for name, input_index in in_place.items():
-            indices = [
-                k for k, o in enumerate(outputs) if isinstance(o, torch.fx.Node) and o.name == name
-            ]
+            indices = [k for k, o in enumerate(outputs) if isinstance(o, torch.fx.Node) and o.name == name]
             binding = f"output{indices[0]}" if indices else f"update:{name}"
             blob.aliased_io[binding] = input_index
         return PreprocessResult(processed_bytes=blob.to_bytes())

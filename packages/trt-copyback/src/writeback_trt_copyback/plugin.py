@@ -29,9 +29,7 @@ def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
 
 
 @hookimpl
-def writeback_explain_columns(
-    program: ExportedProgram, mutation: Mutation
-) -> dict[str, str] | None:
+def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     from writeback_trt_copyback.engine import KVAliasEngine
     from writeback_trt_copyback.explain import explain_columns
 

@@ -47,9 +47,7 @@ class KVAliasRuntimeDelegate:
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Plan:
         blob = Blob.from_bytes(bytes(processed))
         ops = {s["op"]: resolve_op(s["op"]) for s in blob.steps if "op" in s}
-        skipped = frozenset(
-            int(b[len("output") :]) for b in blob.aliased_io if b.startswith("output")
-        )
+        skipped = frozenset(int(b[len("output") :]) for b in blob.aliased_io if b.startswith("output"))
         constants = {k: decode_tensor(v) for k, v in blob.constants.items()}
         return _Plan(blob, ops, constants, skipped)
 
@@ -58,8 +56,7 @@ class KVAliasRuntimeDelegate:
         n_in = len(blob.inputs)
         if len(args) != n_in + len(blob.outputs):
             raise ValueError(
-                f"kv-alias delegate expects {n_in} inputs and {len(blob.outputs)} "
-                f"outputs, got {len(args)} arguments"
+                f"kv-alias delegate expects {n_in} inputs and {len(blob.outputs)} outputs, got {len(args)} arguments"
             )
         env: dict[str, Any] = dict(handle.constants)
         env.update(zip(blob.inputs, args[:n_in], strict=True))
@@ -70,9 +67,7 @@ class KVAliasRuntimeDelegate:
                 env[step["name"]] = cache
                 continue
             call = handle.ops[step["op"]]
-            env[step["name"]] = call(
-                *decode_arg(step["args"], env), **decode_arg(step["kwargs"], env)
-            )
+            env[step["name"]] = call(*decode_arg(step["args"], env), **decode_arg(step["kwargs"], env))
         for k, ref in enumerate(blob.outputs):
             if k in handle.skipped_outputs:
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from typing import Any
 
 import torch.fx
 from torch.export import ExportedProgram
@@ -31,19 +32,23 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
       3. Order mutations: copy-back ones, then in-place ones, then user outputs
          (exir pairs write-back copies with specs in that order).
 
-    Anything aliased that is not a buffer is refused (``ValueError``): run
-    :func:`~writeback_trt_copyback.crosscheck.check_aliasing` first.
+    Refused (``ValueError``, naming buffer and reader), because the in-place
+    write would change what it reads: a buffer some other node reads after the
+    delegate has run (ExecuTorch runs nodes in graph order), e.g. an op kept out
+    of the engine that reads the old cache; and anything aliased that is not a
+    buffer (run :func:`~writeback_trt_copyback.crosscheck.check_aliasing` first).
     """
     module = copy.deepcopy(program.graph_module)
     nodes = {n.name: n for n in module.graph.nodes}
+    order = {n: i for i, n in enumerate(module.graph.nodes)}
     in_place: dict[str, torch.fx.Node] = {}
     for buffer, sites in aliasing.sites.items():
         if buffer.startswith("<"):
             raise ValueError(
-                f"the engine wrote {buffer} in place, which is not a buffer; "
-                "check_aliasing refuses such a program"
+                f"the engine wrote {buffer} in place, which is not a buffer; check_aliasing refuses such a program"
             )
         placeholder = nodes[sites[0].input_node]
+        _refuse_late_readers(buffer, placeholder, nodes[sites[0].call], order)
         in_place[buffer] = placeholder
         for site in sites:
             if site.output_index is None:
@@ -54,14 +59,26 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
                     module.graph.erase_node(user)
     outputs = output_values(module)
     specs = list(program.graph_signature.output_specs)
-    copies, users = [], []
+    copies: list[tuple[Any, OutputSpec]] = []
+    users: list[tuple[Any, OutputSpec]] = []
     for value, spec in zip(outputs, specs, strict=True):
         if spec.kind is OutputKind.BUFFER_MUTATION and spec.target in in_place:
             continue
         (copies if spec.kind is not OutputKind.USER_OUTPUT else users).append((value, spec))
     settled = [
-        (p, OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(p.name), b))
-        for b, p in sorted(in_place.items())
+        (p, OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(p.name), b)) for b, p in sorted(in_place.items())
     ]
     merged = copies + settled + users
     return rebuild(program, module, [v for v, _ in merged], [s for _, s in merged])
+
+
+def _refuse_late_readers(
+    buffer: str, placeholder: torch.fx.Node, call: torch.fx.Node, order: dict[torch.fx.Node, int]
+) -> None:
+    late = [u.name for u in placeholder.users if u is not call and u.op != "output" and order[u] > order[call]]
+    if late:
+        raise ValueError(
+            f"the engine writes buffer {buffer!r} in place in {call.name}, but {late} read "
+            f"{placeholder.name} after it runs and would see the new value, not the old; keep "
+            "those ops in the engine, or keep the engine from aliasing this write"
+        )
