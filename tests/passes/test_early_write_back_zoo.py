@@ -13,23 +13,8 @@ from .lowering import assert_runs_like_eager, edge_of, lower
 
 ZOO = sorted(builtin_models())
 
-# With exir's reinplace pass, the caller's cache is written by an in-place
-# index_put_ whose result the graph returns; exir 1.5.1's memory planner skips
-# in-place results when computing lifetimes and frees the input's slot after
-# its last use, so the returned cache is overwritten by later temporaries.
-# Stock ``to_executorch`` (without any writeback pass) fails identically.
-_STOCK_REINPLACE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="exir 1.5.1 planner frees a user input's slot though the in-place "
-    "index_put_ result returned as its new value aliases it (stock fails too)",
-)
 _CASES = [
-    pytest.param(
-        name,
-        reinplace,
-        id=f"{name}-{'run_reinplace_pass' if reinplace else 'stock-config'}",
-        marks=[_STOCK_REINPLACE_BUG] if (name, reinplace) == ("decoder-caller-cache", True) else [],
-    )
+    pytest.param(name, reinplace, id=f"{name}-{'run_reinplace_pass' if reinplace else 'stock-config'}")
     for name in ZOO
     for reinplace in (False, True)
 ]
@@ -99,8 +84,11 @@ def test_bad_program_type_is_refused_with_the_type_named() -> None:
         insert_write_back_early("forward")  # type: ignore[arg-type]
 
 
-def test_stock_exir_fails_caller_cache_with_reinplace_too() -> None:
-    """The xfail above is upstream's: stock ``to_executorch`` returns a clobbered cache as well."""
+def test_stock_exir_clobbers_caller_cache_written_by_reinplaced_op() -> None:
+    """Why step 5 of the pass exists: with ``run_reinplace_pass`` the caller's cache is written by
+    an in-place ``index_put_`` the graph returns; exir 1.5.1's planner skips in-place nodes in
+    lifetimes and reuses the input's slot, so stock returns a clobbered cache (the early
+    pipeline passes the same case in ``test_zoo_model_runs_like_eager_over_four_calls``)."""
     case = builtin_models()["decoder-caller-cache"]
     program = lower(case.build(), case.example_args(0), early=False, run_reinplace_pass=True)
     with pytest.raises(AssertionError, match="call 0 state 0"):

@@ -211,28 +211,60 @@ def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bo
     return before != list(graph.nodes)
 
 
-def _name_states_at_output(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph, program: object) -> None:
-    """Make the output return each state placeholder instead of its write-back ``copy_``.
+def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument an aten in-place op writes and returns (``copy_``, ``index_put_``, ...), if any."""
+    op = node.target if isinstance(node.target, torch._ops.OpOverload) else getattr(node.target, "_op", None)
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    schema = op._schema
+    if not (schema.arguments and schema.returns and node.args and isinstance(node.args[0], torch.fx.Node)):
+        return None
+    written, returned = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    if written is None or returned is None or not written.is_write:
+        return None
+    if not set(written.after_set) & set(returned.after_set):
+        return None
+    return node.args[0]
 
-    exir 1.5.1's memory planner skips in-place nodes such as ``copy_`` when it
-    computes lifetimes, so a user input returned through an early ``copy_``
-    would have its planned slot freed after its last use in graph order and
-    overwritten before the caller reads it. Returning the placeholder itself
-    keeps the slot alive to the end. The emitted program is the same (an
-    in-place ``copy_``'s value is its first argument's); a mutable buffer's
-    slot lives for the whole method anyway, and exir drops buffer outputs
-    before emitting. An ``ExportedProgram``'s signature is renamed to match.
+
+def _state_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder a returned node is, through a chain of in-place writes into it."""
+    seen = 0
+    current: torch.fx.Node | None = node
+    while current is not None and current.op != "placeholder" and seen < 64:
+        current = _written_in_place(current)
+        seen += 1
+    return current if current is not None and current.op == "placeholder" else None
+
+
+def _name_states_at_output(graph: torch.fx.Graph, program: object) -> bool:
+    """Make the output return each state placeholder instead of the in-place op that wrote it.
+
+    That op is a write-back ``copy_`` (or an in-place op left by exir's
+    reinplace pass). exir 1.5.1's memory planner skips in-place nodes when it
+    computes lifetimes, so a user input returned through one would have its
+    planned slot freed after its last use in graph order and overwritten by
+    later temporaries before the caller reads it (stock placement hides this
+    for ``copy_`` by putting it last, but not for a reinplaced op). Returning
+    the placeholder keeps the slot alive to the end. The emitted program is
+    the same (an in-place op's value is its first argument's); a mutable
+    buffer's slot lives for the whole method anyway, and exir drops buffer
+    outputs before emitting. An ``ExportedProgram``'s signature is renamed to
+    match. Returns whether anything changed.
     """
     output = graph.output_node()
-    renamed = {}
-    for wb in write_backs:
-        output.replace_input_with(wb.copy, wb.dest)
-        renamed[wb.copy.name] = wb.dest.name
-    if isinstance(program, ExportedProgram):
+    renamed: dict[str, str] = {}
+    for node in list(output.all_input_nodes):
+        placeholder = _state_placeholder(node)
+        if placeholder is not None and placeholder is not node:
+            output.replace_input_with(node, placeholder)
+            renamed[node.name] = placeholder.name
+    if renamed and isinstance(program, ExportedProgram):
         for spec in program.graph_signature.output_specs:
             name = getattr(spec.arg, "name", None)
             if name in renamed:
                 spec.arg.name = renamed[name]
+    return bool(renamed)
 
 
 def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -278,8 +310,9 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     Algorithm:
 
     1. Collect the write-backs: ``copy_`` nodes the output returns whose first
-       argument is a placeholder. If there are none, return at once: no alias
-       analysis is built (``analysed`` is False), the graph is untouched.
+       argument is a placeholder. If there are none, no alias analysis is
+       built (``analysed`` is False) and only step 5 runs (which changes
+       nothing unless the output returns an in-place write of a placeholder).
     2. Build one :class:`writeback_core.AliasAnalysis` of the graph (``aten::``
        schemas trusted; any other op, including a custom op whose schema has no
        ``(a!)``, assumed to alias and write its tensor arguments; exir's
@@ -299,10 +332,11 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
        d. the last placeholder (if the graph has any).
 
        Copies that land at the same point keep their original order.
-    5. Make the output return each state placeholder instead of its copy, so
-       exir's memory planner keeps a user input's slot alive to the end (it
-       skips in-place nodes when it computes lifetimes; without this an early
-       copy into a caller's tensor is overwritten before the caller sees it).
+    5. Make the output return each state placeholder instead of the in-place
+       op that wrote it (its copy, or an op exir's reinplace pass made in
+       place), so exir's memory planner keeps a user input's slot alive to the
+       end (it skips in-place nodes when it computes lifetimes; without this a
+       caller's new state is overwritten before the caller sees it).
 
     Safety rules, with the example each one refuses:
 
@@ -325,7 +359,10 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     graph = gm.graph
     write_backs = _write_backs(graph)
     if not write_backs:
-        return EarlyWriteBack(gm)
+        renamed = _name_states_at_output(graph, program)
+        if renamed:
+            gm.recompile()
+        return EarlyWriteBack(gm, modified=renamed)
     order = {n: i for i, n in enumerate(graph.nodes)}
     write_backs.sort(key=lambda wb: order[wb.copy])
     storage = _Storage(graph)
@@ -358,11 +395,8 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
         )
         for wb in write_backs
     )
-    returned_before = list(graph.output_node().args)
-    _name_states_at_output(write_backs, graph, program)
-    modified = returned_before != list(graph.output_node().args) or any(
-        p.stock_position != p.early_position for p in placements
-    )
+    renamed = _name_states_at_output(graph, program)
+    modified = renamed or any(p.stock_position != p.early_position for p in placements)
     if modified:
         graph.lint()
         gm.recompile()
