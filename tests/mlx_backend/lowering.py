@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import writeback_mlx_backend.plugin as mlx_plugin
+import writeback_passes
+import writeback_passes.plugin as passes_plugin
 from executorch.exir import (
     ExecutorchBackendConfig,
     ExecutorchProgramManager,
@@ -17,10 +20,6 @@ from executorch.exir import (
 from executorch.exir.delegate import executorch_call_delegate
 from executorch.exir.passes import MemoryPlanningPass
 from torch.export import ExportedProgram
-
-import writeback_mlx_backend.plugin as mlx_plugin
-import writeback_passes
-import writeback_passes.plugin as passes_plugin
 from writeback_core.registry import Registry, load_registry
 from writeback_mlx_backend import MLXDelegate, MLXPartitioner
 from writeback_pybind_runtime import Method, Runtime
@@ -67,7 +66,6 @@ class Lowered:
     def delegated_ops(self) -> set[str]:
         """The ops inside every MLX delegate of the program (``aten.mm.default`` style)."""
         from executorch.exir.lowered_backend_module import LoweredBackendModule
-
         from writeback_mlx_backend.ops import op_key
 
         found = set()

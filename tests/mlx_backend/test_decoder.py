@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from writeback_core.zoo import DecoderConfig, decoder_case
 
 from mlx_backend.lowering import lower_mlx
-from writeback_core.zoo import DecoderConfig, decoder_case
 
 STEPS = 16
 CONFIG = DecoderConfig(max_seq=16, layers=2)
@@ -50,7 +50,7 @@ def test_decoder_with_caller_owned_cache_matches_eager(allocator: bool) -> None:
             expected = model(*inputs, *eager_state)
         torch.testing.assert_close(outputs[-1], expected, rtol=1e-4, atol=1e-5)
         for mine, eager in zip(state, eager_state, strict=True):
-            torch.testing.assert_close(mine, eager, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(mine, eager, rtol=1e-4, atol=1e-5)
     cache_bytes = eager_state[0].numel() * 4
     copied = lowered.delegate().copied_input_bytes
     assert (cache_bytes in copied) is not allocator

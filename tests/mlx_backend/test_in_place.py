@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from writeback_core import Mutation, PartitionView, hookimpl
+from writeback_pybind_runtime import DelegateError
 
 from mlx_backend.lowering import lower_mlx, registry
-from writeback_core import Mutation, PartitionView, WriteKind, hookimpl
-from writeback_pybind_runtime import DelegateError
 
 
 class IndexCopyAxis(torch.nn.Module):

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
+from writeback_mlx_backend import MLXDelegate
 
 from mlx_backend.lowering import lower_mlx
-from writeback_mlx_backend import MLXDelegate
 
 
 class RowCache(torch.nn.Module):

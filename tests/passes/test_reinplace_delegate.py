@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
+import writeback_mlx_backend.plugin as mlx_plugin
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.delegate import executorch_call_delegate
 from torch.fx.passes.infra.pass_base import PassResult
-
-import writeback_mlx_backend.plugin as mlx_plugin
 from writeback_core import Mutation, PartitionView, hookimpl, load_registry
 from writeback_mlx_backend import MLXPartitioner
 from writeback_passes import (

@@ -425,7 +425,8 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
 
 def _copy(dest: Any, src: Any, non_blocking: bool = False) -> Any:
     """Functional ``aten.copy``: ``src``'s values in ``dest``'s shape and dtype."""
-    return mx.broadcast_to(src, dest.shape).astype(dest.dtype)
+    out = src if src.shape == dest.shape else mx.broadcast_to(src, dest.shape)
+    return out if out.dtype == dest.dtype else out.astype(dest.dtype)
 
 
 def _unary(fn: Callable[[Any], Any]) -> OpHandler:

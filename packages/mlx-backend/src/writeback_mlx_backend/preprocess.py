@@ -114,14 +114,32 @@ def _add_node(result: DelegateProgram, node: torch.fx.Node) -> None:
             "handler; the partitioner must leave it outside"
         )
     val = node.meta.get("val")
+    args = list(node.args)
+    if key == "aten.copy.default" and _same_meta(args[0], args[1]):
+        # exir's functional copy of a new value into a mutated input: only the
+        # destination's shape is read, so it is the new value itself. Dropping the
+        # read of the old input matters: that read would otherwise keep the old
+        # contents alive past an in-place write (and force a snapshot of them).
+        key, args = "aten.alias.default", [args[1]]
     result.nodes.append(
         {
             "name": node.name,
             "op": key,
-            "args": _encode(list(node.args)),
+            "args": _encode(args),
             "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
             "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
         }
+    )
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    va = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+    vb = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+    return (
+        isinstance(va, torch.Tensor)
+        and isinstance(vb, torch.Tensor)
+        and va.shape == vb.shape
+        and va.dtype == vb.dtype
     )
 
 

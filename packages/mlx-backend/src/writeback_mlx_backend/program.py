@@ -108,7 +108,7 @@ class DelegateProgram:
     state: dict[str, TensorRecord] = field(default_factory=dict)
     state_updates: dict[str, str] = field(default_factory=dict)
     in_place: list[InPlaceCandidate] = field(default_factory=list)
-    data: bytes = b""
+    data: bytearray = field(default_factory=bytearray)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -126,7 +126,7 @@ class DelegateProgram:
     def to_bytes(self) -> bytes:
         """Serialize as ``MAGIC | len | JSON | data``."""
         text = json.dumps(self.header(), separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<Q", len(text)) + text + self.data
+        return MAGIC + struct.pack("<Q", len(text)) + text + bytes(self.data)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> DelegateProgram:
@@ -153,7 +153,7 @@ class DelegateProgram:
             state={k: TensorRecord.from_json(v) for k, v in header["state"].items()},
             state_updates=dict(header["state_updates"]),
             in_place=[InPlaceCandidate(**c) for c in header["in_place"]],
-            data=bytes(blob[start + size :]),
+            data=bytearray(blob[start + size :]),
         )
 
     def add_tensor(self, tensor: torch.Tensor) -> TensorRecord:
@@ -162,12 +162,13 @@ class DelegateProgram:
         raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         record = TensorRecord(len(self.data) + pad, len(raw), dtype_name(tensor.dtype),
                               tuple(tensor.shape))
-        self.data += b"\x00" * pad + raw
+        self.data += b"\x00" * pad
+        self.data += raw
         return record
 
     def array(self, record: TensorRecord) -> np.ndarray:
         """A numpy view of a record's bytes (read only)."""
         np_dtype = torch.empty((), dtype=torch_dtype(record.dtype)).numpy().dtype
-        flat = np.frombuffer(self.data, dtype=np_dtype, count=record.nbytes // np_dtype.itemsize,
+        flat = np.frombuffer(memoryview(self.data), dtype=np_dtype, count=record.nbytes // np_dtype.itemsize,
                              offset=record.offset)
         return flat.reshape(record.shape)

@@ -1,0 +1,247 @@
+"""Decode-step time against cache size: ``python -m writeback_mlx_backend.bench``.
+
+One decode step of an attention layer writes one slot of a static K and V cache
+``[1, heads, S, head_dim]`` with ``index_copy_`` and attends over a fixed window
+of the first ``window`` positions. The window keeps the step's arithmetic the
+same at every cache size, so what grows with the cache is only what the
+pipeline does with the state: copies back, copies in, failed buffer reuse.
+(Attention over the whole cache reads all of it each step, which is O(cache)
+for any implementation; that is not what this measures.)
+
+Columns, each the median of ``--steps`` steps after warm-up, run side by side in
+one process:
+
+- ``stock``: the same step with the caches as registered buffers, lowered by
+  stock ``to_edge(...).to_executorch()`` and run by stock ``executorch.runtime``
+  (portable kernels; the whole cache is copied back every step).
+- ``mlx owned``: caches as buffers the MLX delegate owns (updated by donation).
+- ``mlx caller (empty)``: caches owned by the caller, allocated with
+  :func:`writeback_mlx_backend.empty`, written in place.
+- ``mlx caller (torch)``: the same with plain torch caches, which MLX must copy
+  in on every step (what ``writeback explain`` reports as a copy).
+
+The MLX columns call the runtime delegate's ``execute`` on the blob of the
+lowered ``.pte`` with the arguments the runtime would pass (the cache tensor as
+both input and in-place output); the runtime's own overhead is not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["WindowDecodeStep", "main"]
+
+
+class WindowDecodeStep(nn.Module):
+    """One attention decode step over a fixed window of a static KV cache.
+
+    ``forward(x, pos)`` with buffer caches, or ``forward(x, pos, k_cache, v_cache)``
+    with caller caches; the caches are ``[1, heads, max_seq, head_dim]``.
+    """
+
+    def __init__(self, max_seq: int, caller_cache: bool, heads: int = 8, head_dim: int = 64,
+                 window: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.window = heads, head_dim, window
+        self.max_seq = max_seq
+        self.caller_cache = caller_cache
+        dim = heads * head_dim
+        gen = torch.Generator().manual_seed(seed)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        with torch.no_grad():
+            for layer in (self.wq, self.wk, self.wv, self.wo):
+                layer.weight.copy_(torch.randn(dim, dim, generator=gen) / math.sqrt(dim))
+        if not caller_cache:
+            self.register_buffer("k_cache", torch.zeros(self.cache_shape))
+            self.register_buffer("v_cache", torch.zeros(self.cache_shape))
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        return (1, self.heads, self.max_seq, self.head_dim)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = caches if self.caller_cache else (self.k_cache, self.v_cache)
+        shape = (1, 1, self.heads, self.head_dim)
+        q = self.wq(x).view(shape).transpose(1, 2)
+        k_cache.index_copy_(2, pos, self.wk(x).view(shape).transpose(1, 2))
+        v_cache.index_copy_(2, pos, self.wv(x).view(shape).transpose(1, 2))
+        keys = k_cache[:, :, : self.window]
+        values = v_cache[:, :, : self.window]
+        visible = torch.arange(self.window).view(1, self.window) <= pos.view(1, 1)
+        scores = q @ keys.transpose(2, 3) / math.sqrt(self.head_dim)
+        scores = scores + torch.where(visible, 0.0, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ values
+        return self.wo(out.transpose(1, 2).reshape(1, 1, self.heads * self.head_dim))
+
+
+def _max_seq(cache_bytes: int, heads: int = 8, head_dim: int = 64) -> int:
+    return max(64, cache_bytes // (2 * heads * head_dim * 4))
+
+
+def _export(module: nn.Module, args: tuple[Any, ...]) -> Any:
+    module = module.eval().requires_grad_(False)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        return torch.export.export(module, args, strict=False)
+
+
+def _inputs(step: int, dim: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(1, 1, dim, generator=gen), torch.tensor([step % window])
+
+
+def _median_ms(run: Callable[[int], object], steps: int, warmup: int = 3) -> float:
+    for step in range(warmup):
+        run(step)
+    times = []
+    for step in range(warmup, warmup + steps):
+        start = time.perf_counter()
+        run(step)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _stock(max_seq: int, steps: int) -> float:
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    module = WindowDecodeStep(max_seq, caller_cache=False)
+    dim = module.heads * module.head_dim
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pte = to_edge(_export(module, _inputs(0, dim, module.window))).to_executorch().buffer
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "stock.pte"
+        path.write_bytes(pte)
+        method = Runtime.get().load_program(path).load_method("forward")
+        return _median_ms(lambda s: method.execute(list(_inputs(s, dim, module.window))), steps)
+
+
+@dataclass
+class _Direct:
+    """A lowered MLX delegate called the way the runtime calls it."""
+
+    delegate: Any
+    handle: Any
+    arg_names: list[str]
+    outputs: list[torch.Tensor]
+
+
+def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.delegate import executorch_call_delegate
+    from torch.fx.passes.infra.pass_base import PassResult
+    from writeback_core import load_registry
+
+    from writeback_mlx_backend.partitioner import MLXPartitioner
+    from writeback_mlx_backend.runtime import MLXDelegate
+
+    registry = load_registry()
+
+    def adapt(run: Callable[[Any], Any]) -> Callable[[Any], PassResult]:
+        def exir_pass(gm: Any) -> PassResult:
+            result = run(gm)
+            return PassResult(getattr(result, "graph_module", gm), True)
+
+        return exir_pass
+
+    # The registered "before_memory_planning" passes: with writeback-passes
+    # installed they drop the cache write-backs the delegate accepted.
+    passes = [adapt(p.run) for p in registry.program_passes("before_memory_planning")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        edge = to_edge_transform_and_lower(
+            _export(module, args), partitioner=[MLXPartitioner(registry)]
+        )
+        program = edge.to_executorch(ExecutorchBackendConfig(passes=passes))
+    gm = program.exported_program().graph_module
+    calls = [n for n in gm.graph.nodes if n.target is executorch_call_delegate]
+    others = [n for n in gm.graph.nodes
+              if n.op == "call_function" and n.target not in (executorch_call_delegate,
+                                                              operator.getitem)]
+    if len(calls) != 1 or others:
+        raise RuntimeError(f"the step did not lower whole to MLX: {[str(n) for n in others]}")
+    lowered = getattr(gm, str(calls[0].args[0].target))
+    delegate = MLXDelegate()
+    specs = {spec.key: spec.value for spec in lowered.compile_specs}
+    handle = delegate.init(bytes(lowered.processed_bytes), specs)
+    vals = calls[0].meta["val"]
+    outputs = [torch.empty(v.shape, dtype=v.dtype) for v in (vals if isinstance(vals, (list, tuple))
+                                                             else [vals])]
+    return _Direct(delegate, handle, [a.name for a in calls[0].args[1:]], outputs)
+
+
+def _mlx(max_seq: int, steps: int, caller: str | None) -> float:
+    from writeback_mlx_backend.memory import empty
+
+    module = WindowDecodeStep(max_seq, caller_cache=caller is not None)
+    dim = module.heads * module.head_dim
+    caches: tuple[torch.Tensor, ...] = ()
+    if caller == "empty":
+        caches = (empty(module.cache_shape), empty(module.cache_shape))
+    elif caller == "torch":
+        caches = (torch.zeros(module.cache_shape), torch.zeros(module.cache_shape))
+    direct = _lower_mlx(module, (*_inputs(0, dim, module.window), *caches))
+    in_place = {c.output: c.input for c in direct.handle.program.in_place}
+
+    def run(step: int) -> None:
+        x, pos = _inputs(step, dim, module.window)
+        by_name = {"x": x, "pos": pos, **{f"caches_{i}": c for i, c in enumerate(caches)}}
+        args = [by_name[name] for name in direct.arg_names]
+        outputs = [args[in_place[j]] if j in in_place else t
+                   for j, t in enumerate(direct.outputs)]
+        direct.delegate.execute(direct.handle, [*args, *outputs])
+
+    return _median_ms(run, steps)
+
+
+def _table(rows: Sequence[tuple[str, list[float]]], columns: Sequence[str]) -> str:
+    widths = [max(len(c), 9) for c in columns]
+    lines = ["cache     " + "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    for label, values in rows:
+        cells = "  ".join(f"{v:{w}.2f}" for v, w in zip(values, widths, strict=True))
+        lines.append(f"{label:<10}{cells}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the table and the ``time(largest)/time(smallest)`` ratio of each column."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,8,32,128", help="K+V cache sizes in MiB")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per cell")
+    parser.add_argument("--no-stock", action="store_true", help="skip the stock column")
+    options = parser.parse_args(argv)
+    sizes = [int(s) for s in options.sizes.split(",")]
+    columns = ["mlx owned", "mlx caller (empty)", "mlx caller (torch)"]
+    if not options.no_stock:
+        columns.insert(0, "stock")
+    rows = []
+    for mib in sizes:
+        max_seq = _max_seq(mib << 20)
+        values = [] if options.no_stock else [_stock(max_seq, options.steps)]
+        values += [_mlx(max_seq, options.steps, caller) for caller in (None, "empty", "torch")]
+        rows.append((f"{mib} MiB", values))
+        print(f"{mib} MiB done", flush=True)
+    print(_table(rows, columns))
+    first, last = rows[0][1], rows[-1][1]
+    ratios = [b / a for a, b in zip(first, last, strict=True)]
+    print(f"ratio {rows[-1][0]}/{rows[0][0]}: "
+          + "  ".join(f"{c}={r:.2f}" for c, r in zip(columns, ratios, strict=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
