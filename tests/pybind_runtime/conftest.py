@@ -11,7 +11,6 @@ import pytest
 import torch
 from executorch.exir import ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
 from executorch.exir.passes import MemoryPlanningPass
-
 from writeback_core.registry import load_registry
 from writeback_pybind_runtime import Method, Runtime
 

@@ -14,7 +14,6 @@ import sys
 from collections import Counter
 
 import torch
-
 from writeback_core.registry import load_registry
 from writeback_pybind_runtime import DelegateError, ProgramError, Runtime
 

@@ -17,7 +17,6 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
-
 from writeback_core.registry import hookimpl
 
 BACKEND_ID = "WritebackTestDoublerBackend"

@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
-from pybind_runtime.conftest import Lower, stock_method
 from writeback_core.zoo import DecoderConfig, decoder_case
 from writeback_pybind_runtime import Method
+
+from pybind_runtime.conftest import Lower, stock_method
+
+Load = Callable[[bytes], Method]
 
 
 class Accumulate(torch.nn.Module):
@@ -44,7 +46,7 @@ STEPS = [torch.full((2, 3), float(k + 1)) for k in range(3)]
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned_copied_back", "unplanned_in_place"])
-def test_mutated_input_lands_in_callers_tensor(lower: Lower, load: Callable[[bytes], Method], planned: bool) -> None:
+def test_mutated_input_lands_in_callers_tensor(lower: Lower, load: Load, planned: bool) -> None:
     method = load(lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=planned,
                         planned_outputs=planned))
     cache = torch.zeros(2, 3)
@@ -56,7 +58,7 @@ def test_mutated_input_lands_in_callers_tensor(lower: Lower, load: Callable[[byt
         torch.testing.assert_close(new_cache, expected)
 
 
-def test_unplanned_mutated_input_is_written_in_place_without_copy(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_unplanned_mutated_input_is_written_in_place_without_copy(lower: Lower, load: Load) -> None:
     """The output that is the mutated input aliases the caller's storage (clone_outputs=False)."""
     method = load(lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=False,
                         planned_outputs=False))
@@ -67,7 +69,7 @@ def test_unplanned_mutated_input_is_written_in_place_without_copy(lower: Lower, 
     assert outputs[0] is not cache and not outputs[0].requires_grad
 
 
-def test_stock_runtime_does_not_update_planned_mutated_input(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_stock_runtime_does_not_update_planned_mutated_input(lower: Lower, load: Load) -> None:
     pte = lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)))
     stock_cache, our_cache = torch.zeros(2, 3), torch.zeros(2, 3)
     stock_method(pte).execute([torch.ones(2, 3), stock_cache])
@@ -76,7 +78,7 @@ def test_stock_runtime_does_not_update_planned_mutated_input(lower: Lower, load:
     assert torch.equal(our_cache, torch.ones(2, 3))
 
 
-def test_stock_runtime_is_silently_wrong_with_unplanned_mutated_input(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_stock_runtime_is_silently_wrong_with_unplanned_mutated_input(lower: Lower, load: Load) -> None:
     pte = lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=False, planned_outputs=False)
     stock, ours = stock_method(pte), load(pte)
     stock_outputs, our_outputs = [], []
@@ -92,7 +94,7 @@ def test_stock_runtime_is_silently_wrong_with_unplanned_mutated_input(lower: Low
     torch.testing.assert_close(stock_outputs[-1], _eager_accumulate(STEPS).sum(0, keepdim=True))
 
 
-def test_stock_set_inputs_keeps_dangling_pointers_to_temporaries(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_stock_set_inputs_keeps_dangling_pointers_to_temporaries(lower: Lower, load: Load) -> None:
     """Stock reads freed memory when set_inputs got temporaries; here they are kept alive."""
 
     class Scale(torch.nn.Module):
@@ -121,7 +123,7 @@ def test_stock_set_inputs_keeps_dangling_pointers_to_temporaries(lower: Lower, l
         assert stock_out.tolist() == [300.0] * 64, "stock defect fixed upstream? update FACTS.md"
 
 
-def test_stock_runtime_has_no_set_output(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_stock_runtime_has_no_set_output(lower: Lower, load: Load) -> None:
     pte = lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_outputs=False)
     assert not hasattr(stock_method(pte), "set_output")
     assert not hasattr(stock_method(pte)._method, "set_output")
@@ -129,7 +131,7 @@ def test_stock_runtime_has_no_set_output(lower: Lower, load: Callable[[bytes], M
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
-def test_index_copy_cache_matches_eager_over_steps(lower: Lower, load: Callable[[bytes], Method], planned: bool) -> None:
+def test_index_copy_cache_matches_eager_over_steps(lower: Lower, load: Load, planned: bool) -> None:
     args = (torch.zeros(1, 4), torch.tensor([0]), torch.zeros(5, 4))
     method = load(lower(WriteRow(), args, planned_inputs=planned, planned_outputs=planned))
     cache, eager_cache = torch.zeros(5, 4), torch.zeros(5, 4)
@@ -144,7 +146,7 @@ def test_index_copy_cache_matches_eager_over_steps(lower: Lower, load: Callable[
 @pytest.mark.parametrize("clone", [True, False], ids=["cloned", "uncloned"])
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
 def test_output_that_is_an_input_under_both_clone_settings(
-    lower: Lower, load: Callable[[bytes], Method], planned: bool, clone: bool
+    lower: Lower, load: Load, planned: bool, clone: bool
 ) -> None:
     """``return x, x + 1``: cloned by default (stock's behaviour), the caller's storage without."""
 
@@ -161,7 +163,7 @@ def test_output_that_is_an_input_under_both_clone_settings(
     assert x.tolist() == ([1.0, 2.0, 3.0] if clone else [11.0, 12.0, 13.0])
 
 
-def test_caller_cache_decoder_matches_eager(lower: Lower, load: Callable[[bytes], Method]) -> None:
+def test_caller_cache_decoder_matches_eager(lower: Lower, load: Load) -> None:
     case = decoder_case(DecoderConfig(max_seq=8), caller_cache=True)
     model = case.build().eval()
     method = load(lower(case.build(), case.example_args(0), planned_inputs=False, planned_outputs=False))

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 import torch
+from writeback_core.registry import load_registry
+from writeback_pybind_runtime import DelegateError, Runtime
 
 from pybind_runtime.conftest import Lower, stock_method
 from pybind_runtime.doubler import BACKEND_ID, DoublerDelegate, DoublerPartitioner, DoublerPlugin
-from writeback_core.registry import load_registry
-from writeback_pybind_runtime import DelegateError, Runtime
 
 
 class DoubleThenShift(torch.nn.Module):
@@ -69,7 +69,7 @@ def test_delegate_gets_zero_copy_views_inputs_then_outputs(lower: Lower) -> None
 def test_delegate_exception_becomes_delegate_error_naming_backend_and_cause(doubled_pte: bytes) -> None:
     runtime = _runtime_with(DoublerDelegate(fail_with=ZeroDivisionError("boom in delegate")))
     method = runtime.load_program(doubled_pte).load_method("forward")
-    with pytest.raises(DelegateError, match=f"{BACKEND_ID}.*ZeroDivisionError: boom in delegate") as info:
+    with pytest.raises(DelegateError, match=rf"{BACKEND_ID}.*ZeroDivisionError: boom in delegate") as info:
         method([torch.ones(2, 3)])
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     # The method is still usable once the delegate stops failing.
@@ -84,7 +84,7 @@ def test_delegate_init_failure_is_a_delegate_error_at_load_method(doubled_pte: b
             raise KeyError("no such engine")
 
     program = _runtime_with(BadInit()).load_program(doubled_pte)
-    with pytest.raises(DelegateError, match="KeyError") as info:
+    with pytest.raises(DelegateError, match=r"KeyError") as info:
         program.load_method("forward")
     assert isinstance(info.value.__cause__, KeyError)
 
@@ -114,7 +114,7 @@ def test_delegate_runs_from_another_thread_with_gil_released(doubled_pte: bytes)
         try:
             for _ in range(20):
                 results.append(method([torch.ones(2, 3)])[0])
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except BaseException as error:
             errors.append(error)
 
     thread = threading.Thread(target=work)
@@ -141,7 +141,7 @@ def test_delegate_without_execute_is_refused_naming_it() -> None:
             return [Incomplete()]
 
     runtime = Runtime(load_registry(entry_points=False, plugins=[Plugin()]))
-    with pytest.raises(TypeError, match="WritebackTestIncomplete.*execute"):
+    with pytest.raises(TypeError, match=r"WritebackTestIncomplete.*execute"):
         runtime.register_delegates()
 
 
@@ -154,5 +154,5 @@ def test_backend_id_of_a_compiled_backend_is_refused() -> None:
     runtime = Runtime(load_registry(entry_points=False, plugins=[DoublerPlugin(Shadow())]))
     if "XnnpackBackend" not in runtime.backend_ids:
         pytest.skip("this executorch build registers no XnnpackBackend")
-    with pytest.raises(ValueError, match="XnnpackBackend.*compiled"):
+    with pytest.raises(ValueError, match=r"XnnpackBackend.*compiled"):
         runtime.register_delegates()

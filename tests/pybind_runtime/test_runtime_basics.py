@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from writeback_pybind_runtime import Method, ProgramError, Runtime
 
 from pybind_runtime.conftest import Lower
-from writeback_pybind_runtime import Method, ProgramError, Runtime
 
 
 class AddMul(torch.nn.Module):
@@ -52,18 +52,18 @@ def test_method_names_and_metadata(lower: Lower, runtime: Runtime) -> None:
 
 def test_unknown_method_is_a_program_error_naming_it(lower: Lower, runtime: Runtime) -> None:
     program = runtime.load_program(lower(AddMul(), (torch.randn(2), torch.randn(2))))
-    with pytest.raises(ProgramError, match="'backward'.*forward"):
+    with pytest.raises(ProgramError, match=r"'backward'.*forward"):
         program.load_method("backward")
 
 
 def test_garbage_bytes_are_a_program_error(runtime: Runtime) -> None:
-    with pytest.raises(ProgramError, match="cannot load the program bytes"):
+    with pytest.raises(ProgramError, match=r"cannot load the program bytes"):
         runtime.load_program(b"definitely not a program")
 
 
 def test_missing_file_is_a_program_error_naming_it(runtime: Runtime, tmp_path) -> None:  # type: ignore[no-untyped-def]
     missing = tmp_path / "missing.pte"
-    with pytest.raises(ProgramError, match="missing.pte"):
+    with pytest.raises(ProgramError, match=r"missing.pte"):
         runtime.load_program(missing)
 
 
@@ -75,13 +75,13 @@ def test_wrong_dtype_input_names_input_expected_and_actual(lower: Lower, load: C
 
 def test_wrong_input_count_names_both(lower: Lower, load: Callable[[bytes], Method]) -> None:
     method = load(lower(AddMul(), (torch.randn(2), torch.randn(2))))
-    with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
+    with pytest.raises(ValueError, match=r"takes 2 inputs, got 1"):
         method.set_inputs([torch.randn(2)])
 
 
 def test_non_tensor_for_tensor_input_is_a_type_error(lower: Lower, load: Callable[[bytes], Method]) -> None:
     method = load(lower(AddMul(), (torch.randn(2), torch.randn(2))))
-    with pytest.raises(TypeError, match="input 0 .*must be a tensor.*got list"):
+    with pytest.raises(TypeError, match=r"input 0 .*must be a tensor.*got list"):
         method.set_inputs([[1.0, 2.0], torch.randn(2)])
 
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from writeback_pybind_runtime import Method
 
 from pybind_runtime.conftest import Lower
-from writeback_pybind_runtime import Method
 
 Load = Callable[[bytes], Method]
 
@@ -25,7 +25,11 @@ class Accumulate(torch.nn.Module):
 
 
 class Recurrent(torch.nn.Module):
-    """``h' = tanh(h @ W + x)``: the state comes back as an output, not a mutation."""
+    """``h' = h @ tanh(W + x)``: the state comes back as an output, not a mutation.
+
+    The last kernel (``mm``) reads ``h`` while it writes ``h'``: if ``h'`` were
+    written into ``h``'s memory the result would be wrong, not just stale.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,7 +37,7 @@ class Recurrent(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(4, 4, generator=generator) * 0.5)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(h @ self.weight + x)
+        return h @ torch.tanh(self.weight + x)
 
 
 @pytest.fixture
@@ -127,22 +131,22 @@ def test_clone_outputs_true_clones_every_unbound_output(two: Method) -> None:
 
 def test_execute_without_inputs_after_binding_raises(two: Method) -> None:
     two.set_output(torch.zeros(2, 3), 0)
-    with pytest.raises(ValueError, match="inputs have not been set"):
+    with pytest.raises(ValueError, match=r"inputs have not been set"):
         two.execute()
 
 
 def test_execute_without_inputs_raises_without_binding(two: Method) -> None:
-    with pytest.raises(ValueError, match="inputs have not been set"):
+    with pytest.raises(ValueError, match=r"inputs have not been set"):
         two.execute()
 
 
 def test_failed_set_inputs_refuses_execute_until_a_full_set(two: Method) -> None:
     two([X])
-    with pytest.raises(ValueError, match="input 0 .*expected dtype float32, got int64"):
+    with pytest.raises(ValueError, match=r"input 0 .*expected dtype float32, got int64"):
         two.set_inputs([torch.zeros(2, 3, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="inputs have not been set"):
+    with pytest.raises(ValueError, match=r"inputs have not been set"):
         two.execute()
-    with pytest.raises(ValueError, match="no outputs"):
+    with pytest.raises(ValueError, match=r"no outputs"):
         two.get_outputs()
     torch.testing.assert_close(two([X])[0], X * 2)
 
@@ -183,7 +187,7 @@ def test_larger_tensor_is_accepted(two: Method) -> None:
 def test_tensor_sharing_memory_with_another_bound_output_is_rejected(two: Method) -> None:
     storage = torch.zeros(12)
     two.set_output(storage[:6], 0)
-    with pytest.raises(ValueError, match="shares memory with the tensor bound to output 0"):
+    with pytest.raises(ValueError, match=r"shares memory with the tensor bound to output 0"):
         two.set_output(storage[3:9], 1)
     assert not two.metadata.outputs[1].bound
 
@@ -191,7 +195,7 @@ def test_tensor_sharing_memory_with_another_bound_output_is_rejected(two: Method
 def test_tensor_sharing_memory_with_an_input_is_rejected(two: Method) -> None:
     x = X.clone()
     two.set_inputs([x])
-    with pytest.raises(ValueError, match="shares memory with input 0"):
+    with pytest.raises(ValueError, match=r"shares memory with input 0"):
         two.set_output(x, 0)
     _assert_unchanged(two)
 
@@ -201,14 +205,14 @@ def test_input_sharing_memory_with_a_bound_output_is_rejected_at_execute(lower: 
     bound = torch.zeros(2, 3)
     method.set_output(bound, 0)
     method.set_inputs([bound])
-    with pytest.raises(ValueError, match="shares memory with input 0"):
+    with pytest.raises(ValueError, match=r"shares memory with input 0"):
         method.execute()
     assert bound.tolist() == [[0.0] * 3] * 2  # nothing written
 
 
 def test_memory_planned_output_is_rejected(lower: Lower, load: Load) -> None:
     method = load(lower(TwoOutputs(), (torch.zeros(2, 3),)))
-    with pytest.raises(ValueError, match="output 0 .*memory planned.*alloc_graph_output=False"):
+    with pytest.raises(ValueError, match=r"output 0 .*memory planned.*alloc_graph_output=False"):
         method.set_output(torch.zeros(2, 3), 0)
 
 
@@ -231,18 +235,18 @@ def test_binding_the_output_that_is_a_mutated_input_is_refused_never_redirected(
     method = load(lower(Accumulate(), (torch.zeros(2, 3), torch.zeros(2, 3)), planned_inputs=False,
                         planned_outputs=False))
     decoy = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="output 0 .*is input 1"):
+    with pytest.raises(ValueError, match=r"output 0 .*is input 1"):
         method.set_output(decoy, 0)
     cache = torch.zeros(2, 3)
     method([torch.ones(2, 3), cache])
-    with pytest.raises(ValueError, match="output 0 .*is input 1"):
+    with pytest.raises(ValueError, match=r"output 0 .*is input 1"):
         method.set_output(decoy, 0)
     method([torch.ones(2, 3), cache])
     assert cache.tolist() == [[2.0] * 3] * 2 and decoy.tolist() == [[0.0] * 3] * 2
 
 
 def test_index_out_of_range_is_an_index_error(two: Method) -> None:
-    with pytest.raises(IndexError, match="has 2 outputs; output 2"):
+    with pytest.raises(IndexError, match=r"has 2 outputs; output 2"):
         two.set_output(torch.zeros(2, 3), 2)
 
 
@@ -255,7 +259,7 @@ def test_bound_tensor_resized_by_caller_is_rechecked_each_call(two: Method) -> N
     assert out.data_ptr() == bound.data_ptr()
     torch.testing.assert_close(bound[:6].view(2, 3), X * 2)
     bound.resize_(2)
-    with pytest.raises(ValueError, match="needs 24 bytes.*has 8"):
+    with pytest.raises(ValueError, match=r"needs 24 bytes.*has 8"):
         two([X])
 
 
@@ -264,11 +268,11 @@ def test_bound_tensor_resized_by_caller_is_rechecked_each_call(two: Method) -> N
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
 def test_uncloned_output_fed_back_as_next_input(lower: Lower, load: Load, planned: bool) -> None:
     model = Recurrent().eval()
-    method = load(lower(Recurrent(), (torch.zeros(1, 4), torch.zeros(1, 4)), planned_inputs=planned,
+    method = load(lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=planned,
                         planned_outputs=planned))
-    h, eager_h = torch.zeros(1, 4), torch.zeros(1, 4)
+    h, eager_h = torch.ones(1, 4), torch.ones(1, 4)
     for step in range(6):
-        x = torch.full((1, 4), 0.1 * step)
+        x = torch.full((4, 4), 0.1 * step)
         (h,) = method([x, h], clone_outputs=False)
         with torch.no_grad():
             eager_h = model(x, eager_h)
@@ -276,9 +280,9 @@ def test_uncloned_output_fed_back_as_next_input(lower: Lower, load: Load, planne
 
 
 def test_bound_output_fed_back_as_input_is_refused(lower: Lower, load: Load) -> None:
-    method = load(lower(Recurrent(), (torch.zeros(1, 4), torch.zeros(1, 4)), planned_inputs=False,
+    method = load(lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=False,
                         planned_outputs=False))
     state = torch.zeros(1, 4)
     method.set_output(state, 0)
-    with pytest.raises(ValueError, match="shares memory with input 1"):
-        method([torch.ones(1, 4), state])
+    with pytest.raises(ValueError, match=r"shares memory with input 1"):
+        method([torch.ones(4, 4), state])

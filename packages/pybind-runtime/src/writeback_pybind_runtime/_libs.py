@@ -24,7 +24,7 @@ def executorch_lib_dir() -> str:
     spec = importlib.util.find_spec("executorch")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("writeback_pybind_runtime needs the executorch package (executorch==1.5.1)")
-    return os.path.join(list(spec.submodule_search_locations)[0], "lib")
+    return os.path.join(next(iter(spec.submodule_search_locations)), "lib")
 
 
 @cache
@@ -35,7 +35,8 @@ def native() -> ModuleType:
         path = os.path.join(lib_dir, name)
         if os.path.exists(path):
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    from writeback_pybind_runtime import _errors, _native
+    import writeback_pybind_runtime._native as _native
+    from writeback_pybind_runtime import _errors
 
     _native.set_error_types(_errors.DelegateError, _errors.ProgramError)
     return _native

@@ -42,7 +42,7 @@ class PlanIO:
 
     def output_is_input(self) -> tuple[int | None, ...]:
         """For each output, the index of the input that is the same value, or ``None``."""
-        first = {}
+        first: dict[int, int] = {}
         for j, value in enumerate(self.inputs):
             first.setdefault(value, j)
         return tuple(first.get(value) for value in self.outputs)
