@@ -60,7 +60,10 @@ class WindowDecodeStep(nn.Module):
         self.caller_cache = caller_cache
         dim = heads * head_dim
         gen = torch.Generator().manual_seed(seed)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
         with torch.no_grad():
             for layer in (self.wq, self.wk, self.wv, self.wo):
                 layer.weight.copy_(torch.randn(dim, dim, generator=gen) / math.sqrt(dim))
@@ -73,7 +76,10 @@ class WindowDecodeStep(nn.Module):
         return (1, self.heads, self.max_seq, self.head_dim)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = caches if self.caller_cache else (self.k_cache, self.v_cache)
+        if self.caller_cache:
+            k_cache, v_cache = caches
+        else:
+            k_cache, v_cache = self.get_buffer("k_cache"), self.get_buffer("v_cache")
         shape = (1, 1, self.heads, self.head_dim)
         q = self.wq(x).view(shape).transpose(1, 2)
         k_cache.index_copy_(2, pos, self.wk(x).view(shape).transpose(1, 2))

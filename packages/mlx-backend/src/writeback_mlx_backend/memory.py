@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import torch
+import torch.utils.dlpack
 
 from writeback_mlx_backend.ops import MX_DTYPES
 
@@ -52,7 +53,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Ten
         raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, MX_DTYPES))}")
     array = mx.zeros(tuple(int(s) for s in shape), dtype=MX_DTYPES[dtype])
     mx.eval(array)
-    tensor = torch.from_dlpack(array)
+    tensor = torch.utils.dlpack.from_dlpack(array)
     pointer = tensor.data_ptr()
     with _LOCK:
         _ALLOCATIONS[pointer] = _Allocation(array, tensor.numel() * tensor.element_size())

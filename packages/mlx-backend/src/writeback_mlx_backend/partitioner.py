@@ -37,7 +37,7 @@ class _Support(OperatorSupportBase):
         return node.op == "call_function" and unsupported_reason(node) is None
 
 
-class MLXPartitioner(Partitioner):
+class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped
     """Tag every node the MLX op table runs, grouped into delegate partitions.
 
     Buffers a partition mutates become delegate-owned when ``own_buffers`` (they

@@ -7,7 +7,7 @@ this package never breaks another package's import.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from writeback_core import (
     BackendSpec,
@@ -20,6 +20,9 @@ from writeback_core import (
 from writeback_core.registry import Registry, hookimpl
 
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 writeback_name = "mlx-backend"
 
@@ -78,3 +81,22 @@ def _empty(shape: Sequence[int], dtype: Any) -> Any:
 def writeback_state_allocators() -> dict[str, Any]:
     """Caller-owned state allocated in MLX, so the delegate reads and writes it without a copy."""
     return {BACKEND_NAME: _empty}
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    if nbytes < 1 << 20:
+        return f"{nbytes / 1024:.1f} KiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+@hookimpl
+def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
+    """The "mlx" column: what lowering this state to the MLX backend costs per call."""
+    if mutation.write.kind not in _IN_PLACE_WRITES or not mutation.shape:
+        return {"mlx": f"write-back kept: {_size(mutation.nbytes)} copied per call"}
+    if mutation.kind is MutationKind.BUFFER:
+        return {"mlx": "owned by the delegate, updated in place (no copy)"}
+    return {"mlx": f"in place (+{_size(mutation.nbytes)} copied in per call unless allocated "
+                   "by writeback_mlx_backend.empty)"}

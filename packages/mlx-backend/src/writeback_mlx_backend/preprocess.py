@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, final
+from collections.abc import Sequence
+from typing import Any, cast, final
 
 import torch
 import torch.fx
@@ -147,7 +148,7 @@ def _add_outputs(program: ExportedProgram, result: DelegateProgram, node: torch.
     sig = program.graph_signature
     inputs_to_buffers = sig.inputs_to_buffers
     buffer_placeholder = {target: name for name, target in inputs_to_buffers.items()}
-    values = list(node.args[0])
+    values = list(cast(Sequence[Any], node.args[0]))
     for spec, value in zip(sig.output_specs, values, strict=True):
         if spec.kind is OutputKind.BUFFER_MUTATION:
             result.state_updates[buffer_placeholder[str(spec.target)]] = value.name
@@ -185,7 +186,7 @@ def _write_into_input(value: Any, inputs: list[str]) -> torch.fx.Node | None:
 
 
 @final
-class WritebackMLXBackend(BackendDetails):
+class WritebackMLXBackend(BackendDetails):  # type: ignore[misc]  # executorch is untyped
     """ExecuTorch ``BackendDetails`` of the MLX delegate (the class name is the backend id)."""
 
     @staticmethod
