@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from click.testing import CliRunner
-from rich.console import Console
-
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
+from click.testing import CliRunner
+from rich.console import Console
 from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, _tables, run_bench
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
@@ -31,7 +30,8 @@ def test_bench_reports_a_pipeline_that_cannot_be_assembled_instead_of_dropping_i
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin])  # no runtime plugin
     result = run_bench(registry, [1.0], repeats=1)
     (size,) = result.sizes
-    assert size.error(WRITEBACK, "step") is not None and "no writeback pipeline" in size.error(WRITEBACK, "step")
+    error = size.error(WRITEBACK, "step")
+    assert error is not None and "no writeback pipeline" in error
     assert size.error(STOCK, "step") is None and size.median(STOCK, "step") is not None
     console = Console(record=True, width=200)
     for table in _tables(result):

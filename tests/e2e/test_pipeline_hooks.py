@@ -5,18 +5,17 @@ MLX backend's allocator). Real plugins, real exir, real runtime, real MLX; eager
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 import torch
-
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
 from writeback_core import hookimpl
 from writeback_core.pipeline import PipelineError, Session, assemble, lower
 from writeback_core.registry import DuplicateNameError, load_registry
-from writeback_core.types import RuntimeSpec, StateAllocator
+from writeback_core.types import RuntimeDelegate, RuntimeProgram, RuntimeSpec, StateAllocator
 from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 
 CFG = DecoderConfig(max_seq=8)
@@ -100,8 +99,8 @@ def test_two_plugins_offering_an_allocator_for_one_backend_is_an_error_naming_bo
             return {"mlx": lambda shape, dtype: torch.zeros(tuple(shape), dtype=dtype)}
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, Other()])
-    with pytest.raises(DuplicateNameError, match="'mlx-backend' and plugin 'other-allocator'|"
-                                                 "'other-allocator' and plugin 'mlx-backend'"):
+    with pytest.raises(DuplicateNameError, match=r"'mlx-backend' and plugin 'other-allocator'|"
+                                                 r"'other-allocator' and plugin 'mlx-backend'"):
         registry.state_allocators()
 
 
@@ -111,14 +110,17 @@ def test_two_plugins_offering_one_runtime_name_is_an_error_naming_both() -> None
 
         @hookimpl
         def writeback_runtimes(self) -> Sequence[RuntimeSpec]:
-            return [RuntimeSpec("pybind", load_program=lambda data, delegates: None)]
+            def refuse(data: bytes, delegates: Mapping[str, RuntimeDelegate]) -> RuntimeProgram:
+                raise AssertionError("never loaded: the registry refuses the duplicate first")
+
+            return [RuntimeSpec("pybind", load_program=refuse)]
 
     registry = load_registry(entry_points=False, plugins=[runtime_plugin, Another()])
-    with pytest.raises(DuplicateNameError, match="runtime 'pybind'.*another-runtime"):
+    with pytest.raises(DuplicateNameError, match=r"runtime 'pybind'.*another-runtime"):
         registry.runtimes()
 
 
 def test_writeback_runtimes_none_installed_is_a_clear_error() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin])
-    with pytest.raises(PipelineError, match="no plugin offers a runtime.*writeback-pybind-runtime"):
+    with pytest.raises(PipelineError, match=r"no plugin offers a runtime.*writeback-pybind-runtime"):
         assemble(registry)

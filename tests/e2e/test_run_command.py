@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 from click.testing import CliRunner
-
 from writeback_core.cli import main
 from writeback_core.pipeline import Session, assemble, lower
 from writeback_core.registry import load_registry
