@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
@@ -67,7 +69,7 @@ def test_example_backend_runs_from_pte_and_writes_the_cache() -> None:
     """The example delegate is real: lowered, serialized, loaded by stock executorch.runtime
     once its Python delegate is registered by a runtime; here we execute its delegate
     directly on the processed blob against eager index_copy_."""
-    from writeback_example_backend.backend import ExampleRuntimeDelegate
+    from writeback_example_backend.backend import IN_PLACE_OUTPUTS_SPEC, ExampleRuntimeDelegate
 
     registry = load_registry()
     case = builtin_models()["decoder-caller-cache"]
@@ -79,15 +81,24 @@ def test_example_backend_runs_from_pte_and_writes_the_cache() -> None:
     graph_module = lowered.exported_program().graph_module
     blobs = [m for _, m in graph_module.named_children() if hasattr(m, "processed_bytes")]
     assert blobs
-    delegate = ExampleRuntimeDelegate()
-    handle = delegate.init(blobs[0].processed_bytes, {})
-    cache = torch.zeros(1, 2, 16, 16)
+    # The delegate writes the cache in place only when a pass dropped its write-back
+    # (compile spec IN_PLACE_OUTPUTS_SPEC names the input); otherwise the result goes
+    # to the output and the cache, still read by the program, is left alone.
+    plan = json.loads(blobs[0].processed_bytes.decode())
+    in_place = json.dumps([{"output": 0, "input": plan["dest"]}]).encode()
     source = torch.randn(1, 2, 1, 16)
     index = torch.tensor([5])
-    out = torch.empty_like(cache)
-    args = [None] * handle["inputs"] + [out]
-    args[handle["dest"]], args[handle["index"]], args[handle["source"]] = cache, index, source
-    delegate.execute(handle, args)
     expected = torch.zeros(1, 2, 16, 16).index_copy_(2, index, source)
-    torch.testing.assert_close(cache, expected)
-    torch.testing.assert_close(out, expected)
+    delegate = ExampleRuntimeDelegate()
+    for specs in ({IN_PLACE_OUTPUTS_SPEC: in_place}, {}):
+        handle = delegate.init(blobs[0].processed_bytes, specs)
+        cache = torch.zeros(1, 2, 16, 16)
+        out = torch.full_like(cache, -7.0)
+        args = [None] * handle["inputs"] + [out]
+        args[handle["dest"]], args[handle["index"]], args[handle["source"]] = cache, index, source
+        delegate.execute(handle, args)
+        if specs:
+            torch.testing.assert_close(cache, expected)
+        else:
+            torch.testing.assert_close(cache, torch.zeros(1, 2, 16, 16))
+            torch.testing.assert_close(out, expected)

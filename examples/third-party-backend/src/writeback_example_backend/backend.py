@@ -11,13 +11,17 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-
 from writeback_core import PartitionView, Registry, find_mutations
 from writeback_core._ops import packet_name
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 
-__all__ = ["ExamplePartitioner", "ExampleRuntimeDelegate", "WritebackExampleBackend"]
+__all__ = [
+    "IN_PLACE_OUTPUTS_SPEC",
+    "ExamplePartitioner",
+    "ExampleRuntimeDelegate",
+    "WritebackExampleBackend",
+]
 
 
 def _single_index_dim(node: torch.fx.Node) -> int | None:
@@ -80,20 +84,34 @@ class WritebackExampleBackend(BackendDetails):
         return PreprocessResult(processed_bytes=json.dumps(plan).encode())
 
 
-class ExampleRuntimeDelegate:
-    """Performs ``dest.index_copy_(dim, index, source)`` in the destination's own memory.
+# The compile-spec key under which a pass that drops a write-back tells the
+# delegate to write an input in place: JSON ``[{"output": j, "input": i}, ...]``
+# (writeback-passes' ``reinplace_delegate_input_mutations`` writes it).
+IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
 
-    Arguments are the delegate's inputs then its one output. When a pass has given
-    the output the destination's memory (the write-back was dropped) the output is
-    already the result; otherwise the result is also copied into the output.
+
+class ExampleRuntimeDelegate:
+    """Performs ``index_copy(dest, dim, index, source)``, in place only when told to.
+
+    Arguments are the delegate's inputs then its one output. The destination
+    is written in place only when the lowered module's compile spec
+    :data:`IN_PLACE_OUTPUTS_SPEC` names it (a pass dropped its write-back, so
+    nothing reads the old value afterwards); otherwise the destination is left
+    untouched and the result goes to the output: writing it in place anyway
+    would change state that the program still reads, or that is not state at
+    all (a functional ``index_copy`` of a read-only buffer).
     """
 
     backend_id = BACKEND_ID
 
-    def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> dict[str, int]:
-        return dict(json.loads(processed.decode()))
+    def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> dict[str, Any]:
+        handle: dict[str, Any] = dict(json.loads(processed.decode()))
+        raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
+        entries = json.loads(bytes(raw).decode()) if raw else []
+        handle["in_place"] = any(int(e["input"]) == handle["dest"] for e in entries)
+        return handle
 
-    def execute(self, handle: dict[str, int], args: Sequence[Any]) -> None:
+    def execute(self, handle: dict[str, Any], args: Sequence[Any]) -> None:
         dest, index, source = args[handle["dest"]], args[handle["index"]], args[handle["source"]]
         out = args[handle["inputs"]]
         if bool((index < 0).any()) or bool((index >= dest.shape[handle["dim"]]).any()):
@@ -101,11 +119,13 @@ class ExampleRuntimeDelegate:
                 f"index_copy: index {index.tolist()} out of range for dim {handle['dim']} "
                 f"of size {dest.shape[handle['dim']]}"
             )
-        dest.index_copy_(handle["dim"], index, source)
-        if out.data_ptr() != dest.data_ptr():
-            out.copy_(dest)
+        if handle["in_place"]:
+            dest.index_copy_(handle["dim"], index, source)
+            return
+        out.copy_(dest)
+        out.index_copy_(handle["dim"], index, source)
 
-    def destroy(self, handle: dict[str, int]) -> None:
+    def destroy(self, handle: dict[str, Any]) -> None:
         return None
 
 

@@ -1,0 +1,1 @@
+"""Differential fuzzing and the backend contract suite (needs ``writeback-core[testing]``)."""

@@ -1,0 +1,77 @@
+"""``writeback fuzz``: differential fuzzing from the command line.
+
+Added to the CLI by core's built-in plugin through ``writeback_cli_commands``.
+This module imports neither hypothesis nor exir at import time, so the
+``writeback`` command works without the ``testing`` extra until ``fuzz`` runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+__all__ = ["fuzz_command"]
+
+
+@click.command("fuzz")
+@click.option("--programs", "n_programs", type=click.IntRange(min=1), default=100,
+              show_default=True, help="How many generated programs to check.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Hypothesis seed (job j uses seed + j).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Worker processes (default: one per core, at most 2).")
+@click.option("--runtime", default=None,
+              help="A runtime a plugin offers (writeback_runtimes; default: the first "
+                   "offered); '' for stock executorch.runtime only.")
+@click.option("--runtime-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the runtime targets on every n-th program only.")
+@click.option("--calls", type=click.IntRange(min=3), default=3, show_default=True,
+              help="Calls per program (state must be carried at least twice).")
+@click.option("--no-shrink", is_flag=True, help="Report the first failing program as drawn.")
+def fuzz_command(
+    n_programs: int,
+    seed: int,
+    jobs: int | None,
+    runtime: str | None,
+    runtime_every: int,
+    calls: int,
+    no_shrink: bool,
+) -> None:
+    """Check N generated stateful programs: eager PyTorch against every lowered form.
+
+    Each program runs eagerly and through the pipeline the installed plugins
+    assemble (early write-back among its passes), in stock executorch.runtime
+    and in the caller-writing runtime (planned, unplanned, bound outputs),
+    comparing every output and every state after each call. A failure prints
+    a minimal reproducing module. Exit status 1 on any failure.
+    """
+    try:
+        import hypothesis  # noqa: F401 - only to fail early with a clear message
+    except ImportError as error:
+        raise click.UsageError(
+            "writeback fuzz needs hypothesis: install writeback-core[testing]"
+        ) from error
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from writeback_core.testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
+
+    config = FuzzConfig(
+        programs=n_programs,
+        seed=seed,
+        jobs=jobs or default_jobs(),
+        runtime=runtime,
+        runtime_every=runtime_every,
+        calls=calls,
+        shrink=not no_shrink,
+    )
+    console = Console(stderr=True)
+    with Progress("fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        task = bar.add_task("fuzz", total=n_programs)
+        report = run_fuzz(config, progress=lambda n: bar.advance(task, n))
+    for line in summary(report):
+        click.echo(line)
+    if report.failures:
+        sys.exit(1)

@@ -1,0 +1,228 @@
+"""The backend contract suite: what a backend says per mutation is what it does at run time.
+
+For every backend the registry knows, on the zoo and on generated programs,
+:func:`check_backend_contract`:
+
+1. exports the program and partitions it with the backend's partitioner
+   (``to_edge_transform_and_lower``), which asks ``writeback_accepts_in_place``
+   per mutation and records core's decision on each state placeholder;
+2. lowers it with the registry's passes, inputs and outputs unplanned (so a
+   delegate works on the caller's memory);
+3. checks the structure: every **accepted** mutation has no write-back
+   ``copy_`` left (written in place, copy dropped); every **declined** one
+   still has its write-back (copied back);
+4. checks the behaviour against eager PyTorch, every output and every state
+   after each of ``calls`` calls, in the caller-writing runtime (the
+   mutation must land in the caller's tensor, in place or by the copy) and in
+   stock ``executorch.runtime`` (buffers read back by name).
+
+A third-party backend runs the suite against itself from its own tests::
+
+    from writeback_core.testing.contract import backend_names, check_backend_contract, zoo_cases
+
+    @pytest.mark.parametrize("case", zoo_cases(), ids=lambda c: c.name)
+    @pytest.mark.parametrize("backend", backend_names(registry))
+    def test_contract(backend, case):
+        check_backend_contract(registry, backend, case.built)
+
+and on generated programs with ``@given(strategies.programs(...))``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from writeback_core._ops import packet_name
+from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.testing.oracle import (
+    DEFAULT_CALLS,
+    Lowered,
+    LoweringError,
+    ProgramMismatch,
+    RuntimeTarget,
+    StockTarget,
+    Target,
+    _compare,
+    built_from_case,
+    eager_run,
+    export_built,
+    registry_runtime,
+)
+from writeback_core.testing.program import Built, ProgramSpec, build
+
+__all__ = [
+    "ContractCase",
+    "ContractReport",
+    "ContractViolation",
+    "backend_names",
+    "check_backend_contract",
+    "generated_cases",
+    "write_backs",
+    "zoo_cases",
+]
+
+
+class ContractViolation(AssertionError):
+    """The backend's answer and what the lowered program does disagree."""
+
+
+@dataclass(frozen=True)
+class ContractCase:
+    """A program the contract runs on: a name and the built program."""
+
+    name: str
+    built: Built
+
+
+@dataclass
+class ContractReport:
+    """What one contract check saw: decisions made, write-backs left, targets compared."""
+
+    backend: str
+    decisions: dict[str, InPlaceDecision] = field(default_factory=dict)
+    write_backs: frozenset[str] = frozenset()
+    delegated: int = 0
+    targets: list[str] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> list[str]:
+        return sorted(t for t, d in self.decisions.items() if d.accepted)
+
+    @property
+    def declined(self) -> list[str]:
+        return sorted(t for t, d in self.decisions.items() if not d.accepted)
+
+
+def backend_names(registry: Registry) -> list[str]:
+    """Every backend the registry offers, sorted (the contract's parametrization)."""
+    return sorted(registry.backends())
+
+
+def zoo_cases() -> list[ContractCase]:
+    """The built-in models (``writeback_core.zoo``) as contract cases."""
+    from writeback_core.zoo import builtin_models
+
+    return [ContractCase(name, built_from_case(case)) for name, case in sorted(builtin_models().items())]
+
+
+def write_backs(program: Any) -> frozenset[str]:
+    """Names of the placeholders that a final ``ExecutorchProgramManager`` still copies into."""
+    graph = program.exported_program().graph_module.graph
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or packet_name(node.target) != "copy_" or not node.args:
+            continue
+        dest = node.args[0]
+        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
+            found.add(dest.name)
+    return frozenset(found)
+
+
+def _partitioned_edge(built: Built, registry: Registry, backend: str) -> Any:
+    from executorch.exir import to_edge_transform_and_lower
+
+    spec = registry.backends()[backend]
+    try:
+        program = export_built(built)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return to_edge_transform_and_lower(program, partitioner=[spec.partitioner(registry)])
+    except Exception as error:
+        raise LoweringError(
+            f"backend {backend!r}: export/partition failed: {type(error).__name__}: {error}\n"
+            f"--- program ---\n{built.source}"
+        ) from error
+
+
+def _delegate_count(program: Any) -> int:
+    graph = program.exported_program().graph_module.graph
+    return sum(1 for n in graph.nodes if n.op == "get_attr" and "lowered_module" in str(n.target))
+
+
+def check_backend_contract(
+    registry: Registry,
+    backend: str,
+    program: Built | ProgramSpec,
+    runtime: Any = None,
+    calls: int = DEFAULT_CALLS,
+) -> ContractReport:
+    """Check ``backend``'s per-mutation answers against the lowered program and its runs.
+
+    :param registry: the plugins (backend, passes, runtime delegates) to use.
+    :param backend: a name from ``registry.backends()``.
+    :param program: a built program or a spec (built here).
+    :param runtime: a caller-writing runtime (``load_program(bytes).load_method``);
+        default: the first one the registry offers (``writeback_runtimes``),
+        loading programs with the registry's runtime delegates.
+    :raises ContractViolation: an accepted mutation is still copied back, or a
+        declined one is not.
+    :raises ProgramMismatch: a run differs from eager PyTorch.
+    """
+    built = program if isinstance(program, Built) else build(program)
+    if runtime is None:
+        runtime = registry_runtime(registry)
+        if runtime is None:
+            raise LookupError("no plugin offers a runtime (writeback_runtimes); install "
+                              "writeback-pybind-runtime or pass runtime=")
+    edge = _partitioned_edge(built, registry, backend)
+    report = ContractReport(backend)
+    report.decisions = in_place_decisions(edge.exported_program())
+    lowered = Lowered(built, registry)
+    lowered._edge = edge
+    final = lowered.program(planned=False)
+    report.write_backs = write_backs(final)
+    report.delegated = _delegate_count(final)
+    for target, decision in sorted(report.decisions.items()):
+        copied = decision.placeholder in report.write_backs
+        if decision.accepted and copied:
+            raise ContractViolation(
+                f"backend {backend!r} accepted to write {target!r} ({decision.write}) in place "
+                f"(accepted by {', '.join(decision.accepted_by)}), but the lowered program still "
+                f"copies it back (copy_ into {decision.placeholder!r}): no registered pass "
+                f"dropped the write-back, so the backend must not accept this mutation, or a "
+                f"pass that drops it must be installed\n--- program ---\n{built.source}"
+            )
+        if not decision.accepted and not copied and _state_written(lowered, decision):
+            raise ContractViolation(
+                f"backend {backend!r} declined {target!r} ({decision.write}), but the lowered "
+                f"program has no write-back copy_ into {decision.placeholder!r}: a declined "
+                f"mutation must be copied back\n--- program ---\n{built.source}"
+            )
+    targets: list[Target] = [
+        RuntimeTarget(f"{backend}-unplanned", runtime, planned=False),
+        RuntimeTarget(f"{backend}-planned", runtime, planned=True),
+        StockTarget(f"{backend}-stock"),
+    ]
+    expected = eager_run(built, calls)
+    for target in targets:
+        observed = target.run(lowered, calls)
+        for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
+            diff = _compare(want, got)
+            if diff is not None:
+                raise ProgramMismatch(built.source, target.name, call, diff[0],
+                                      f"{diff[1]}\ndecisions: accepted {report.accepted}, "
+                                      f"declined {report.declined}")
+        report.targets.append(target.name)
+    return report
+
+
+def _state_written(lowered: Lowered, decision: InPlaceDecision) -> bool:
+    """Whether the program still writes ``decision``'s state at all (it may be dead code now)."""
+    program = lowered.program(planned=False)
+    from torch.export.graph_signature import OutputKind
+
+    kinds = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
+    return any(
+        str(spec.target) == decision.target and spec.kind in kinds
+        for spec in program.exported_program().graph_signature.output_specs
+    )
+
+
+def generated_cases(specs: Sequence[ProgramSpec]) -> list[ContractCase]:
+    """Generated programs as contract cases (named by position)."""
+    return [ContractCase(f"generated-{i}", build(spec)) for i, spec in enumerate(specs)]

@@ -1,0 +1,231 @@
+"""The fuzz loop: draw programs with hypothesis, check each with the oracle, shrink a failure.
+
+:func:`run_fuzz` is what ``writeback fuzz`` and the CI tests call. With
+``jobs > 1`` it starts that many worker processes, each running its own
+hypothesis loop on its own seed (``seed + job``) over its share of the
+programs; with ``jobs == 1`` everything runs in this process (so a test may
+patch a pass and see the effect).
+
+A failing program is shrunk by hypothesis to a minimal one; its source is the
+reproducer. A program that cannot even be exported or lowered is a failure
+too (a generator bug, or a pass that breaks lowering), reported the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "run_fuzz"]
+
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """What to fuzz and with what; plain data, so worker processes can receive it.
+
+    ``plugins`` are module names registered on the registry (besides entry
+    points when ``entry_points``); ``runtime`` the name of a runtime a plugin
+    offers (``writeback_runtimes``; ``None``: the first offered, ``""``: stock
+    ``executorch.runtime`` only). ``runtime_every`` runs the
+    runtime targets on every n-th program only (1: all). ``strategy`` names
+    keyword arguments of ``strategies.programs``.
+    """
+
+    programs: int
+    seed: int = 0
+    jobs: int = 1
+    entry_points: bool = True
+    plugins: tuple[str, ...] = ()
+    runtime: str | None = None
+    runtime_every: int = 1
+    calls: int = 3
+    shrink: bool = True
+    strategy: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class FuzzFailure:
+    """One failing (shrunk) program: which target, and the full message with the reproducer."""
+
+    kind: str  # "mismatch", "lowering" or "error"
+    target: str | None
+    message: str
+
+
+@dataclass
+class FuzzReport:
+    """What a fuzz run did."""
+
+    programs: int = 0
+    runtime_checked: int = 0
+    failures: list[FuzzFailure] = field(default_factory=list)
+    seconds: float = 0.0
+    targets: dict[str, int] = field(default_factory=dict)
+
+    def merge(self, other: FuzzReport) -> None:
+        self.programs += other.programs
+        self.runtime_checked += other.runtime_checked
+        self.failures.extend(other.failures)
+        for name, count in other.targets.items():
+            self.targets[name] = self.targets.get(name, 0) + count
+
+
+def _registry(config: FuzzConfig) -> Any:
+    from writeback_core.registry import load_registry
+
+    plugins = [importlib.import_module(name) for name in config.plugins]
+    return load_registry(entry_points=config.entry_points, plugins=plugins)
+
+
+def _runtime(config: FuzzConfig, registry: Any) -> Any:
+    from writeback_core.testing.oracle import registry_runtime
+
+    if config.runtime == "":
+        return None
+    return registry_runtime(registry, config.runtime)
+
+
+def _run_share(
+    config: FuzzConfig, job: int, count: int, progress: Callable[[int], None]
+) -> FuzzReport:
+    """One hypothesis loop over ``count`` programs with seed ``config.seed + job``."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+
+    from writeback_core.testing.oracle import (
+        LoweringError,
+        ProgramMismatch,
+        StockTarget,
+        check_program,
+        runtime_targets,
+    )
+    from writeback_core.testing.strategies import programs
+
+    registry = _registry(config)
+    runtime = _runtime(config, registry)
+    stock = [StockTarget()]
+    name = getattr(getattr(runtime, "spec", None), "name", "runtime")
+    full = stock + (runtime_targets(runtime, name) if runtime is not None else [])
+    report = FuzzReport()
+    counter = {"n": 0, "failed": 0}
+    phases = [Phase.generate, Phase.shrink] if config.shrink else [Phase.generate]
+
+    @seed(config.seed + job)
+    @settings(max_examples=count, deadline=None, database=None, phases=phases,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(programs(**dict(config.strategy)))
+    def fuzz_one(spec: Any) -> None:
+        counter["n"] += 1
+        # Once a program failed, every later call (hypothesis replaying and
+        # shrinking it) runs all targets, so the failure cannot vanish with them.
+        with_runtime = counter["failed"] > 0 or counter["n"] % config.runtime_every == 0
+        targets = full if with_runtime else stock
+        try:
+            result = check_program(spec, targets, registry, calls=config.calls)
+        except Exception:
+            counter["failed"] += 1
+            raise
+        if counter["n"] <= count:
+            report.programs += 1
+            report.runtime_checked += int(with_runtime and runtime is not None)
+            for name in result.targets:
+                report.targets[name] = report.targets.get(name, 0) + 1
+            progress(1)
+
+    try:
+        fuzz_one()
+    except ProgramMismatch as error:
+        report.failures.append(FuzzFailure("mismatch", error.target, str(error)))
+    except LoweringError as error:
+        report.failures.append(FuzzFailure("lowering", None, str(error)))
+    except Exception as error:
+        report.failures.append(FuzzFailure("error", None, "".join(
+            traceback.format_exception(error))))
+    return report
+
+
+def _worker(config: FuzzConfig, job: int, count: int, queue: Any) -> None:
+    report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
+    queue.put(("done", report))
+
+
+def _shares(total: int, jobs: int) -> list[int]:
+    return [total // jobs + (1 if j < total % jobs else 0) for j in range(jobs)]
+
+
+def run_fuzz(config: FuzzConfig, progress: Callable[[int], None] | None = None) -> FuzzReport:
+    """Fuzz ``config.programs`` programs; ``progress(n)`` is called as programs pass.
+
+    Each job stops at its first failure (after shrinking it). The report
+    counts programs that passed every target they ran.
+    """
+    progress = progress or (lambda n: None)
+    start = time.perf_counter()
+    jobs = max(1, min(config.jobs, config.programs))
+    if jobs == 1:
+        report = _run_share(config, 0, config.programs, progress)
+    else:
+        report = _run_parallel(config, jobs, progress)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _run_parallel(config: FuzzConfig, jobs: int, progress: Callable[[int], None]) -> FuzzReport:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_worker, args=(config, job, count, queue), daemon=True)
+        for job, count in enumerate(_shares(config.programs, jobs))
+    ]
+    for worker in workers:
+        worker.start()
+    report = FuzzReport()
+    done = 0
+    while done < len(workers):
+        try:
+            kind, payload = queue.get(timeout=5)
+        except Exception:
+            dead = [w for w in workers if not w.is_alive() and w.exitcode not in (0, None)]
+            if dead:
+                codes = ", ".join(str(w.exitcode) for w in dead)
+                report.failures.append(FuzzFailure("error", None, f"worker died: exit {codes}"))
+                done += len(dead)
+                for w in dead:
+                    workers.remove(w)
+            continue
+        if kind == "progress":
+            progress(payload)
+        else:
+            report.merge(payload)
+            done += 1
+    for worker in workers:
+        worker.join(timeout=30)
+    return report
+
+
+def default_jobs() -> int:
+    """One job per core, at most two (CI's machines have two)."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def summary(report: FuzzReport) -> Sequence[str]:
+    """Human lines describing ``report``."""
+    lines = [
+        f"{report.programs} programs passed in {report.seconds:.1f} s "
+        f"({report.seconds / max(1, report.programs):.2f} s/program); "
+        f"runtime targets on {report.runtime_checked}",
+        "targets: " + ", ".join(f"{k} x{v}" for k, v in sorted(report.targets.items())),
+    ]
+    if report.failures:
+        lines.append(f"{len(report.failures)} failure(s):")
+        for failure in report.failures:
+            lines.append(f"[{failure.kind}] {failure.target or ''}\n{failure.message}")
+    else:
+        lines.append("0 mismatches")
+    return lines

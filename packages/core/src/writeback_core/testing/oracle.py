@@ -1,0 +1,537 @@
+"""The differential oracle: eager PyTorch against lowered programs, call by call.
+
+:func:`check_program` builds a :class:`~writeback_core.testing.program.ProgramSpec`,
+runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
+piece of state after each call, and compares each :class:`Target` against
+that record. A target lowers the program through the pipeline the registry
+assembles (``writeback_program_passes``, early write-back among them) and
+runs it in one runtime configuration:
+
+- ``stock``: stock ``executorch.runtime``, memory-planned inputs. It sees
+  buffer mutations (read back by name) and mutated inputs as the values it
+  returns (it does not write the caller's tensor; the returned value is fed
+  to the next call).
+- :class:`RuntimeTarget`: any runtime shaped like ``executorch.runtime``
+  whose methods write mutated inputs into the caller's tensors (the
+  pybind-runtime): planned inputs, unplanned inputs
+  (``MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False)``),
+  and unplanned with every bindable output bound by ``set_output``.
+
+Core imports no sibling package: the ``to_executorch`` step comes from the
+plugin owning ``writeback_to_executorch`` and a runtime from
+``writeback_runtimes`` (:func:`registry_runtime`), so a third party's
+runtime is fuzzed the same way. Further targets (a backend's lowering, a copy-back engine) are
+:class:`Target` objects too; see ``EXTENSION POINT`` below.
+
+A mismatch raises :class:`ProgramMismatch`, whose message is the program's
+source (a complete module) followed by what differed, where, and whether the
+same program is also wrong without writeback's passes (an upstream bug).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from writeback_core.registry import Registry
+from writeback_core.testing.program import Built, ProgramSpec, build
+
+__all__ = [
+    "DEFAULT_CALLS",
+    "Lowered",
+    "LoweringError",
+    "Observation",
+    "OracleReport",
+    "ProgramMismatch",
+    "RegistryRuntime",
+    "RuntimeTarget",
+    "StockTarget",
+    "Target",
+    "built_from_case",
+    "check_program",
+    "check_source",
+    "eager_run",
+    "export_built",
+    "lower_program",
+    "registry_runtime",
+    "runtime_targets",
+]
+
+DEFAULT_CALLS = 3
+ATOL = 1e-4
+RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one call produced: user outputs in order, and state by name (what the target sees)."""
+
+    outputs: tuple[torch.Tensor, ...]
+    state: dict[str, torch.Tensor]
+
+
+class LoweringError(RuntimeError):
+    """Export or lowering of a generated program failed (a generator bug or a pipeline bug)."""
+
+
+class ProgramMismatch(AssertionError):
+    """A target disagreed with eager PyTorch. ``str()`` is a complete reproducer."""
+
+    def __init__(
+        self,
+        source: str,
+        target: str,
+        call: int,
+        what: str,
+        detail: str,
+        upstream: bool | None = None,
+    ) -> None:
+        self.source = source
+        self.target = target
+        self.call = call
+        self.what = what
+        self.detail = detail
+        self.upstream = upstream
+        verdict = {
+            None: "not checked without writeback's passes",
+            True: "ALSO wrong without writeback's passes (upstream ExecuTorch)",
+            False: "right without writeback's passes: a writeback bug",
+        }[upstream]
+        super().__init__(
+            f"{target}: call {call}: {what} differs from eager ({verdict})\n{detail}\n"
+            f"--- reproducer (a complete module; see writeback_core.testing.check_source) ---\n"
+            f"{source}"
+        )
+
+
+@dataclass
+class Lowered:
+    """One program, exported once and lowered to ``.pte`` bytes per memory plan (cached).
+
+    ``edge`` may be given (an ``EdgeProgramManager``, e.g. already partitioned
+    for a backend); else it is made by ``torch.export`` and ``to_edge``.
+    """
+
+    built: Built
+    registry: Registry | None
+    with_passes: bool = True
+    _edge: Any = None
+    _programs: dict[bool, Any] = field(default_factory=dict)
+    _ptes: dict[bool, bytes] = field(default_factory=dict)
+    _layout: dict[bool, _Layout] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def edge(self) -> Any:
+        if self._edge is None:
+            start = time.perf_counter()
+            self._edge = _to_edge(self.built)
+            self.seconds += time.perf_counter() - start
+        return self._edge
+
+    def pte(self, planned: bool) -> bytes:
+        """The ``.pte`` with inputs and outputs memory planned (``planned``) or not."""
+        if planned not in self._ptes:
+            start = time.perf_counter()
+            # exir's to_executorch edits the edge program's signature in place
+            # (insert_write_back_for_buffers_pass), so a second lowering of one
+            # edge manager fails: lower a copy each time.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's pytree, deep-copied
+                edge = copy.deepcopy(self.edge())
+            program = lower_program(edge, self.built.spec, self.registry, planned,
+                                    self.with_passes)
+            self._ptes[planned] = bytes(program.buffer)
+            self._programs[planned] = program
+            self._layout[planned] = _layout(program.exported_program(), self.built.spec)
+            self.seconds += time.perf_counter() - start
+        return self._ptes[planned]
+
+    def program(self, planned: bool) -> Any:
+        """The ``ExecutorchProgramManager`` behind :meth:`pte`."""
+        self.pte(planned)
+        return self._programs[planned]
+
+    def layout(self, planned: bool) -> _Layout:
+        self.pte(planned)
+        return self._layout[planned]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where things are among a method's runtime outputs and inputs."""
+
+    mutated_inputs: tuple[str, ...]  # state names of USER_INPUT_MUTATION outputs, in order
+    mutated_buffers: tuple[str, ...]  # buffer FQNs the program writes
+    n_outputs: int
+
+
+def export_built(built: Built) -> ExportedProgram:
+    module = built.new_module()
+    args = (*built.step_inputs(0), *built.make_state())
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(module, args, strict=False)
+
+
+def _to_edge(built: Built) -> Any:
+    from executorch.exir import to_edge
+
+    try:
+        program = export_built(built)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return to_edge(program)
+    except Exception as error:
+        raise LoweringError(
+            f"export/to_edge failed: {type(error).__name__}: {error}\n--- program ---\n"
+            f"{built.source}"
+        ) from error
+
+
+def lower_program(
+    edge: Any,
+    spec: ProgramSpec,
+    registry: Registry | None,
+    planned: bool,
+    with_passes: bool = True,
+) -> Any:
+    """``to_executorch`` of ``edge`` as ``writeback run`` does it: the plugin that owns the step
+    (``writeback_to_executorch``, writeback-passes) runs the registry's passes.
+
+    Buffers keep their initial contents (``InitializedMutableBufferPass``; by
+    default exir serializes a mutated buffer's shape only) and their names
+    (``emit_mutable_buffer_names``), so a runtime can be compared with eager
+    from the first call. ``planned`` False leaves graph inputs and outputs out
+    of the memory plan. ``edge`` is not changed (exir copies it).
+    """
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+
+    # The pass matches placeholder names: ``b_`` plus the FQN with dots as underscores.
+    names = [f"b_{b.name.replace('.', '_')}" for b in spec.buffers]
+    config = ExecutorchBackendConfig(
+        emit_mutable_buffer_names=True,
+        passes=[InitializedMutableBufferPass(names)],
+        memory_planning_pass=MemoryPlanningPass(
+            alloc_graph_input=planned, alloc_graph_output=planned
+        ),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            program = None
+            if with_passes and registry is not None:
+                program = registry.hook.writeback_to_executorch(
+                    edge_manager=edge, config=config, registry=registry
+                )
+            return program if program is not None else edge.to_executorch(config)
+    except Exception as error:
+        raise LoweringError(
+            f"to_executorch (planned={planned}, passes={with_passes}) failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def _layout(program: ExportedProgram, spec: ProgramSpec) -> _Layout:
+    signature = program.graph_signature
+    user_inputs = [s.arg.name for s in signature.input_specs if s.kind is InputKind.USER_INPUT]
+    n_step = len(user_inputs) - len(spec.inputs)
+    by_placeholder = {name: spec.inputs[i - n_step].name
+                      for i, name in enumerate(user_inputs) if i >= n_step}
+    mutated_inputs: list[str] = []
+    mutated_buffers: list[str] = []
+    n_outputs = 0
+    for out in signature.output_specs:
+        if out.kind is OutputKind.BUFFER_MUTATION:
+            mutated_buffers.append(str(out.target))
+            continue
+        n_outputs += 1
+        if out.kind is OutputKind.USER_INPUT_MUTATION:
+            mutated_inputs.append(by_placeholder[str(out.target)])
+    return _Layout(tuple(mutated_inputs), tuple(mutated_buffers), n_outputs)
+
+
+def _snapshot(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(value)
+    return value.detach().clone()
+
+
+def eager_run(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
+    """Run the program eagerly ``calls`` times; every output and state is cloned at once."""
+    module = built.new_module()
+    state = built.make_state()
+    observations = []
+    with torch.no_grad():
+        for call in range(calls):
+            outputs = module(*built.step_inputs(call), *state)
+            if isinstance(outputs, torch.Tensor):
+                outputs = (outputs,)
+            seen = {s.name: _snapshot(module.get_buffer(s.name)) for s in built.spec.buffers}
+            seen.update({s.name: _snapshot(t) for s, t in zip(built.spec.inputs, state, strict=True)})
+            observations.append(Observation(tuple(_snapshot(o) for o in outputs), seen))
+    return observations
+
+
+class Target(Protocol):
+    """One way to lower and run a program; ``run`` returns what each call produced.
+
+    EXTENSION POINT: a backend-lowered target (MLX through
+    ``to_edge_transform_and_lower`` with the backend's partitioner) or a
+    copy-back engine target implements this protocol and is passed to
+    :func:`check_program` in ``targets``.
+    """
+
+    name: str
+
+    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+        """Run ``calls`` calls of ``lowered``; observations hold only what this target can see."""
+
+
+@dataclass(frozen=True)
+class StockTarget:
+    """Stock ``executorch.runtime``: buffers by name; mutated inputs through returned values."""
+
+    name: str = "stock"
+
+    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+        from executorch.runtime import Runtime
+
+        pte = lowered.pte(planned=True)
+        layout = lowered.layout(planned=True)
+        method = Runtime.get().load_program(pte).load_method("forward")
+        spec = lowered.built.spec
+        state = dict(zip((s.name for s in spec.inputs), lowered.built.make_state(), strict=True))
+        observations = []
+        for call in range(calls):
+            args = [*lowered.built.step_inputs(call), *(state[s.name] for s in spec.inputs)]
+            got = list(method.execute(args))
+            n_mut = len(layout.mutated_inputs)
+            for name, value in zip(layout.mutated_inputs, got[:n_mut], strict=True):
+                state[name] = value.clone()
+            seen = {name: _snapshot(t) for name, t in state.items()}
+            for fqn in layout.mutated_buffers:
+                # executorch.runtime.Method exposes only execute/metadata; the
+                # ExecuTorchMethod under it reads a named mutable buffer.
+                seen[fqn] = _snapshot(method._method.get_attribute(fqn))
+            observations.append(Observation(tuple(_snapshot(o) for o in got[n_mut:]), seen))
+        return observations
+
+
+@dataclass(frozen=True)
+class RuntimeTarget:
+    """A runtime that writes mutated inputs into the caller's tensors (the pybind-runtime).
+
+    ``runtime`` has ``load_program(bytes).load_method(name)``; its methods
+    ``execute(inputs)``, ``metadata`` and (when ``bind_outputs``)
+    ``set_output(tensor, index)``. ``planned`` picks the memory plan of graph
+    inputs and outputs; ``bind_outputs`` binds every output that is unplanned,
+    not an input and returned once to a caller tensor before the first call.
+    """
+
+    name: str
+    runtime: Any
+    planned: bool
+    bind_outputs: bool = False
+
+    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+        pte = lowered.pte(planned=self.planned)
+        layout = lowered.layout(planned=self.planned)
+        method = self.runtime.load_program(pte).load_method("forward")
+        if self.bind_outputs:
+            self._bind(method)
+        spec = lowered.built.spec
+        state = lowered.built.make_state()
+        observations = []
+        n_mut = len(layout.mutated_inputs)
+        for call in range(calls):
+            got = list(method.execute([*lowered.built.step_inputs(call), *state]))
+            seen = {s.name: _snapshot(t) for s, t in zip(spec.inputs, state, strict=True)}
+            by_name = dict(zip(layout.mutated_inputs, got[:n_mut], strict=True))
+            for name, value in by_name.items():
+                # The returned mutated input must be the new state too.
+                seen[f"{name} (returned)"] = _snapshot(value)
+            observations.append(Observation(tuple(_snapshot(o) for o in got[n_mut:]), seen))
+        return observations
+
+    @staticmethod
+    def _bind(method: Any) -> None:
+        for index, out in enumerate(method.metadata.outputs):
+            if out.tag != "Tensor" or out.memory_planned or out.is_input is not None or out.repeats:
+                continue
+            dtype = getattr(torch, str(out.dtype).split(".")[-1])
+            method.set_output(torch.full(tuple(out.sizes), -7, dtype=dtype), index)
+
+
+@dataclass(frozen=True)
+class RegistryRuntime:
+    """A runtime a plugin offers (``writeback_runtimes``), loading with the registry's delegates."""
+
+    spec: Any  # writeback_core.types.RuntimeSpec
+    registry: Registry
+
+    def load_program(self, data: bytes) -> Any:
+        return self.spec.load_program(data, self.registry.runtime_delegates())
+
+
+def registry_runtime(registry: Registry, name: str | None = None) -> RegistryRuntime | None:
+    """The runtime ``name`` offered through ``writeback_runtimes`` (default: the only or the
+    first by name), or ``None`` when no plugin offers one."""
+    runtimes = registry.runtimes()
+    if name is None:
+        if not runtimes:
+            return None
+        name = sorted(runtimes)[0]
+    if name not in runtimes:
+        raise KeyError(f"no runtime named {name!r}; offered: {sorted(runtimes)}")
+    return RegistryRuntime(runtimes[name], registry)
+
+
+def runtime_targets(runtime: Any, prefix: str = "pybind") -> list[RuntimeTarget]:
+    """The three configurations of a caller-writing runtime: planned, unplanned, unplanned+bound."""
+    return [
+        RuntimeTarget(f"{prefix}-planned", runtime, planned=True),
+        RuntimeTarget(f"{prefix}-unplanned", runtime, planned=False),
+        RuntimeTarget(f"{prefix}-unplanned-bound", runtime, planned=False, bind_outputs=True),
+    ]
+
+
+def _differs(expected: torch.Tensor, got: Any) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor, got {type(got).__name__}: {got!r}"
+    if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+        return (f"expected {expected.dtype} {tuple(expected.shape)}, "
+                f"got {got.dtype} {tuple(got.shape)}")
+    try:
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, equal_nan=True)
+    except AssertionError as error:
+        return f"expected\n{expected}\ngot\n{got}\n({str(error).splitlines()[0]})"
+    return None
+
+
+def _compare(expected: Observation, got: Observation) -> tuple[str, str] | None:
+    """The first difference as ``(what, detail)``, or ``None``."""
+    if len(got.outputs) != len(expected.outputs):
+        return "output count", f"expected {len(expected.outputs)}, got {len(got.outputs)}"
+    for i, (e, g) in enumerate(zip(expected.outputs, got.outputs, strict=True)):
+        diff = _differs(e, g)
+        if diff:
+            return f"output {i}", diff
+    for name, value in got.state.items():
+        base = name.split(" ")[0]
+        if base not in expected.state:
+            return f"state {name}", f"the runtime has state {name!r} that eager does not"
+        diff = _differs(expected.state[base], value)
+        if diff:
+            return f"state {name}", diff
+    return None
+
+
+@dataclass
+class OracleReport:
+    """What :func:`check_program` ran: targets checked, seconds spent lowering and running."""
+
+    source: str
+    targets: list[str] = field(default_factory=list)
+    lowering_seconds: float = 0.0
+    running_seconds: float = 0.0
+
+
+def check_program(
+    program: ProgramSpec | Built,
+    targets: Sequence[Target] | None = None,
+    registry: Registry | None = None,
+    calls: int = DEFAULT_CALLS,
+    triage: bool = True,
+) -> OracleReport:
+    """Compare ``program`` run by every target with eager PyTorch, call by call.
+
+    :param program: a spec (built here) or a built program.
+    :param targets: default ``[StockTarget()]``.
+    :param registry: whose passes the pipeline runs; ``None`` runs exir alone.
+    :param calls: calls per target (at least 3: state must survive twice).
+    :param triage: on a mismatch, lower again without the registry's passes
+        and record whether stock exir is wrong too.
+    :raises ProgramMismatch: a target's output or state differs from eager.
+    :raises LoweringError: the program could not be exported or lowered.
+    """
+    if calls < 3:
+        raise ValueError(f"calls must be at least 3 (state must be carried twice), got {calls}")
+    built = program if isinstance(program, Built) else build(program)
+    targets = list(targets) if targets is not None else [StockTarget()]
+    expected = eager_run(built, calls)
+    lowered = Lowered(built, registry)
+    report = OracleReport(built.source)
+    for target in targets:
+        start = time.perf_counter()
+        seconds_before = lowered.seconds
+        observed = target.run(lowered, calls)
+        report.running_seconds += time.perf_counter() - start - (lowered.seconds - seconds_before)
+        for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
+            diff = _compare(want, got)
+            if diff is not None:
+                upstream = _triage(built, target, call, calls) if triage else None
+                raise ProgramMismatch(built.source, target.name, call, diff[0], diff[1], upstream)
+        report.targets.append(target.name)
+    report.lowering_seconds = lowered.seconds
+    return report
+
+
+def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
+    """Whether the same target is also wrong at ``call`` with exir alone (no writeback passes)."""
+    try:
+        bare = Lowered(built, None, with_passes=False)
+        observed = target.run(bare, calls)
+    except Exception:
+        return None
+    expected = eager_run(built, calls)
+    return _compare(expected[call], observed[call]) is not None
+
+
+def built_from_case(case: Any) -> Built:
+    """A zoo :class:`~writeback_core.zoo.ModelCase` as a :class:`Built` the oracle can run.
+
+    Its buffers and caller-owned state are read off a fresh instance; its
+    "source" names the case (zoo models are code in the repository already).
+    """
+    from writeback_core.testing.program import State
+
+    module = case.build()
+    buffers = tuple(State(name, "buffer", tuple(b.shape)) for name, b in module.named_buffers())
+    inputs = tuple(State(f"state{i}", "input", tuple(t.shape))
+                   for i, t in enumerate(case.make_state()))
+    spec = ProgramSpec(states=buffers + inputs, statements=(), outputs=(),
+                       has_x=True, has_pos=True)
+    return Built(spec, f"# zoo model {case.name!r}: writeback_core.zoo.builtin_models()"
+                 f"[{case.name!r}]\n", case.build, case.step_inputs, case.make_state)
+
+
+def check_source(source: str, targets: Sequence[Target] | None = None,
+                 registry: Registry | None = None, calls: int = DEFAULT_CALLS) -> OracleReport:
+    """Run the oracle on a reproducer's source (as a :class:`ProgramMismatch` prints it)."""
+    from types import ModuleType
+
+    module = ModuleType("writeback_fuzz_reproducer")
+    exec(compile(source, "<writeback-fuzz reproducer>", "exec"), module.__dict__)
+    spec = ProgramSpec(states=(), statements=(), outputs=())
+    # A reproducer carries no spec: describe its state from the module itself.
+    instance = module.__dict__["FuzzModule"]()
+    from writeback_core.testing.program import State
+
+    buffers = tuple(State(n, "buffer", tuple(b.shape)) for n, b in instance.named_buffers())
+    state = module.__dict__["make_state"]()
+    inputs = tuple(State(f"s{len(buffers) + i}", "input", tuple(t.shape)) for i, t in enumerate(state))
+    spec = dataclasses.replace(spec, states=buffers + inputs)
+    built = Built(spec, source, module.__dict__["FuzzModule"], module.__dict__["step_inputs"],
+                  module.__dict__["make_state"])
+    return check_program(built, targets, registry, calls)
