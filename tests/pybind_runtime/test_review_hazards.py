@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from writeback_pybind_runtime import Method
 
 from pybind_runtime.conftest import Lower
-from writeback_pybind_runtime import Method
 
 Load = Callable[[bytes], Method]
 
