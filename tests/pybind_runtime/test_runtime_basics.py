@@ -100,3 +100,23 @@ def test_requires_grad_input_is_accepted(lower: Lower, load: Callable[[bytes], M
     out = method([a, b])
     torch.testing.assert_close(out[0], (a + b).detach())
     assert not out[0].requires_grad
+
+
+class ManyDtypes(torch.nn.Module):
+    def forward(self, x: torch.Tensor, i: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.sum(), i * 2, b & (x > 0), x.to(torch.bfloat16) * 2, x.half()
+
+
+@pytest.mark.parametrize("clone", [True, False], ids=["cloned", "uncloned"])
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+def test_dtypes_and_zero_dim_outputs_match_eager(
+    lower: Lower, load: Callable[[bytes], Method], planned: bool, clone: bool
+) -> None:
+    args = (torch.randn(3), torch.tensor([1, 2]), torch.tensor([True, False, True]))
+    method = load(lower(ManyDtypes(), args, planned_inputs=planned, planned_outputs=planned))
+    inputs = (torch.tensor([1.0, -2.0, 3.0]), torch.tensor([3, 4]), torch.tensor([True, True, False]))
+    got = method(list(inputs), clone_outputs=clone)
+    want = ManyDtypes()(*inputs)
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
