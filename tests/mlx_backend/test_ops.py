@@ -100,6 +100,7 @@ CASES: dict[str, Case] = {
     "cat": _op(lambda a, b: torch.cat([a, b], dim=1), _rand2((2, 3), (2, 5))),
     "where_mask": _op(_mask, _rand(6, 6)),
     "compare": _op(lambda a, b: (a < b).float() + (a >= 0.5).float(), _rand2((3, 4), (3, 4))),
+    "clamp": _op(lambda a: a.clamp(-0.5, 0.5) + a.clamp(min=0.1), _rand(3, 4)),
     "sum_amax": _op(lambda a: a.sum(-1) + a.amax(-1), _rand(3, 4)),
     "sdpa": _op(_sdpa, lambda g: tuple(torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))),
     "to_dtype": _op(lambda a: (a * 10).to(torch.int32).to(torch.float32), _rand(3, 4)),

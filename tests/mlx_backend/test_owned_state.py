@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback_mlx_backend import MLXDelegate
@@ -61,10 +62,20 @@ def test_owned_buffer_is_unchanged_when_an_index_is_rejected() -> None:
     handle = delegate.init(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))), {})
     delegate.execute(handle, [torch.tensor([2]), torch.ones(1, 4), torch.empty(4)])
     before = np.array(next(iter(handle.state.values())))
-    try:
+    with pytest.raises(IndexError, match="negative indices are rejected"):
         delegate.execute(handle, [torch.tensor([-3]), torch.ones(1, 4), torch.empty(4)])
-    except IndexError as error:
-        assert "negative indices are rejected" in str(error)
-    else:
-        raise AssertionError("a negative index_copy index was accepted")
     np.testing.assert_array_equal(np.array(next(iter(handle.state.values()))), before)
+
+
+def test_unknown_compile_spec_is_refused_by_name() -> None:
+    """A program from a newer pipeline must not run with behaviour this runtime lacks."""
+    blob = _lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4)))
+    with pytest.raises(ValueError, match=r"writeback\.future_feature.*upgrade"):
+        MLXDelegate().init(blob, {"writeback.future_feature": b"1"})
+
+
+def test_blob_of_another_version_is_refused() -> None:
+    blob = bytearray(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))))
+    blob[:8] = b"NOTMLX\x00\x00"
+    with pytest.raises(ValueError, match="bad magic"):
+        MLXDelegate().init(bytes(blob), {})

@@ -262,9 +262,17 @@ def _index_put_region(
     return Region(key, np.asarray(values), accumulate)
 
 
+_INT32 = 2**31 - 1
+
+
+def _clamp(bound: Any) -> Any:
+    """Bounds such as ``sys.maxsize`` (an open end) clamped to what MLX indexes with."""
+    return max(min(bound, _INT32), -_INT32) if isinstance(bound, int) else bound
+
+
 def _slice_key(rank: int, size: int, dim: int, start: Any, end: Any, step: Any) -> tuple[Any, ...]:
     dim = _dim(dim, rank)
-    return (*_prefix(dim), slice(start, end, step if step is not None else 1))
+    return (*_prefix(dim), slice(_clamp(start), _clamp(end), step if step is not None else 1))
 
 
 def _slice_scatter_run(
@@ -360,6 +368,12 @@ def _expand(x: Any, size: Sequence[int], implicit: bool = False) -> Any:
 
 def _full(size: Sequence[int], value: Any, **_: Any) -> Any:
     return mx.full(list(size), value)
+
+
+def _clamp_values(x: Any, lo: Any = None, hi: Any = None) -> Any:
+    if lo is not None:
+        x = mx.maximum(x, lo)
+    return x if hi is None else mx.minimum(x, hi)
 
 
 def _full_like(x: Any, value: Any, **_: Any) -> Any:
@@ -475,6 +489,9 @@ OPS: dict[str, OpHandler] = {
         x, axis=_dim(dim, x.ndim), keepdims=keepdim)),
     "aten.any.dims": OpHandler(_ok, lambda x, dim=None, keepdim=False: mx.any(
         x, axis=None if dim is None else [_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
+    "aten.clamp.default": OpHandler(_ok, _clamp_values),
+    "aten.clamp_min.default": OpHandler(_ok, lambda x, lo: mx.maximum(x, lo)),
+    "aten.clamp_max.default": OpHandler(_ok, lambda x, hi: mx.minimum(x, hi)),
     "aten.rsqrt.default": _unary(mx.rsqrt),
     "aten.sqrt.default": _unary(mx.sqrt),
     "aten.exp.default": _unary(mx.exp),

@@ -145,6 +145,14 @@ def _apply(dest: np.ndarray, region: Region) -> None:
 
 
 def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
+    unknown = sorted(set(compile_specs) - {IN_PLACE_OUTPUTS_SPEC})
+    if unknown:
+        # A newer pipeline may ask for behaviour this runtime does not have; running
+        # anyway could return wrong results, so refuse by name.
+        raise ValueError(
+            f"the MLX delegate blob carries compile specs {unknown} that this runtime does not "
+            f"know (it knows {[IN_PLACE_OUTPUTS_SPEC]}); upgrade writeback-mlx-backend"
+        )
     raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
     if raw is None:
         return []
