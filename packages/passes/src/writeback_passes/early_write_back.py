@@ -46,7 +46,8 @@ class WriteBackPlacement:
     Positions count every node of the graph (placeholders included) at the time
     the pass ran. ``after`` names the node the copy now directly follows (the
     binding constraint, or the previous copy placed at the same point).
-    ``lifetime_saved`` is by how many nodes the last use of ``value`` moved up.
+    ``lifetime_saved`` is by how many nodes the live range of ``value`` (from
+    itself to its last user other than the output) shrank.
     """
 
     state: str
@@ -62,10 +63,11 @@ class WriteBackPlacement:
 class EarlyWriteBack:
     """What :func:`insert_write_back_early` did.
 
-    ``analysed`` is False when the graph had no write-back to move (no alias
+    ``analysed`` is False when the graph had no write-back copy (no alias
     analysis was built). ``fallback`` names the pair of write-backs that may
     interfere when all copies were kept at the end in their original order.
-    ``graph_module`` makes this usable as an exir ``PassResult``.
+    ``modified`` says whether the graph changed; with ``graph_module`` it makes
+    this usable as an exir ``PassResult``.
     """
 
     graph_module: torch.fx.GraphModule
