@@ -9,7 +9,8 @@ pipeline does with the state: copies back, copies in, failed buffer reuse.
 for any implementation; that is not what this measures.)
 
 Columns, each the median of ``--steps`` steps after warm-up, run side by side in
-one process:
+one process (every cell is prepared first, then the steps are interleaved across
+all cells, so load from other processes falls on every cell alike):
 
 - ``stock``: the same step with the caches as registered buffers, lowered by
   stock ``to_edge(...).to_executorch()`` and run by stock ``executorch.runtime``
@@ -109,18 +110,22 @@ def _inputs(step: int, dim: int, window: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.randn(1, 1, dim, generator=gen), torch.tensor([step % window])
 
 
-def _median_ms(run: Callable[[int], object], steps: int, warmup: int = 3) -> float:
-    for step in range(warmup):
-        run(step)
-    times = []
-    for step in range(warmup, warmup + steps):
-        start = time.perf_counter()
-        run(step)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _medians_ms(runners: Sequence[Runner], steps: int, warmup: int = 3) -> list[float]:
+    """Run every runner once per step, in turn, and return each one's median time."""
+    times: list[list[float]] = [[] for _ in runners]
+    for step in range(warmup + steps):
+        for index, run in enumerate(runners):
+            start = time.perf_counter()
+            run(step)
+            if step >= warmup:
+                times[index].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
-def _stock(max_seq: int, steps: int) -> float:
+Runner = Callable[[int], object]
+
+
+def _stock(max_seq: int, folder: Path) -> Runner:
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
@@ -129,11 +134,10 @@ def _stock(max_seq: int, steps: int) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pte = to_edge(_export(module, _inputs(0, dim, module.window))).to_executorch().buffer
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "stock.pte"
-        path.write_bytes(pte)
-        method = Runtime.get().load_program(path).load_method("forward")
-        return _median_ms(lambda s: method.execute(list(_inputs(s, dim, module.window))), steps)
+    path = folder / f"stock_{max_seq}.pte"
+    path.write_bytes(pte)
+    method = Runtime.get().load_program(path).load_method("forward")
+    return lambda step: method.execute(list(_inputs(step, dim, module.window)))
 
 
 @dataclass
@@ -190,7 +194,7 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     return _Direct(delegate, handle, [a.name for a in calls[0].args[1:]], outputs)
 
 
-def _mlx(max_seq: int, steps: int, caller: str | None) -> float:
+def _mlx(max_seq: int, caller: str | None) -> Runner:
     from writeback_mlx_backend.memory import empty
 
     module = WindowDecodeStep(max_seq, caller_cache=caller is not None)
@@ -211,7 +215,7 @@ def _mlx(max_seq: int, steps: int, caller: str | None) -> float:
                    for j, t in enumerate(direct.outputs)]
         direct.delegate.execute(direct.handle, [*args, *outputs])
 
-    return _median_ms(run, steps)
+    return run
 
 
 def _table(rows: Sequence[tuple[str, list[float]]], columns: Sequence[str]) -> str:
@@ -234,13 +238,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     columns = ["mlx owned", "mlx caller (empty)", "mlx caller (torch)"]
     if not options.no_stock:
         columns.insert(0, "stock")
-    rows = []
-    for mib in sizes:
-        max_seq = _max_seq(mib << 20)
-        values = [] if options.no_stock else [_stock(max_seq, options.steps)]
-        values += [_mlx(max_seq, options.steps, caller) for caller in (None, "empty", "torch")]
-        rows.append((f"{mib} MiB", values))
-        print(f"{mib} MiB done", flush=True)
+    runners: list[Runner] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for mib in sizes:
+            max_seq = _max_seq(mib << 20)
+            if not options.no_stock:
+                runners.append(_stock(max_seq, Path(folder)))
+            runners += [_mlx(max_seq, caller) for caller in (None, "empty", "torch")]
+            print(f"{mib} MiB lowered", flush=True)
+        medians = _medians_ms(runners, options.steps)
+    width = len(columns)
+    rows = [(f"{mib} MiB", medians[i * width : (i + 1) * width]) for i, mib in enumerate(sizes)]
     print(_table(rows, columns))
     first, last = rows[0][1], rows[-1][1]
     ratios = [b / a for a, b in zip(first, last, strict=True)]
