@@ -174,8 +174,9 @@ def test_nested_buffers_are_resolved_and_named_by_their_full_path() -> None:
 def test_keep_all_mode_needs_no_prediction_and_aliases_the_dead_write() -> None:
     # Non-destructive: every value is kept for copy-back until aliased_io settles it, so a
     # write nothing reads stays alive and the engine may alias it; no marker is needed.
-    from tests.trt_copyback.models import DeadAndLive
     from writeback_trt_copyback import Mode
+
+    from tests.trt_copyback.models import DeadAndLive
 
     lifted = lift_mutated_buffers(
         export(DeadAndLive(), (_rand(1, 2, 1, 4), torch.tensor([1]))), KVAliasEngine(), Mode.KEEP_ALL
@@ -191,9 +192,10 @@ def test_keep_all_mode_needs_no_prediction_and_aliases_the_dead_write() -> None:
 def test_alias_whose_old_value_a_later_partition_reads_is_refused(mode_name: str) -> None:
     # amax, kept out of the engine, splits it in two; the second partition reads the old
     # cache (through a clone) after the first has written it in place.
+    from writeback_trt_copyback import AliasMismatchError, Mode
+
     from tests.trt_copyback.conftest import compile_quietly
     from tests.trt_copyback.models import ReadLater
-    from writeback_trt_copyback import AliasMismatchError, Mode
 
     engine = KVAliasEngine(excluded_ops=("aten.amax",))
     program = export(ReadLater(), (_rand(1, 2, 1, 4), torch.tensor([1])))

@@ -28,6 +28,25 @@ __all__ = ["KVAliasPartitioner", "WritebackKVAliasBackend"]
 # Write ops the engine can perform in place, keyed by aten packet.
 _IN_PLACE_WRITES = {"index_put", "slice_scatter", "index_copy"}
 
+# exir's edge dialect spells views as copies (``permute_copy``); the engine runs the view
+# instead, so reading a cache through a transpose costs no cache-sized copy. Safe because
+# the engine writes only into inputs that nothing else reads (``derive.engine_write``).
+_VIEW_OF_COPY = {
+    "aten.view_copy.default": "aten.reshape.default",
+    "aten.permute_copy.default": "aten.permute.default",
+    "aten.expand_copy.default": "aten.expand.default",
+    "aten.transpose_copy.int": "aten.transpose.int",
+    "aten.t_copy.default": "aten.t.default",
+    "aten.slice_copy.Tensor": "aten.slice.Tensor",
+    "aten.select_copy.int": "aten.select.int",
+    "aten.unsqueeze_copy.default": "aten.unsqueeze.default",
+    "aten.squeeze_copy.dims": "aten.squeeze.dims",
+    "aten.squeeze_copy.dim": "aten.squeeze.dim",
+    "aten.alias_copy.default": "aten.alias.default",
+    "aten.split_copy.Tensor": "aten.split.Tensor",
+    "aten.unbind_copy.int": "aten.unbind.int",
+}
+
 
 class _Support(OperatorSupportBase):
     def __init__(self, engine: KVAliasEngine) -> None:
@@ -170,9 +189,10 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
             if step is not None:
                 in_place[node.name] = step["input"]
             else:
+                key = op_key(node.target)
                 step = {
                     "name": node.name,
-                    "op": op_key(node.target),
+                    "op": _VIEW_OF_COPY.get(key, key),
                     "args": encode_arg(list(node.args)),
                     "kwargs": encode_arg(dict(node.kwargs)),
                 }
