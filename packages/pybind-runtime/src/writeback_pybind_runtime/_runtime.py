@@ -285,5 +285,8 @@ class Runtime:
             return Program(program, _read_plan_prefix(path))
         if isinstance(data, (bytes, bytearray, memoryview)):
             raw = bytes(data)
-            return Program(native().NativeProgram.from_bytes(raw, int(mode)), raw)
+            program = native().NativeProgram.from_bytes(raw, int(mode))
+            # Keep only the flatbuffer (the plan), not the constant segments after it.
+            size = _pte.program_prefix_size(raw[:32])
+            return Program(program, raw if size is None else raw[:size])
         raise TypeError(f"load_program takes a path or bytes, got {type(data).__name__}")
