@@ -205,3 +205,21 @@ def test_alias_whose_old_value_a_later_partition_reads_is_refused(mode_name: str
     }[mode_name]
     with pytest.raises(expected[0], match=expected[1]):
         compile_quietly(program, engine, Mode[mode_name])
+
+
+def test_nested_buffer_names_survive_into_the_pte() -> None:
+    # Without an engine (dry run) every buffer is copied back, so stock ExecuTorch runs it;
+    # its mutable buffers are emitted under their full path.
+    from tests.trt_copyback.conftest import compile_quietly, stock_run
+
+    compiled = compile_quietly(export(Nested(), (_rand(1, 2, 1, 4), torch.tensor([1]))), dryrun=True)
+    assert compiled.lifted.aliased == ["layers.0.attn.k_cache", "layers.1.attn.k_cache"]
+    method = stock_run(compiled.to_executorch(init_buffers=[b.placeholder for b in compiled.lifted.buffers]))
+    eager = Nested().eval()
+    for step in range(2):
+        args = (_rand(1, 2, 1, 4, seed=step), torch.tensor([step]))
+        (out,) = method.execute(args)
+        with torch.no_grad():
+            torch.testing.assert_close(out, eager(*args))
+        for name, want in eager.named_buffers():
+            torch.testing.assert_close(method.buffer(name), want)
