@@ -223,3 +223,43 @@ def test_nested_buffer_names_survive_into_the_pte() -> None:
             torch.testing.assert_close(out, eager(*args))
         for name, want in eager.named_buffers():
             torch.testing.assert_close(method.buffer(name), want)
+
+
+class _ReadAfter(torch.nn.Module):
+    """The written cache is read by ``amax`` only (keep it out of the engine to read it outside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(2, pos, x)
+        return self.cache.amax(-1)
+
+
+def test_aliased_write_whose_result_is_read_outside_the_engine_reads_the_buffer() -> None:
+    # amax, outside the engine, reads the written cache: the engine leaves that delegate
+    # output unwritten and settle points amax at the buffer, which holds the value. The
+    # engine's second output (x.sum() * 2) keeps the delegate alive.
+    class ReadAfter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+
+        def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.cache.index_copy_(2, pos, x)
+            return self.cache.amax(-1), x.sum() * 2.0
+
+    engine = KVAliasEngine(excluded_ops=("aten.amax",))
+    compiled = run_against_eager(ReadAfter, lambda s: (_rand(1, 2, 1, 4, seed=s), torch.tensor([s])), engine=engine)
+    assert compiled.aliased == ["cache"]
+    (site,) = compiled.aliasing.sites["cache"]
+    assert site.output_index is not None  # the write is also a delegate output, left unwritten
+
+
+def test_delegate_whose_only_outputs_are_aliased_writes_is_refused_not_dropped() -> None:
+    from tests.trt_copyback.conftest import compile_quietly
+
+    engine = KVAliasEngine(excluded_ops=("aten.amax",))
+    with pytest.raises(ValueError, match=r"would drop it as dead code, losing the writes of \['cache'\]"):
+        compile_quietly(export(_ReadAfter(), (_rand(1, 2, 1, 4), torch.tensor([1]))), engine)

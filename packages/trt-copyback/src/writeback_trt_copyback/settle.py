@@ -32,8 +32,10 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
       3. Order mutations: copy-back ones, then in-place ones, then user outputs
          (exir pairs write-back copies with specs in that order).
 
-    Refused (``ValueError``, naming buffer and reader), because the in-place
-    write would change what it reads: a buffer some other node reads after the
+    Refused (``ValueError``): a delegate left with no user once its aliased
+    outputs point at the buffers (exir would drop it as dead code, and its
+    writes with it); and, naming buffer and reader, because the in-place write
+    would change what it reads: a buffer some other node reads after the
     delegate has run (ExecuTorch runs nodes in graph order), e.g. an op kept out
     of the engine that reads the old cache; and anything aliased that is not a
     buffer (run :func:`~writeback_trt_copyback.crosscheck.check_aliasing` first).
@@ -57,6 +59,15 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
                 if user.target is operator.getitem and user.args[1] == site.output_index:
                     user.replace_all_uses_with(placeholder)
                     module.graph.erase_node(user)
+    for call in {nodes[site.call] for sites in aliasing.sites.values() for site in sites}:
+        if not call.users:
+            raise ValueError(
+                f"every output of {call.name} is a buffer its engine writes in place, so once "
+                "those outputs point at the buffers nothing uses the delegate and ExecuTorch "
+                f"would drop it as dead code, losing the writes of {sorted(in_place)}; keep an "
+                "op that reads a result of the delegate inside the engine (do not exclude "
+                "the op that reads the written cache)"
+            )
     outputs = output_values(module)
     specs = list(program.graph_signature.output_specs)
     copies: list[tuple[Any, OutputSpec]] = []
