@@ -28,6 +28,9 @@ __all__ = ["fuzz_command"]
               help="Run the runtime targets on every n-th program only.")
 @click.option("--calls", type=click.IntRange(min=3), default=3, show_default=True,
               help="Calls per program (state must be carried at least twice).")
+@click.option("--backend", "backends", multiple=True,
+              help="Also lower every program with this backend (repeatable) and check it "
+                   "against eager and its in-place answers (the contract suite).")
 @click.option("--no-shrink", is_flag=True, help="Report the first failing program as drawn.")
 def fuzz_command(
     n_programs: int,
@@ -36,6 +39,7 @@ def fuzz_command(
     runtime: str | None,
     runtime_every: int,
     calls: int,
+    backends: tuple[str, ...],
     no_shrink: bool,
 ) -> None:
     """Check N generated stateful programs: eager PyTorch against every lowered form.
@@ -65,6 +69,7 @@ def fuzz_command(
         runtime_every=runtime_every,
         calls=calls,
         shrink=not no_shrink,
+        backends=backends,
     )
     console = Console(stderr=True)
     with Progress("fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -35,7 +35,10 @@ class FuzzConfig:
     offers (``writeback_runtimes``; ``None``: the first offered, ``""``: stock
     ``executorch.runtime`` only). ``runtime_every`` runs the
     runtime targets on every n-th program only (1: all). ``strategy`` names
-    keyword arguments of ``strategies.programs``.
+    keyword arguments of ``strategies.programs``. ``backends`` names backends
+    (``writeback_backends``) whose lowering each program also goes through:
+    the contract check (``contract.check_backend_contract``) compares it with
+    eager PyTorch and checks each in-place answer against the program.
     """
 
     programs: int
@@ -48,6 +51,7 @@ class FuzzConfig:
     calls: int = 3
     shrink: bool = True
     strategy: tuple[tuple[str, Any], ...] = ()
+    backends: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class FuzzReport:
 
     programs: int = 0
     runtime_checked: int = 0
+    skipped_upstream: int = 0
+    upstream_example: str | None = None
     failures: list[FuzzFailure] = field(default_factory=list)
     seconds: float = 0.0
     targets: dict[str, int] = field(default_factory=dict)
@@ -72,6 +78,8 @@ class FuzzReport:
     def merge(self, other: FuzzReport) -> None:
         self.programs += other.programs
         self.runtime_checked += other.runtime_checked
+        self.skipped_upstream += other.skipped_upstream
+        self.upstream_example = self.upstream_example or other.upstream_example
         self.failures.extend(other.failures)
         for name, count in other.targets.items():
             self.targets[name] = self.targets.get(name, 0) + count
@@ -96,8 +104,9 @@ def _run_share(
     config: FuzzConfig, job: int, count: int, progress: Callable[[int], None]
 ) -> FuzzReport:
     """One hypothesis loop over ``count`` programs with seed ``config.seed + job``."""
-    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
+    from writeback_core.testing.contract import ContractViolation, check_backend_contract
     from writeback_core.testing.oracle import (
         LoweringError,
         ProgramMismatch,
@@ -128,6 +137,19 @@ def _run_share(
         targets = full if with_runtime else stock
         try:
             result = check_program(spec, targets, registry, calls=config.calls)
+            for backend in config.backends:
+                checked = check_backend_contract(registry, backend, spec, runtime,
+                                                 calls=config.calls)
+                result.targets.extend(checked.targets)
+        except LoweringError as error:
+            if error.upstream:
+                # torch.export / exir fail on it with or without writeback: not
+                # what this fuzzer tests. Hypothesis draws another program.
+                report.skipped_upstream += 1
+                report.upstream_example = report.upstream_example or str(error)
+                reject()
+            counter["failed"] += 1
+            raise
         except Exception:
             counter["failed"] += 1
             raise
@@ -142,6 +164,8 @@ def _run_share(
         fuzz_one()
     except ProgramMismatch as error:
         report.failures.append(FuzzFailure("mismatch", error.target, str(error)))
+    except ContractViolation as error:
+        report.failures.append(FuzzFailure("contract", None, str(error)))
     except LoweringError as error:
         report.failures.append(FuzzFailure("lowering", None, str(error)))
     except Exception as error:
@@ -219,7 +243,8 @@ def summary(report: FuzzReport) -> Sequence[str]:
     lines = [
         f"{report.programs} programs passed in {report.seconds:.1f} s "
         f"({report.seconds / max(1, report.programs):.2f} s/program); "
-        f"runtime targets on {report.runtime_checked}",
+        f"runtime targets on {report.runtime_checked}; "
+        f"{report.skipped_upstream} drawn programs skipped (export/exir fail without writeback)",
         "targets: " + ", ".join(f"{k} x{v}" for k, v in sorted(report.targets.items())),
     ]
     if report.failures:

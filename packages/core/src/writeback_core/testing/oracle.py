@@ -80,7 +80,16 @@ class Observation:
 
 
 class LoweringError(RuntimeError):
-    """Export or lowering of a generated program failed (a generator bug or a pipeline bug)."""
+    """Export or lowering of a program failed.
+
+    ``upstream`` is True when writeback had no part in it (``torch.export`` or
+    ``to_edge`` failed, or ``to_executorch`` fails without writeback's passes
+    too), False when only the pipeline with writeback's passes fails.
+    """
+
+    def __init__(self, message: str, upstream: bool | None = None) -> None:
+        super().__init__(message)
+        self.upstream = upstream
 
 
 class ProgramMismatch(AssertionError):
@@ -147,13 +156,32 @@ class Lowered:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch's pytree, deep-copied
                 edge = copy.deepcopy(self.edge())
-            program = lower_program(edge, self.built.spec, self.registry, planned,
-                                    self.with_passes)
+            try:
+                program = lower_program(edge, self.built.spec, self.registry, planned,
+                                        self.with_passes)
+            except LoweringError as error:
+                raise LoweringError(
+                    f"{error}\n--- program ---\n{self.built.source}",
+                    upstream=self._fails_bare(planned),
+                ) from error
             self._ptes[planned] = bytes(program.buffer)
             self._programs[planned] = program
             self._layout[planned] = _layout(program.exported_program(), self.built.spec)
             self.seconds += time.perf_counter() - start
         return self._ptes[planned]
+
+    def _fails_bare(self, planned: bool) -> bool | None:
+        """Whether lowering fails without writeback's passes too (``None``: passes were off)."""
+        if not self.with_passes or self.registry is None:
+            return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            edge = copy.deepcopy(self.edge())
+        try:
+            lower_program(edge, self.built.spec, None, planned, with_passes=False)
+        except LoweringError:
+            return True
+        return False
 
     def program(self, planned: bool) -> Any:
         """The ``ExecutorchProgramManager`` behind :meth:`pte`."""
@@ -193,7 +221,8 @@ def _to_edge(built: Built) -> Any:
     except Exception as error:
         raise LoweringError(
             f"export/to_edge failed: {type(error).__name__}: {error}\n--- program ---\n"
-            f"{built.source}"
+            f"{built.source}",
+            upstream=True,
         ) from error
 
 

@@ -1,0 +1,138 @@
+"""The backend contract suite, run by the example third-party backend and by every backend
+installed in this workspace: each per-mutation answer must match what the lowered program
+does at run time, and every run must match eager PyTorch."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from writeback_core.registry import Registry, load_registry
+from writeback_core.testing.contract import (
+    ContractViolation,
+    backend_names,
+    check_backend_contract,
+    zoo_cases,
+)
+from writeback_core.testing.program import ProgramSpec
+from writeback_core.testing.strategies import programs
+
+EXAMPLE_PLUGINS = (
+    "writeback_passes.plugin",
+    "writeback_pybind_runtime.plugin",
+    "writeback_example_backend.plugin",
+)
+
+# Found by this suite: writeback-passes' reinplace_delegate_input_mutations drops the
+# write-back of an accepted mutation by pointing every use of the delegate's output at
+# the state placeholder; when the write-back was the delegate's only use, the delegate
+# call is left with no users and exir's dead-code elimination removes it, so the state
+# is never written (packages/passes/src/writeback_passes/reinplace_delegate.py).
+DELEGATE_DROPPED = pytest.mark.xfail(
+    strict=True,
+    reason="reinplace_delegate_input_mutations leaves the delegate unused; exir removes it",
+)
+
+
+def _registry(modules: tuple[str, ...]) -> Registry:
+    return load_registry(entry_points=False,
+                         plugins=[importlib.import_module(m) for m in modules])
+
+
+@pytest.fixture(scope="module")
+def example_registry() -> Registry:
+    return _registry(EXAMPLE_PLUGINS)
+
+
+def _zoo_params() -> list[object]:
+    params: list[object] = []
+    for case in zoo_cases():
+        marks = [DELEGATE_DROPPED] if case.name.startswith("decoder") else []
+        params.append(pytest.param(case, id=case.name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case", _zoo_params())
+def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registry,
+                                                       case: object) -> None:
+    assert backend_names(example_registry) == ["example"]
+    report = check_backend_contract(example_registry, "example", case.built)  # type: ignore[attr-defined]
+    assert report.targets == ["example-unplanned", "example-planned", "example-stock"]
+
+
+@DELEGATE_DROPPED
+@settings(max_examples=15, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(writes=("index_copy", "add", "slice"), max_buffers=1, max_inputs=1,
+                max_statements=4, no_input_chance=False))
+def test_example_backend_keeps_its_contract_on_generated_programs(spec: ProgramSpec) -> None:
+    check_backend_contract(_registry(EXAMPLE_PLUGINS), "example", spec)
+
+
+def test_functional_index_copy_on_a_read_only_buffer_leaves_it_alone(
+    example_registry: Registry,
+) -> None:
+    """Regression (found by the contract suite): the example delegate wrote every
+    delegated ``index_copy`` into its destination in place, so a functional
+    ``t = buf.index_copy(...)`` of a buffer the program never mutates changed the buffer."""
+    from writeback_core.testing.program import Derive, Source, State, Write
+
+    write = Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None)
+    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),),
+                       statements=(Derive("t0", write),), outputs=("t0", "s0"))
+    report = check_backend_contract(example_registry, "example", spec)
+    assert report.delegated == 1 and report.decisions == {}
+
+
+def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
+    """Without a pass that drops write-backs (only early write-back installed), an accepted
+    mutation is still copied back: the contract must say so, naming the backend and state."""
+    from writeback_core import ProgramPass, hookimpl
+    from writeback_core.testing.program import Source, State, Write
+
+    class EarlyOnly:
+        writeback_name = "early-only"
+
+        @hookimpl
+        def writeback_program_passes(self, stage: str) -> list[ProgramPass]:
+            from writeback_passes.pipeline import early_write_back_pass
+
+            return [early_write_back_pass()] if stage == "before_memory_planning" else []
+
+        @hookimpl
+        def writeback_to_executorch(self, edge_manager: object, config: object,
+                                    registry: Registry) -> object:
+            from writeback_passes.pipeline import to_executorch
+
+            return to_executorch(edge_manager, config, registry=registry)  # type: ignore[arg-type]
+
+    registry = load_registry(entry_points=False, plugins=[
+        importlib.import_module("writeback_pybind_runtime.plugin"),
+        importlib.import_module("writeback_example_backend.plugin"),
+        EarlyOnly(),
+    ])
+    spec = ProgramSpec(
+        states=(State("s0", "buffer", (4, 3)),),
+        statements=(Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None),),
+        outputs=("s0",),
+    )
+    with pytest.raises(ContractViolation, match=r"backend 'example' accepted .*'s0'"):
+        check_backend_contract(registry, "example", spec)
+
+
+def _installed_backends() -> list[str]:
+    return backend_names(load_registry())
+
+
+@pytest.mark.parametrize("backend", _installed_backends())
+def test_every_installed_backend_keeps_its_contract_on_the_zoo(backend: str) -> None:
+    """Every backend the entry points offer, on every zoo model it can lower."""
+    registry = load_registry()
+    failures = []
+    for case in zoo_cases():
+        try:
+            check_backend_contract(registry, backend, case.built)
+        except (ContractViolation, AssertionError) as error:
+            failures.append(f"{case.name}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,30 @@
+"""Shared pieces of the fuzz tests: the plugin set the CI fuzz runs with, and the CI budget.
+
+The registry is built from named plugin modules (not entry points), so an
+in-progress sibling plugin cannot change what CI fuzzes: the passes (early
+write-back and its ``to_executorch`` step) and the pybind-runtime.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from writeback_core.registry import Registry, load_registry
+
+# The plugins every fuzz test lowers and runs with.
+FUZZ_PLUGINS = ("writeback_passes.plugin", "writeback_pybind_runtime.plugin")
+
+# Programs CI checks per run, over all chunks (the issue asks for at least 2,000).
+# WRITEBACK_FUZZ_PROGRAMS lowers it for a quick local run; CI leaves it unset.
+CI_PROGRAMS = int(os.environ.get("WRITEBACK_FUZZ_PROGRAMS", "2000"))
+
+
+@pytest.fixture
+def fuzz_registry() -> Registry:
+    """A fresh registry with exactly :data:`FUZZ_PLUGINS`."""
+    import importlib
+
+    return load_registry(
+        entry_points=False, plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS]
+    )

@@ -1,0 +1,85 @@
+"""The oracle itself: it passes a right pipeline, catches a wrong one, and what it prints
+reproduces the failure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.fx
+from writeback_core import ProgramPass, hookimpl
+from writeback_core.registry import Registry, load_registry
+from writeback_core.testing.oracle import (
+    ProgramMismatch,
+    StockTarget,
+    check_program,
+    check_source,
+    registry_runtime,
+    runtime_targets,
+)
+from writeback_core.testing.program import ProgramSpec, Read, Source, State, Write, build
+
+from .conftest import FUZZ_PLUGINS
+
+# A cache-like buffer written at ``pos`` and a caller-owned running sum, with an old
+# value read before the write and used after it.
+SPEC = ProgramSpec(
+    states=(State("s0", "buffer", (4, 3)), State("s1", "input", (3,))),
+    statements=(
+        Read("t0", "s0", "sum"),
+        Write("s0", "index_copy", Source("x", (1, 3), 0.5), dim=0, index=None),
+        Write("s1", "add", Source("x", (3,), -1.0, offset=5)),
+    ),
+    outputs=("t0", "s0"),
+)
+
+
+class DropWriteBacks:
+    """A deliberately wrong pass: erases every write-back ``copy_`` into a placeholder."""
+
+    writeback_name = "drop-write-backs"
+
+    @staticmethod
+    def _run(gm: torch.fx.GraphModule) -> None:
+        for node in list(gm.graph.nodes):
+            is_copy = node.op == "call_function" and "copy_" in str(node.target)
+            if is_copy and node.args[0].op == "placeholder":
+                node.replace_all_uses_with(node.args[1])
+                gm.graph.erase_node(node)
+        gm.recompile()
+
+    @hookimpl
+    def writeback_program_passes(self, stage: str) -> Sequence[ProgramPass]:
+        if stage != "before_memory_planning":
+            return ()
+        return (ProgramPass("drop_write_backs", "before_memory_planning", self._run, order=200),)
+
+
+def test_oracle_passes_the_pipeline_on_a_program_it_can_check(fuzz_registry: Registry) -> None:
+    runtime = registry_runtime(fuzz_registry)
+    report = check_program(SPEC, [StockTarget(), *runtime_targets(runtime)], fuzz_registry)
+    assert report.targets == ["stock", "pybind-planned", "pybind-unplanned",
+                              "pybind-unplanned-bound"]
+
+
+def test_oracle_catches_dropped_write_back_and_its_reproducer_reproduces() -> None:
+    import importlib
+
+    plugins = [importlib.import_module(m) for m in FUZZ_PLUGINS] + [DropWriteBacks()]
+    broken = load_registry(entry_points=False, plugins=plugins)
+    with pytest.raises(ProgramMismatch) as caught:
+        check_program(SPEC, [StockTarget()], broken)
+    error = caught.value
+    assert error.target == "stock"
+    assert error.upstream is False, "exir alone is right: the fault is the registered pass"
+    assert "def forward(self, x, pos, s1):" in str(error)
+    # The printed source alone is enough to reproduce it.
+    assert error.source == build(SPEC).source
+    with pytest.raises(ProgramMismatch):
+        check_source(error.source, [StockTarget()], broken)
+
+
+def test_oracle_refuses_fewer_than_three_calls(fuzz_registry: Registry) -> None:
+    with pytest.raises(ValueError, match="at least 3"):
+        check_program(SPEC, [StockTarget()], fuzz_registry, calls=2)

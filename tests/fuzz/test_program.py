@@ -1,0 +1,120 @@
+"""The program description, its source, and the generator: checked against eager PyTorch
+and against values worked out by hand (no lowering here, so these run in seconds)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import ModuleType
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from writeback_core.testing.oracle import eager_run
+from writeback_core.testing.program import (
+    Derive,
+    ProgramSpec,
+    Read,
+    Source,
+    State,
+    Write,
+    build,
+    render_source,
+)
+from writeback_core.testing.strategies import ALL_WRITES, programs
+
+
+def test_import_writeback_core_does_not_import_hypothesis() -> None:
+    """hypothesis is the ``testing`` extra: core and its CLI module must import without it."""
+    code = (
+        "import sys, writeback_core, writeback_core.cli, writeback_core.testing.cli\n"
+        "assert 'hypothesis' not in sys.modules, 'hypothesis imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _counter_spec() -> ProgramSpec:
+    """``s0 += x[0:2] * 0.5`` then ``s0[1] = 3 * s0[0]``-like writes, by hand below."""
+    return ProgramSpec(
+        states=(State("s0", "buffer", (2,)), State("s1", "input", (2, 2))),
+        statements=(
+            Read("t0", "s0", "clone"),
+            Write("s0", "add", Source("x", (2,), 0.5, offset=0)),
+            Write("s1", "index_copy", Source("state", (1, 2), 2.0, offset=0, ref="s0"), dim=0,
+                  index=None),
+        ),
+        outputs=("t0", "s1"),
+        has_x=True,
+        has_pos=True,
+    )
+
+
+def test_source_is_a_module_that_runs_like_hand_worked_values() -> None:
+    built = build(_counter_spec())
+    assert built.source == render_source(built.spec)
+    module = ModuleType("reproducer")
+    exec(compile(built.source, "<reproducer>", "exec"), module.__dict__)
+    s0 = ((torch.arange(2.0) % 5 - 2) * 0.5)  # initial buffer, as the source writes it
+    s1 = ((torch.arange(4.0) % 5 - 2 + 7) * 0.5).reshape(2, 2)
+    observed = eager_run(built, calls=3)
+    for call in range(3):
+        x, pos = module.step_inputs(call)
+        old = s0.clone()
+        s0 = s0 + x[0:2] * 0.5
+        s1[int(pos) % 2] = s0 * 2.0
+        torch.testing.assert_close(observed[call].outputs[0], old)
+        torch.testing.assert_close(observed[call].outputs[1], s1)
+        torch.testing.assert_close(observed[call].state["s0"], s0)
+        torch.testing.assert_close(observed[call].state["s1"], s1)
+
+
+def test_functional_index_copy_leaves_its_state_unchanged_eagerly() -> None:
+    """``Derive`` is a read: the generator's ground truth for "not state" must hold."""
+    write = Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None)
+    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),), statements=(Derive("t0", write),),
+                       outputs=("t0",))
+    first, *_ = eager_run(build(spec), calls=3)
+    initial = ((torch.arange(12.0) % 5 - 2) * 0.5).reshape(4, 3)
+    torch.testing.assert_close(first.state["s0"], initial)
+    assert not torch.equal(first.outputs[0], initial)
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_generated_programs_run_eagerly_three_times(spec: ProgramSpec) -> None:
+    """Every drawn program is valid eager PyTorch (the generator's own contract)."""
+    observed = eager_run(build(spec), calls=3)
+    assert len(observed) == 3
+    assert all(len(o.outputs) == len(spec.outputs) for o in observed)
+
+
+def test_generator_draws_every_write_form_and_input_free_programs() -> None:
+    """Coverage of the generator itself: all write forms, caller state, no-input models."""
+    seen: set[str] = set()
+    flags = {"no_input": False, "caller_state": False, "view_read": False}
+
+    @settings(max_examples=300, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(programs())
+    def collect(spec: ProgramSpec) -> None:
+        seen.update(s.how for s in spec.statements if isinstance(s, Write))
+        flags["no_input"] |= not spec.has_x and not spec.inputs
+        flags["caller_state"] |= bool(spec.inputs)
+        flags["view_read"] |= any(isinstance(s, Read) and s.how in ("view", "transpose", "slice",
+                                                                     "select")
+                                  for s in spec.statements)
+
+    collect()
+    assert seen == set(ALL_WRITES)
+    assert all(flags.values()), flags
+
+
+def test_strategy_restricts_write_forms() -> None:
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(programs(writes=("index_copy",), no_input_chance=False), st.just(None))
+    def only_index_copy(spec: ProgramSpec, _: None) -> None:
+        assert {s.how for s in spec.statements if isinstance(s, Write)} <= {"index_copy"}
+
+    only_index_copy()
