@@ -12,7 +12,7 @@ from writeback_core.registry import hookimpl, load_registry
 from writeback_core.types import AliasingEngine, EngineWrite
 from writeback_core.zoo import builtin_models
 from writeback_trt_copyback import BACKEND_ID, KVAliasEngine
-from writeback_trt_copyback.explain import ALIASED, COPY_BACK, COST, explain_columns
+from writeback_trt_copyback.explain import COLUMN, explain_columns
 
 
 def _engines(registry: object) -> list[AliasingEngine]:
@@ -73,12 +73,11 @@ def _columns(name: str) -> dict[str, dict[str, str]]:
 
 def test_explain_columns_show_aliased_and_copy_back_cost_per_call() -> None:
     decoder = _columns("decoder")
-    assert decoder["blocks.0.k_cache"] == {ALIASED: "aliased (kv-alias)", COPY_BACK: "", COST: "0 B"}
+    assert decoder["blocks.0.k_cache"] == {COLUMN: "aliased, 0 B/call"}
     ema = _columns("ema")
     # running_mean: 8 fp32 = 32 B, materialized as an output and copied back: 64 B per call.
-    assert ema["running_mean"][ALIASED] == "copy-back"
-    assert ema["running_mean"][COST] == "64 B (2 x 32 B)"
-    assert ema["steps"][COST] == "16 B (2 x 8 B)"
+    assert ema["running_mean"] == {COLUMN: "copy-back, 64 B/call"}
+    assert ema["steps"] == {COLUMN: "copy-back, 16 B/call"}
 
 
 def test_writeback_explain_columns_hook_answers_through_the_registry() -> None:
@@ -90,15 +89,16 @@ def test_writeback_explain_columns_hook_answers_through_the_registry() -> None:
     costs = {}
     for mutation in find_mutations(program.run_decompositions()):
         for columns in registry.hook.writeback_explain_columns(program=program, mutation=mutation):
-            if columns and COST in columns:
-                costs[mutation.target] = columns[COST]
-    # conv_state is 1x16x4 fp32 = 256 B, recurrent_state 1x2x8x8 fp32 = 512 B.
-    assert costs == {"conv_state": "512 B (2 x 256 B)", "recurrent_state": "1.0 KiB (2 x 512 B)"}
+            if columns and COLUMN in columns:
+                costs[mutation.target] = columns[COLUMN]
+    # conv_state is 1x16x4 fp32 = 256 B, recurrent_state 1x2x8x8 fp32 = 512 B; each call
+    # materializes the new value and copies it back: twice that.
+    assert costs == {"conv_state": "copy-back, 512 B/call", "recurrent_state": "copy-back, 1.0 KiB/call"}
 
 
 def test_writeback_explain_shows_the_columns() -> None:
     result = CliRunner().invoke(main, ["explain", "recurrent"])
     assert result.exit_code == 0, result.output
     # The table wraps cells at its fixed width; the exact values are checked above.
-    assert "trt-style" in result.output and "copy-back" in result.output
-    assert "(2 x" in result.output
+    assert "trt engine" in result.output and "copy-back" in result.output
+    assert "/call" in result.output
