@@ -272,3 +272,28 @@ def test_allocator_cache_is_read_without_copy_and_updated_in_place() -> None:
         torch.testing.assert_close(cache, eager_cache)
     # Only the small index/update inputs were copied into MLX, never the cache.
     assert 6 * 4 * 4 not in lowered.delegate().copied_input_bytes
+
+
+class OnlyWrites(torch.nn.Module):
+    """A delegate whose only outputs are the two cache writes."""
+
+    def forward(self, pos: torch.Tensor, k: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor) -> None:
+        kc.index_copy_(0, pos, k)
+        vc.index_copy_(0, pos, k * 2.0)
+
+
+def test_delegate_that_only_writes_state_keeps_one_write_back_and_stays_in_the_program() -> None:
+    """Dropping every write-back would leave the delegate unused: exir would delete it."""
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
+    lowered = lower_mlx(OnlyWrites(), args)
+    assert "executorch_call_delegate" in lowered.graph_targets()
+    assert len(lowered.write_backs()) == 1
+    method = lowered.method()
+    kc, vc, ekc, evc = (torch.zeros(4, 3) for _ in range(4))
+    for step in range(3):
+        pos, k = torch.tensor([step]), torch.full((1, 3), step + 1.0)
+        method.execute([pos, k, kc, vc])
+        OnlyWrites()(pos, k, ekc, evc)
+        torch.testing.assert_close(kc, ekc)
+        torch.testing.assert_close(vc, evc)

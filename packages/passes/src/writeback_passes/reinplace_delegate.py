@@ -153,6 +153,7 @@ def _check(
     copy: torch.fx.Node,
     placeholder: torch.fx.Node,
     call: torch.fx.Node,
+    value: torch.fx.Node,
     skip: Iterable[torch.fx.Node],
 ) -> str | None:
     """Why dropping ``copy`` would be wrong, or ``None`` when it is safe."""
@@ -165,6 +166,9 @@ def _check(
     if twice:
         return (f"an alias of {placeholder.name!r} ({', '.join(twice)}) is also passed to the "
                 "delegate; writing in place would change that argument while it is read")
+    if not any(u.users for u in call.users if u is not value):
+        return (f"the write-back of {placeholder.name!r} is the delegate's last used output; "
+                "without it exir would remove the delegate call as dead code")
     position = {n: i for i, n in enumerate(graph_nodes)}
     ignored = set(skip) | {copy} | {u for u in call.users if u.target is operator.getitem}
     for node in graph_nodes[position[call] + 1 : position[copy]]:
@@ -205,8 +209,10 @@ def reinplace_delegate_input_mutations(
        must be output ``j`` of an ``executorch_call_delegate``.
     3. Refuse (keep the copy, report why) when ``P`` is not passed to that
        delegate exactly once, when an alias of ``P`` is passed to it as another
-       argument, or when any node between the delegate and the copy reads ``P``
-       or an alias of it (it expects the old value).
+       argument, when any node between the delegate and the copy reads ``P``
+       or an alias of it (it expects the old value), or when this is the
+       delegate's last output still in use (exir would then remove the call as
+       dead code: a delegate that only writes state keeps one write-back).
     4. Otherwise replace the copy's uses and output ``j``'s uses by ``P``, erase
        the copy and the peeled nodes, and record ``{"output": j, "input": i}``
        in the lowered module's compile spec :data:`IN_PLACE_OUTPUTS_SPEC`, so
@@ -238,11 +244,11 @@ def reinplace_delegate_input_mutations(
                                              "a delegate output"))
             continue
         call, output = found
-        reason = _check(list(graph.nodes), copy, placeholder, call, chain)
+        assert isinstance(value, torch.fx.Node)
+        reason = _check(list(graph.nodes), copy, placeholder, call, value, chain)
         if reason is not None:
             report.kept.append(KeptWriteBack(placeholder.name, reason))
             continue
-        assert isinstance(value, torch.fx.Node)
         input_index = list(call.args[1:]).index(placeholder)
         copy.replace_all_uses_with(placeholder)
         graph.erase_node(copy)
