@@ -61,6 +61,7 @@ EAGER = "eager"
 SLICE_COPY = "slice copy_"
 PIPELINES = (STOCK, REINPLACE, WRITEBACK)
 WARMUP = 2
+UPDATE_CALLS_PER_ROUND = 5
 MIB = 1 << 20
 
 # One timed call at a step: ``(seconds, outputs)``. Each call times only the work
@@ -284,6 +285,19 @@ def _contenders(mib: float, pipeline: Pipeline | None) -> dict[tuple[str, str], 
     return found
 
 
+def _time_calls(contender: Contender, step: int) -> None:
+    assert contender.call is not None
+    # The update-part programs are short, so a scheduler hiccup moves one sample a
+    # lot: take several calls per round (each timed alone) for a steadier median.
+    for _ in range(UPDATE_CALLS_PER_ROUND if contender.kind != "step" else 1):
+        try:
+            seconds, _ = contender.call(step)
+        except Exception as error:
+            contender.error = f"failed at run time: {_short(error)}"
+            return
+        contender.times.append(seconds)
+
+
 def _time_rounds(contenders: Sequence[Contender], repeats: int) -> None:
     """One call of each contender per round, the order rotated each round."""
     live = [c for c in contenders if c.error is None and c.call is not None]
@@ -294,13 +308,7 @@ def _time_rounds(contenders: Sequence[Contender], repeats: int) -> None:
             step = WARMUP + round_
             shift = round_ % max(1, len(live))
             for contender in live[shift:] + live[:shift]:
-                assert contender.call is not None
-                try:
-                    seconds, _ = contender.call(step)
-                except Exception as error:
-                    contender.error = f"failed at run time: {_short(error)}"
-                    continue
-                contender.times.append(seconds)
+                _time_calls(contender, step)
             live = [c for c in live if c.error is None]
     finally:
         gc.enable()
@@ -363,7 +371,8 @@ def _tables(result: BenchResult) -> list[Table]:
     for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "stock / writeback",
                   "writeback / eager"):
         step.add_column(title, justify="right")
-    update = Table(title="state update: median(update-only call) - median(idle call)")
+    update = Table(title=f"state update: median(update-only call) - median(idle call), "
+                         f"{UPDATE_CALLS_PER_ROUND * result.repeats} calls each")
     for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "slice copy_ (floor)", "stock / writeback",
                   "writeback / slice copy_", "writeback update, idle calls"):
         update.add_column(title, justify="right")
@@ -474,12 +483,17 @@ def _sizes(text: str) -> list[float]:
 @click.option("--backend", default=None, help="The writeback pipeline's backend. Default: mlx when installed.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG plot here (needs matplotlib).")
+@click.option("--torch-threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="PyTorch intra-op threads (the eager floor). On a loaded 2-core machine a second thread "
+                   "makes eager wait at barriers for a descheduled thread: 1 gives a steadier floor.")
 @click.pass_context
-def bench_command(ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None) -> None:
+def bench_command(ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None,
+                  torch_threads: int) -> None:
     """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
     at each cache size; print medians, ratios and floors (eager, raw slice copy_)."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
+    torch.set_num_threads(torch_threads)
     console = Console(width=160)
     with Progress(console=console, transient=True) as progress:
         result = run_bench(registry, _sizes(sizes), repeats, backend, progress)
