@@ -137,6 +137,11 @@ def engine() -> KVAliasEngine:
 Export = Callable[..., ExportedProgram]
 
 
+def note(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that says where: ``"<prefix>: <torch's message>"``."""
+    return lambda message: f"{prefix}: {message}"
+
+
 def run_against_eager(
     build: Callable[[], torch.nn.Module],
     inputs: Callable[[int], tuple[Any, ...]],
@@ -158,8 +163,8 @@ def run_against_eager(
         want = list(want) if isinstance(want, (tuple, list)) else [want]
         assert len(got) == len(want), f"step {step}: {len(got)} outputs, eager has {len(want)}"
         for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, msg=lambda m, s=step: f"step {s} output: {m}")
+            torch.testing.assert_close(g, w, msg=note(f"step {step} output"))
         if check_buffers:
             for name, w in eager.named_buffers():
-                torch.testing.assert_close(run.buffer(name), w, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+                torch.testing.assert_close(run.buffer(name), w, msg=note(f"step {step} {name}"))
     return compiled

@@ -1,3 +1,5 @@
+# Models defined inline register buffers, which torch types as ``Tensor | Module``.
+# mypy: disable-error-code="operator"
 """Which writes the engine aliases and which are copied back: the hazards of the review, by name.
 
 Each class is stated by hand; where a write is run, the engine's result is
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from writeback_core import meta
-from writeback_trt_copyback import KVAliasEngine, lift_mutated_buffers
+from writeback_trt_copyback import BufferClass, KVAliasEngine, lift_mutated_buffers
 from writeback_trt_copyback.lift import DEAD_WRITE
 
 from tests.trt_copyback.conftest import EngineRun, compile_quietly, export, run_against_eager
@@ -18,7 +20,7 @@ from tests.trt_copyback.models import ClonedWrite, IndexCopyWrite, Nested, Slice
 S = slice(None)
 
 
-def _only(module: torch.nn.Module, *args: object, engine: KVAliasEngine | None = None):
+def _only(module: torch.nn.Module, *args: object, engine: KVAliasEngine | None = None) -> BufferClass:
     lifted = lift_mutated_buffers(export(module, args), engine or KVAliasEngine())
     (cls,) = lifted.buffers
     return cls

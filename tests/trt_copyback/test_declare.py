@@ -7,6 +7,7 @@ stock ``executorch.runtime``; buffers are read back with ``Method.get_attribute`
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,7 +42,9 @@ def _specs(program: ExportedProgram) -> list[tuple[str, str | None]]:
     return [(s.kind.name, s.target) for s in program.graph_signature.output_specs]
 
 
-def _run_stock(program: ExportedProgram, buffers: list[str], inputs: list[tuple[Any, ...]]):
+def _run_stock(
+    program: ExportedProgram, buffers: list[str], inputs: list[tuple[Any, ...]]
+) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
     """Run ``program`` (edge + executorch, no delegate) in stock executorch.runtime."""
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -110,7 +113,7 @@ def test_mixed_declared_and_undeclared_buffers_pair_each_value_with_its_own_buff
     x = torch.tensor([1.5])
     partly = _declare_by_hand(_lifted(ThreeStates(), x), "b", keep_value)
     declared = _declare(partly)
-    targets = [t for k, t in _specs(declared) if k == "BUFFER_MUTATION"]
+    targets = [str(t) for k, t in _specs(declared) if k == "BUFFER_MUTATION"]
     assert sorted(targets) == ["a", "b", "c"] and len(targets) == 3
     nodes = {n.name: n for n in declared.graph.nodes}
     shapes = {"a": (3,), "b": (2, 2), "c": (5,)}

@@ -15,7 +15,7 @@ from tests.trt_copyback.models import SliceWrite
 S = slice(None)
 
 
-def _write(index: tuple[slice, ...], update: tuple[int, ...], shape=(1, 2, 16, 4)) -> EngineWrite:
+def _write(index: tuple[slice, ...], update: tuple[int, ...], shape: tuple[int, ...] = (1, 2, 16, 4)) -> EngineWrite:
     program = export(SliceWrite(shape, index), (torch.zeros(update),)).run_decompositions()
     (mutation,) = find_mutations(program)
     nodes = {n.name: n for n in program.graph.nodes}

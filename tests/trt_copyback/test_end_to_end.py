@@ -8,7 +8,7 @@ import pytest
 import torch
 from writeback_trt_copyback import KVAliasEngine, Mode, UninitializedCopyBackWarning, compile_for_engine
 
-from tests.trt_copyback.conftest import EngineRun, export
+from tests.trt_copyback.conftest import EngineRun, export, note
 from tests.trt_copyback.models import Hybrid, hybrid_inputs
 
 KV = ["decoder.blocks.0.k_cache", "decoder.blocks.0.v_cache"]
@@ -40,7 +40,7 @@ def test_kv_aliased_gdn_and_ema_copied_back_match_eager_for_8_steps(mode: Mode) 
         torch.testing.assert_close(logits, want_logits)
         torch.testing.assert_close(centered, want_centered)
         for name, want in eager.named_buffers():
-            torch.testing.assert_close(run.buffer(name), want, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(run.buffer(name), want, msg=note(name))
     # The KV caches are written in place: the program has no write-back copy for them.
     copies = [n for n in run.program.graph.nodes if n.op == "call_function" and "copy_" in str(n.target)]
     written = sorted(str(n.args[0].target) for n in copies)
