@@ -196,3 +196,15 @@ def test_following_the_warning_keeps_the_initial_value() -> None:
         want = Trained().eval()(x)  # x - 3
     torch.testing.assert_close(kept.execute([x])[0], want)
     assert not torch.allclose(lost.execute([x])[0], want)
+
+
+def test_write_only_copy_back_buffer_reaches_the_pte_and_is_updated() -> None:
+    # Nothing reads ``last``: after lift its placeholder has no user at all, yet the
+    # declared mutation must keep it in the program and the runtime must write it.
+    compiled = compile_quietly(export(Overwrite(), (torch.ones(4),)), dryrun=True)
+    method = stock_run(compiled.to_executorch())
+    for step in range(2):
+        x = torch.arange(4.0) + step
+        (out,) = method.execute([x])
+        torch.testing.assert_close(out, x + 1.0)
+        torch.testing.assert_close(method.buffer("last"), x * 2.0)
