@@ -3,10 +3,15 @@
 Exporting under valgrind takes far too long, so this runs in two steps:
 
     python -m pybind_runtime.memcheck_tests prepare CACHE    # lower every program (fast)
-    PYTHONMALLOC=malloc valgrind --error-exitcode=0 python -m pybind_runtime.memcheck_tests run CACHE
+    PYTHONMALLOC=malloc valgrind python -m pybind_runtime.memcheck_tests run CACHE
 
-``run`` calls every test function of ``test_set_output``, ``test_python_delegates``
-and ``test_input_mutations`` (stock comparisons included) with a ``lower`` that
+or, much faster, an AddressSanitizer build of ``_native.cpp`` (``-fsanitize=address``)
+loaded in place of the extension, with ``LD_PRELOAD="$(gcc -print-file-name=libasan.so)
+$(gcc -print-file-name=libstdc++.so)"`` and ``ASAN_OPTIONS=detect_leaks=0``.
+
+``run`` calls every test function of ``test_set_output``, ``test_python_delegates``,
+``test_input_mutations``, ``test_review_hazards`` and ``test_runtime_basics`` (stock
+comparisons included) with a ``lower`` that
 returns the prepared bytes, and prints how many passed. Run from ``tests/`` on
 ``PYTHONPATH``. Not collected by pytest.
 """
@@ -25,9 +30,17 @@ import torch
 from writeback_core.registry import load_registry
 from writeback_pybind_runtime import Runtime
 
-from pybind_runtime import conftest, test_input_mutations, test_python_delegates, test_set_output
+from pybind_runtime import (
+    conftest,
+    test_input_mutations,
+    test_python_delegates,
+    test_review_hazards,
+    test_runtime_basics,
+    test_set_output,
+)
 
-MODULES = (test_set_output, test_python_delegates, test_input_mutations)
+MODULES = (test_set_output, test_python_delegates, test_input_mutations, test_review_hazards,
+           test_runtime_basics)
 
 
 def _key(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
