@@ -125,3 +125,21 @@ class EarlyReady(nn.Module):
         h = torch.relu(self.weight @ self.weight)
         h = torch.tanh(h @ self.weight)
         return (h @ self.weight).sum(0)
+
+
+class ValueAliasesEarlierBuffer(nn.Module):
+    """Like :class:`ValueAliasesOtherBuffer`, but ``b`` comes first in the signature, so exir's
+    own end-of-graph order overwrites ``b`` before ``a`` takes its old contents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.zeros(4, 4))
+        self.register_buffer("a", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b_new = x.view(4, 4) * 2 + self.b
+        snapshot = self.b.view(16)
+        out = torch.sin(x) + self.a
+        self.a.copy_(snapshot)
+        self.b.copy_(b_new)
+        return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 import writeback_passes
 from executorch.exir import ExecutorchBackendConfig
@@ -24,6 +25,7 @@ from .hazard_models import (
     ReadThroughView,
     SharedAllocation,
     Stateless,
+    ValueAliasesEarlierBuffer,
     ValueAliasesOtherBuffer,
     seeded,
 )
@@ -113,6 +115,20 @@ def test_value_aliasing_other_buffer_falls_back_to_end_in_original_order() -> No
     # Both copies last, ``a`` (first in the signature) first.
     assert (copy_a, copy_b) == (len(calls) - 2, len(calls) - 1)
     assert_runs_like_eager(program, ValueAliasesOtherBuffer(), _inputs)
+
+
+def test_value_aliasing_a_buffer_copied_earlier_is_moved_ahead_in_the_fallback() -> None:
+    """exir orders the copies b, a; ``a``'s value is a view of ``b``, so stock gives ``a`` the new
+    ``b``. The fallback keeps both copies last but puts ``a``'s first."""
+    stock = lower(ValueAliasesEarlierBuffer(), _inputs(0), early=False)
+    with pytest.raises(AssertionError, match="call 0 a"):
+        assert_runs_like_eager(stock, ValueAliasesEarlierBuffer(), _inputs, calls=1)
+    program = lower(ValueAliasesEarlierBuffer(), _inputs(0))
+    calls = call_positions(program)
+    copy_a, _ = _copy_of(program, "b_a")
+    copy_b, _ = _copy_of(program, "b_b")
+    assert (copy_a, copy_b) == (len(calls) - 2, len(calls) - 1)
+    assert_runs_like_eager(program, ValueAliasesEarlierBuffer(), _inputs)
 
 
 def test_share_allocation_annotation_of_reinplace_counts_as_alias() -> None:

@@ -204,6 +204,35 @@ def _lifetime(value: torch.fx.Node, position: dict[torch.fx.Node, int]) -> int:
     return max(users, default=position[value]) - position[value]
 
 
+def _fallback_order(write_backs: Sequence[_WriteBack], storage: _Storage) -> list[_WriteBack]:
+    """The order for end-of-graph copies: the original one, unless a copy would read a state
+    an earlier copy already overwrote.
+
+    ``a`` must precede ``b`` when ``a``'s value may be ``b``'s state: ``a`` takes
+    ``b``'s old contents. exir's own order (the signature's) breaks that when
+    ``b`` comes first and ``a``'s value is a ``view_copy`` of ``b``, which exir
+    turns into a view. A stable topological sort keeps the original order
+    wherever it is already right; with a cycle (two states swapping contents)
+    no order works and the original one is kept.
+    """
+    index = {wb.dest: k for k, wb in enumerate(write_backs)}
+    before: list[set[int]] = [set() for _ in write_backs]  # before[k]: copies that must run before k
+    for k, wb in enumerate(write_backs):
+        for member in storage.members(wb.value):
+            other = index.get(member)
+            if other is not None and other != k:
+                before[other].add(k)
+    order: list[int] = []
+    placed: set[int] = set()
+    while len(order) < len(write_backs):
+        ready = [k for k in range(len(write_backs)) if k not in placed and before[k] <= placed]
+        if not ready:
+            return list(write_backs)
+        order.append(ready[0])
+        placed.add(ready[0])
+    return [write_backs[k] for k in order]
+
+
 def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bool:
     """Put every copy just before the output, in the order given; True if any moved."""
     output = graph.output_node()
@@ -324,6 +353,11 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     3. If one write-back's state may share storage with another's value or
        state, their relative order matters: keep all copies at the end of the
        graph in their original order (``fallback`` names the pair) and stop.
+       One exception: when a copy's value may be the state of a copy that
+       comes before it, it is moved ahead of that copy (it must take the old
+       contents; exir's own order gets this wrong once its ``view_copy`` is a
+       view). With no consistent order (two states swapping contents) the
+       original order stays.
     4. Otherwise place each copy directly after the latest of:
 
        a. its value (it must exist);
@@ -370,7 +404,7 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     storage = _Storage(graph)
     clash = _interference(write_backs, storage)
     if clash is not None:
-        moved = _move_to_end(write_backs, graph)
+        moved = _move_to_end(_fallback_order(write_backs, storage), graph)
         if moved:
             gm.recompile()
         return EarlyWriteBack(gm, analysed=True, fallback=clash, modified=moved)
