@@ -297,3 +297,25 @@ def test_delegate_that_only_writes_state_keeps_one_write_back_and_stays_in_the_p
         OnlyWrites()(pos, k, ekc, evc)
         torch.testing.assert_close(kc, ekc)
         torch.testing.assert_close(vc, evc)
+
+
+class TwoIndexedCaches(torch.nn.Module):
+    def forward(self, pk: torch.Tensor, pv: torch.Tensor, k: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor) -> torch.Tensor:
+        kc.index_copy_(0, pk, k)
+        vc.index_copy_(0, pv, k * 2.0)
+        return kc.sum() + vc.sum()
+
+
+def test_bad_index_in_a_later_write_leaves_every_cache_unchanged() -> None:
+    args = (torch.tensor([0]), torch.tensor([1]), torch.ones(1, 3), torch.zeros(4, 3),
+            torch.zeros(4, 3))
+    # Unplanned inputs: the delegate writes the caller's tensors directly.
+    lowered = lower_mlx(TwoIndexedCaches(), args, planned_inputs=False)
+    assert lowered.write_backs() == []
+    method = lowered.method()
+    kc, vc = torch.zeros(4, 3), torch.zeros(4, 3)
+    with pytest.raises(DelegateError, match=r"index -2 .*negative indices are rejected"):
+        method.execute([torch.tensor([1]), torch.tensor([-2]), torch.ones(1, 3), kc, vc])
+    torch.testing.assert_close(kc, torch.zeros(4, 3))
+    torch.testing.assert_close(vc, torch.zeros(4, 3))

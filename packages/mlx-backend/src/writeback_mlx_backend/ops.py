@@ -26,6 +26,7 @@ import torch.fx
 __all__ = [
     "MX_DTYPES",
     "OPS",
+    "UNKNOWN",
     "OpHandler",
     "Region",
     "op_key",
@@ -46,6 +47,9 @@ MX_DTYPES: dict[torch.dtype, Any] = {
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
+# An argument whose value is not known yet (passed to ``OpHandler.validate``).
+UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()
+
 
 @dataclass(frozen=True)
 class Region:
@@ -63,12 +67,16 @@ class OpHandler:
     ``check(node)`` returns the reason the node cannot be delegated, or ``None``;
     ``run(*args, **kwargs)`` computes its MLX value; ``region(*args, **kwargs)``,
     for write ops only, describes the written part of ``args[0]`` (after
-    validating indices, so a bad index raises before anything is written).
+    validating indices, so a bad index raises before anything is written);
+    ``validate`` checks the indices alone, so a call can check every write first.
     """
 
     check: Callable[[torch.fx.Node], str | None]
     run: Callable[..., Any]
     region: Callable[..., Region] | None = None
+    # For write ops: ``validate(*args)`` raises on an index ATen rejects; it reads
+    # only the destination's shape and the indices, and skips what is ``UNKNOWN``.
+    validate: Callable[..., None] | None = None
 
 
 def op_key(target: Any) -> str:
@@ -220,6 +228,16 @@ def _index_copy_run(dest: Any, dim: int, index: Any, source: Any) -> Any:
     out = mx.array(dest)
     out[(*key[:-1], mx.array(key[-1]))] = source
     return out
+
+
+def _index_copy_validate(dest: Any, dim: int, index: Any, *_: Any) -> None:
+    if not any(v is UNKNOWN for v in (dest, dim, index)):
+        _index_copy_key(dest, dim, index)
+
+
+def _index_put_validate(dest: Any, indices: Sequence[Any], *_: Any, **__: Any) -> None:
+    if dest is not UNKNOWN and indices is not UNKNOWN and UNKNOWN not in indices:
+        _index_put_key(dest, indices)
 
 
 def _index_copy_region(dest: Any, dim: int, index: Any, source: Any) -> Region:
@@ -545,8 +563,12 @@ OPS: dict[str, OpHandler] = {
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
-    "aten.index_copy.default": OpHandler(_index_copy_check, _index_copy_run, _index_copy_region),
-    "aten.index_put.default": OpHandler(_index_put_check, _index_put_run, _index_put_region),
+    "aten.index_copy.default": OpHandler(
+        _index_copy_check, _index_copy_run, _index_copy_region, _index_copy_validate
+    ),
+    "aten.index_put.default": OpHandler(
+        _index_put_check, _index_put_run, _index_put_region, _index_put_validate
+    ),
     "aten.slice_scatter.default": OpHandler(
         _literal_ints_check(2, 3, 4, 5), _slice_scatter_run, _slice_scatter_region
     ),

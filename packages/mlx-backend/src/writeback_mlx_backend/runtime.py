@@ -36,7 +36,7 @@ import torch
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend.memory import lookup
-from writeback_mlx_backend.ops import MX_DTYPES, OPS, OpHandler, Region
+from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, torch_dtype
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
@@ -144,6 +144,27 @@ def _apply(dest: np.ndarray, region: Region) -> None:
         dest[region.key] = region.values
 
 
+def _resolve_known(value: Any, env: Mapping[str, Any]) -> Any:
+    if isinstance(value, _Ref):
+        return env.get(value.name, UNKNOWN)
+    if isinstance(value, list):
+        return [_resolve_known(v, env) for v in value]
+    return value
+
+
+def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate],
+                    env: Mapping[str, Any]) -> None:
+    """Check the indices of every in-place write whose indices are already known.
+
+    Runs before anything is written, so a bad index in a later write cannot leave
+    an earlier one done in the caller's memory. Indices computed inside the
+    program are checked when their write is reached (still before it writes).
+    """
+    for step in handle.steps:
+        if step.name in active and step.handler.validate is not None:
+            step.handler.validate(*_resolve_known(step.args, env))
+
+
 def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
     unknown = sorted(set(compile_specs) - {IN_PLACE_OUTPUTS_SPEC})
     if unknown:
@@ -242,6 +263,7 @@ class MLXDelegate:
                 and _span(outputs[c.output]) == _span(inputs[c.input])
             ):
                 active[c.node] = c
+        _validate_first(handle, active, env)
         old_state = handle.state
         handle.state = {}
         env.update(old_state)
