@@ -93,3 +93,33 @@ def test_stock_exir_clobbers_caller_cache_written_by_reinplaced_op() -> None:
     program = lower(case.build(), case.example_args(0), early=False, run_reinplace_pass=True)
     with pytest.raises(AssertionError, match="call 0 state 0"):
         assert_runs_like_eager(program, case.build(), case.step_inputs, calls=1, caller_state=case.make_state())
+
+
+def test_exported_program_mode_on_caller_cache_runs_like_eager_in_python() -> None:
+    """The pass on an edge ``ExportedProgram`` (copies added by exir's pass, then moved, outputs
+    and signature renamed to the caller's placeholders), run as a Python graph against eager."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    case = builtin_models()["decoder-caller-cache"]
+    ep = edge_of(case.build(), case.example_args(0)).exported_program()
+    result = insert_write_back_early(ep)
+    assert {p.state for p in result.placements} == {"caches_0", "caches_1"}
+    returned = [n.name for n in ep.graph.output_node().all_input_nodes]
+    mutated = [s.arg.name for s in ep.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION]
+    assert mutated == ["caches_0", "caches_1"] == returned[:2]
+    eager = case.build()
+    eager_state = list(case.make_state())
+    caller_state = [t.clone() for t in eager_state]
+    lifted = {**ep.constants, **ep.state_dict}  # parameters, and constants lifted as buffers
+    for call in range(4):
+        step = case.step_inputs(call)
+        user = iter([*step, *caller_state])
+        args = [
+            next(user) if s.kind is InputKind.USER_INPUT else lifted[s.target] for s in ep.graph_signature.input_specs
+        ]
+        with torch.no_grad():
+            expected = eager(*step, *eager_state)
+            outputs = ep.graph_module(*args)
+        torch.testing.assert_close(outputs[-1], expected, msg=f"call {call}")
+        for got, want in zip(caller_state, eager_state, strict=True):
+            torch.testing.assert_close(got, want, msg=f"call {call} caller state")
