@@ -100,7 +100,7 @@ def compile_for_engine(
     declared = declare_copy_back(source.program)
     if partitioners is None:
         partitioners = [] if dryrun else [engine.partitioner()]  # type: ignore[attr-defined]
-    config = EdgeCompileConfig(_check_ir_validity=False)
+    config = EdgeCompileConfig()
     with warnings.catch_warnings():
         # exir's own deprecation chatter while retracing; ours are raised outside this block.
         warnings.simplefilter("ignore", FutureWarning)
