@@ -319,3 +319,15 @@ def test_bad_index_in_a_later_write_leaves_every_cache_unchanged() -> None:
         method.execute([torch.tensor([1]), torch.tensor([-2]), torch.ones(1, 3), kc, vc])
     torch.testing.assert_close(kc, torch.zeros(4, 3))
     torch.testing.assert_close(vc, torch.zeros(4, 3))
+
+
+def test_dropped_write_back_reserves_no_memory_for_the_unused_delegate_output() -> None:
+    """The delegate's output for the written input is never read: it gets no arena space."""
+    mib = 1 << 20
+    example = (torch.tensor([1]), torch.ones(1, 256), torch.zeros(1024, 256))  # a 1 MiB cache
+    stock = lower_mlx(IndexCopyAxis(0), example, passes=False).method()
+    dropped = lower_mlx(IndexCopyAxis(0), example).method()
+    # Stock: the planned input cache, the delegate's new cache and its copy back.
+    assert sum(stock.metadata.memory_planned_buffers) >= 2 * mib
+    # Dropped: the planned input cache only (plus a few small tensors).
+    assert sum(dropped.metadata.memory_planned_buffers) < mib + 64 * 1024

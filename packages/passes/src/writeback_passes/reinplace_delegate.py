@@ -181,6 +181,24 @@ def _check(
     return None
 
 
+def _release_output(call: torch.fx.Node, output: int) -> None:
+    """Give the now unread delegate output ``output`` an empty tensor spec.
+
+    exir keeps a delegate call's ``spec`` through its later passes, so the
+    planner reserves nothing for an output the delegate no longer writes.
+    """
+    from executorch.exir.tensor import TensorSpec
+
+    vals = call.meta["val"]
+    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    specs = call.meta.get("spec")
+    if specs is None:
+        specs = [TensorSpec.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in vals]
+    specs = list(specs)
+    specs[output] = TensorSpec.from_tensor(torch.empty(0, dtype=vals[output].dtype))
+    call.meta["spec"] = tuple(specs)
+
+
 def _record(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int, input_index: int) -> None:
     lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]
     specs: list[CompileSpec] = lowered.compile_specs
@@ -218,7 +236,9 @@ def reinplace_delegate_input_mutations(
        in the lowered module's compile spec :data:`IN_PLACE_OUTPUTS_SPEC`, so
        the runtime delegate writes argument ``i`` in place. Output ``j`` stays
        in the delegate's signature (exir retraces it from the lowered program)
-       but nothing reads it.
+       but nothing reads it, and it gets an empty tensor spec so the memory
+       plan reserves nothing for it. (Sharing ``P``'s spec instead is not
+       possible here: exir makes new placeholder specs after this stage.)
 
     Example it must refuse::
 
@@ -258,6 +278,7 @@ def reinplace_delegate_input_mutations(
         value.replace_all_uses_with(placeholder)
         graph.erase_node(value)
         _record(call, gm, output, input_index)
+        _release_output(call, output)
         report.dropped.append(DroppedWriteBack(placeholder.name, call.name, output, input_index))
     if report.dropped:
         graph.lint()
