@@ -10,7 +10,8 @@ for any implementation; that is not what this measures.)
 
 Columns, each the median of ``--steps`` steps after warm-up, run side by side in
 one process (every cell is prepared first, then the steps are interleaved across
-all cells, so load from other processes falls on every cell alike):
+all cells in a shuffled order, so load from other processes falls on every cell
+alike):
 
 - ``stock``: the same step with the caches as registered buffers, lowered by
   stock ``to_edge(...).to_executorch()`` and run by stock ``executorch.runtime``
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import random
 import statistics
 import tempfile
 import time
@@ -114,7 +116,10 @@ def _medians_ms(runners: Sequence[Runner], steps: int, warmup: int = 3) -> list[
     """Run every runner once per step, in turn, and return each one's median time."""
     times: list[list[float]] = [[] for _ in runners]
     for step in range(warmup + steps):
-        for index, run in enumerate(runners):
+        # A fresh order each round, so no cell always follows the same neighbour
+        # (a stock step evicts the CPU caches of whatever runs next).
+        for index in random.Random(step).sample(range(len(runners)), len(runners)):
+            run = runners[index]
             start = time.perf_counter()
             run(step)
             if step >= warmup:
