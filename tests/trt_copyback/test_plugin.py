@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+import pytest
 from click.testing import CliRunner
 from writeback_core.cli import main
 from writeback_core.registry import hookimpl, load_registry
@@ -45,6 +46,23 @@ def test_writeback_engines_hook_takes_an_inline_plugin() -> None:
 
     engines = _engines(load_registry(entry_points=False, plugins=[Plugin()]))
     assert [e.name for e in engines] == ["never"] and isinstance(engines[0], AliasingEngine)
+
+
+def test_two_plugins_offering_one_engine_name_is_an_error_naming_both() -> None:
+    from writeback_trt_copyback import DuplicateEngineError, engines_of
+
+    class Twin:
+        def __init__(self, label: str) -> None:
+            self.writeback_name = label
+
+        @hookimpl
+        def writeback_engines(self) -> Sequence[AliasingEngine]:
+            return [KVAliasEngine()]
+
+    registry = load_registry(entry_points=False, plugins=[Twin("twin-b"), Twin("twin-a")])
+    with pytest.raises(DuplicateEngineError, match="'kv-alias' is offered by both plugin 'twin-a' and plugin 'twin-b'"):
+        engines_of(registry)
+    assert "kv-alias" in engines_of(load_registry())
 
 
 def test_runtime_delegate_is_offered_under_the_engine_backend_id() -> None:
