@@ -261,11 +261,37 @@ void capsule_destructor(PyObject* capsule) {
   }
 }
 
-py::object& from_dlpack() {
-  // Leaked on purpose: destroying a py::object after interpreter teardown crashes.
-  static py::object* fn = new py::object(py::module_::import("torch.utils.dlpack").attr("from_dlpack"));
-  return *fn;
+// torch's DLPack entry points. The private C functions skip the Python-level
+// wrappers (several microseconds per tensor, most of a small model's call);
+// the public ones are the fallback if a torch release drops them. Leaked on
+// purpose: destroying a py::object after interpreter teardown crashes.
+struct TorchDlpack {
+  py::object from_dlpack;
+  py::object to_dlpack;  // None when unavailable: then `__dlpack__()` is used
+  py::object tensor_type;
+};
+
+const TorchDlpack& torch_dlpack() {
+  static TorchDlpack* fns = [] {
+    py::module_ torch = py::module_::import("torch");
+    py::object c = torch.attr("_C");
+    auto* out = new TorchDlpack();
+    if (py::hasattr(c, "_from_dlpack")) {
+      out->from_dlpack = c.attr("_from_dlpack");
+    } else {
+      out->from_dlpack = py::module_::import("torch.utils.dlpack").attr("from_dlpack");
+    }
+    out->to_dlpack = py::none();
+    if (py::hasattr(c, "_to_dlpack")) {
+      out->to_dlpack = c.attr("_to_dlpack");
+    }
+    out->tensor_type = torch.attr("Tensor");
+    return out;
+  }();
+  return *fns;
 }
+
+const py::object& from_dlpack() { return torch_dlpack().from_dlpack; }
 
 // A torch tensor viewing `data` (contiguous, `sizes`), keeping `keep` alive.
 template <typename Sizes>
@@ -342,7 +368,12 @@ Imported import_tensor(py::handle obj, const std::string& what) {
     source = source.attr("detach")();
   }
   try {
-    in.capsule = source.attr("__dlpack__")();
+    const TorchDlpack& torch = torch_dlpack();
+    if (!torch.to_dlpack.is_none() && py::isinstance(source, torch.tensor_type)) {
+      in.capsule = torch.to_dlpack(source);
+    } else {
+      in.capsule = source.attr("__dlpack__")();
+    }
   } catch (py::error_already_set& e) {
     // torch cannot export every device (meta, for one); name the device
     // rather than surfacing the exporter's message.
