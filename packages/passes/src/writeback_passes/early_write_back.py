@@ -340,8 +340,9 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
 
     Algorithm:
 
-    1. Collect the write-backs: ``copy_`` nodes the output returns whose first
-       argument is a placeholder. If there are none, no alias analysis is
+    1. Collect the write-backs: ``copy_`` nodes with a placeholder as first
+       argument that the output returns (or, once this pass ran, whose
+       placeholder the output returns). If there are none, no alias analysis is
        built (``analysed`` is False) and only step 5 runs (which changes
        nothing unless the output returns an in-place write of a placeholder).
     2. Build one :class:`writeback_core.AliasAnalysis` of the graph (``aten::``
@@ -352,7 +353,7 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
        those into real views after this pass runs.
     3. If one write-back's state may share storage with another's value or
        state, their relative order matters: keep all copies at the end of the
-       graph in their original order (``fallback`` names the pair) and stop.
+       graph in their original order (``fallback`` names the pair) and go to 5.
        One exception: when a copy's value may be the state of a copy that
        comes before it, it is moved ahead of that copy (it must take the old
        contents; exir's own order gets this wrong once its ``view_copy`` is a
@@ -367,7 +368,9 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
           must take the final value);
        d. the last placeholder (if the graph has any).
 
-       Copies that land at the same point keep their original order.
+       Only nodes before the copy's current place count: later ones already
+       see the new contents, and a copy only ever moves up. Copies that land
+       at the same point keep their original order.
     5. Make the output return each state placeholder instead of the in-place
        op that wrote it (its copy, or an op exir's reinplace pass made in
        place), so exir's memory planner keeps a user input's slot alive to the
@@ -405,6 +408,7 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
     clash = _interference(write_backs, storage)
     if clash is not None:
         moved = _move_to_end(_fallback_order(write_backs, storage), graph)
+        moved = _name_states_at_output(graph, program) or moved
         if moved:
             gm.recompile()
         return EarlyWriteBack(gm, analysed=True, fallback=clash, modified=moved)
