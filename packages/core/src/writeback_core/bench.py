@@ -23,7 +23,16 @@ of one slot, returning ``k + v``) and ``idle`` (returning ``k + v``, writing
 nothing). The state update of a pipeline is ``median(update) - median(idle)``:
 the cost of the write with the pipeline's fixed per-call overhead (runtime
 entry, delegate dispatch, input binding) taken out. Both medians are printed
-too, so the subtraction can be checked.
+too, so the subtraction can be checked. These programs are short, so each
+round times :data:`UPDATE_CALLS_PER_ROUND` calls of each (the same slot written
+again: the same work).
+
+Each call is timed alone, around the work itself (the runtime's ``execute``,
+the eager forward, the two copies); inputs are made before the clock starts.
+PyTorch runs with ``--torch-threads`` intra-op threads (default 1: on a loaded
+2-core machine a second thread makes eager wait at barriers). Numbers from a
+shared, loaded machine are noisy; the ratios, taken within one round-robin, hold
+better than the absolute times.
 
 Every pipeline's outputs (and the caller-owned cache, where there is one) are
 compared with eager on the warm-up calls; a pipeline that fails to lower, to
