@@ -321,3 +321,40 @@ def test_user_input_written_back_early_keeps_its_planned_slot_to_the_end() -> No
         assert placeholder in graph.output_node().all_input_nodes
         assert placeholder.meta["spec"].lifetime[1] == len(nodes) - 1  # alive through the output
     assert_runs_like_eager(program, case.build(), case.step_inputs, caller_state=case.make_state())
+
+
+@torch.library.custom_op("wbtest::mix", mutates_args=())
+def mix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A custom op taking both states: its schema is not trusted, so they may alias."""
+    return a * 0.5 + b
+
+
+@mix.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(a)
+
+
+class StatesMayAlias(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a", torch.zeros(16))
+        self.register_buffer("b", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new_a = x * 2
+        new_b = x + 1
+        mixed = torch.ops.wbtest.mix(self.a, self.b)
+        self.a.copy_(new_a)
+        self.b.copy_(new_b + self.a)
+        return mixed
+
+
+def test_write_backs_whose_states_may_alias_fall_back_in_original_order() -> None:
+    ep = _aten_program(StatesMayAlias())
+    result = insert_write_back_early(ep)
+    assert result.fallback is not None
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+    copies = [n.args[0].name for n in calls if n.target is torch.ops.aten.copy_.default]
+    assert copies == ["b_a", "b_b"]
+    assert [n.target for n in calls[-2:]] == [torch.ops.aten.copy_.default] * 2
+    _run_graph(ep, StatesMayAlias())
