@@ -121,18 +121,21 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
         check_backend_contract(registry, "example", spec)
 
 
-def _installed_backends() -> list[str]:
-    return backend_names(load_registry())
+def _installed_params() -> list[object]:
+    params: list[object] = []
+    for backend in backend_names(load_registry()):
+        for case in zoo_cases():
+            # The example backend delegates only its index_copy: that delegate's sole
+            # use is the write-back, so it meets the open bug above. MLX delegates the
+            # whole model, whose other outputs keep the delegate alive.
+            broken = backend == "example" and case.name.startswith("decoder")
+            params.append(pytest.param(backend, case, id=f"{backend}-{case.name}",
+                                       marks=[DELEGATE_DROPPED] if broken else []))
+    return params
 
 
-@pytest.mark.parametrize("backend", _installed_backends())
-def test_every_installed_backend_keeps_its_contract_on_the_zoo(backend: str) -> None:
-    """Every backend the entry points offer, on every zoo model it can lower."""
-    registry = load_registry()
-    failures = []
-    for case in zoo_cases():
-        try:
-            check_backend_contract(registry, backend, case.built)
-        except (ContractViolation, AssertionError) as error:
-            failures.append(f"{case.name}: {str(error).splitlines()[0]}")
-    assert not failures, "\n".join(failures)
+@pytest.mark.parametrize(("backend", "case"), _installed_params())
+def test_every_installed_backend_keeps_its_contract_on_the_zoo(backend: str,
+                                                               case: object) -> None:
+    """Every backend the entry points offer, on every zoo model."""
+    check_backend_contract(load_registry(), backend, case.built)  # type: ignore[attr-defined]

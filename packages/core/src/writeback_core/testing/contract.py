@@ -47,8 +47,8 @@ from writeback_core.testing.oracle import (
     RuntimeTarget,
     StockTarget,
     Target,
-    _compare,
     built_from_case,
+    compare_observations,
     eager_run,
     export_built,
     registry_runtime,
@@ -199,15 +199,15 @@ def check_backend_contract(
         StockTarget(f"{backend}-stock"),
     ]
     expected = eager_run(built, calls)
-    for target in targets:
-        observed = target.run(lowered, calls)
+    for runner in targets:
+        observed = runner.run(lowered, calls)
         for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
-            diff = _compare(want, got)
+            diff = compare_observations(want, got)
             if diff is not None:
-                raise ProgramMismatch(built.source, target.name, call, diff[0],
+                raise ProgramMismatch(built.source, runner.name, call, diff[0],
                                       f"{diff[1]}\ndecisions: accepted {report.accepted}, "
                                       f"declined {report.declined}")
-        report.targets.append(target.name)
+        report.targets.append(runner.name)
     return report
 
 

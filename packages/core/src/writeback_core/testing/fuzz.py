@@ -108,9 +108,11 @@ def _run_share(
 
     from writeback_core.testing.contract import ContractViolation, check_backend_contract
     from writeback_core.testing.oracle import (
+        InvalidProgram,
         LoweringError,
         ProgramMismatch,
         StockTarget,
+        Target,
         check_program,
         runtime_targets,
     )
@@ -118,7 +120,7 @@ def _run_share(
 
     registry = _registry(config)
     runtime = _runtime(config, registry)
-    stock = [StockTarget()]
+    stock: list[Target] = [StockTarget()]
     name = getattr(getattr(runtime, "spec", None), "name", "runtime")
     full = stock + (runtime_targets(runtime, name) if runtime is not None else [])
     report = FuzzReport()
@@ -141,6 +143,10 @@ def _run_share(
                 checked = check_backend_contract(registry, backend, spec, runtime,
                                                  calls=config.calls)
                 result.targets.extend(checked.targets)
+        except InvalidProgram:
+            # Eager PyTorch refuses it (e.g. an in-place write whose source
+            # overlaps its destination): not a program, draw another.
+            reject()
         except LoweringError as error:
             if error.upstream:
                 # torch.export / exir fail on it with or without writeback: not

@@ -47,6 +47,7 @@ from writeback_core.testing.program import Built, ProgramSpec, build
 
 __all__ = [
     "DEFAULT_CALLS",
+    "InvalidProgram",
     "Lowered",
     "LoweringError",
     "Observation",
@@ -59,6 +60,7 @@ __all__ = [
     "built_from_case",
     "check_program",
     "check_source",
+    "compare_observations",
     "eager_run",
     "export_built",
     "lower_program",
@@ -90,6 +92,10 @@ class LoweringError(RuntimeError):
     def __init__(self, message: str, upstream: bool | None = None) -> None:
         super().__init__(message)
         self.upstream = upstream
+
+
+class InvalidProgram(ValueError):
+    """The program fails in eager PyTorch itself: there is nothing to compare against."""
 
 
 class ProgramMismatch(AssertionError):
@@ -149,6 +155,7 @@ class Lowered:
     def pte(self, planned: bool) -> bytes:
         """The ``.pte`` with inputs and outputs memory planned (``planned``) or not."""
         if planned not in self._ptes:
+            self.edge()  # timed on its own
             start = time.perf_counter()
             # exir's to_executorch edits the edge program's signature in place
             # (insert_write_back_for_buffers_pass), so a second lowering of one
@@ -321,7 +328,9 @@ class Target(Protocol):
     :func:`check_program` in ``targets``.
     """
 
-    name: str
+    @property
+    def name(self) -> str:
+        """How reports name this target."""
 
     def run(self, lowered: Lowered, calls: int) -> list[Observation]:
         """Run ``calls`` calls of ``lowered``; observations hold only what this target can see."""
@@ -448,7 +457,7 @@ def _differs(expected: torch.Tensor, got: Any) -> str | None:
     return None
 
 
-def _compare(expected: Observation, got: Observation) -> tuple[str, str] | None:
+def compare_observations(expected: Observation, got: Observation) -> tuple[str, str] | None:
     """The first difference as ``(what, detail)``, or ``None``."""
     if len(got.outputs) != len(expected.outputs):
         return "output count", f"expected {len(expected.outputs)}, got {len(got.outputs)}"
@@ -498,7 +507,11 @@ def check_program(
         raise ValueError(f"calls must be at least 3 (state must be carried twice), got {calls}")
     built = program if isinstance(program, Built) else build(program)
     targets = list(targets) if targets is not None else [StockTarget()]
-    expected = eager_run(built, calls)
+    try:
+        expected = eager_run(built, calls)
+    except Exception as error:
+        raise InvalidProgram(f"eager PyTorch fails: {type(error).__name__}: {error}\n"
+                             f"--- program ---\n{built.source}") from error
     lowered = Lowered(built, registry)
     report = OracleReport(built.source)
     for target in targets:
@@ -507,7 +520,7 @@ def check_program(
         observed = target.run(lowered, calls)
         report.running_seconds += time.perf_counter() - start - (lowered.seconds - seconds_before)
         for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
-            diff = _compare(want, got)
+            diff = compare_observations(want, got)
             if diff is not None:
                 upstream = _triage(built, target, call, calls) if triage else None
                 raise ProgramMismatch(built.source, target.name, call, diff[0], diff[1], upstream)
@@ -524,7 +537,7 @@ def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
     except Exception:
         return None
     expected = eager_run(built, calls)
-    return _compare(expected[call], observed[call]) is not None
+    return compare_observations(expected[call], observed[call]) is not None
 
 
 def built_from_case(case: Any) -> Built:

@@ -68,11 +68,13 @@ class Source:
 
     ``kind``: "x" (``x[offset:offset+n]``), "const" (an arange), "temp"
     (``ref`` names a temp, read at this point), "state" (``ref`` names a
-    state, read at this point: read-modify-write when it is the destination).
-    The value is scaled by ``scale`` and reshaped to ``shape``.
+    state, read at this point: read-modify-write when it is the destination),
+    "whole" (the temp ``ref`` itself, of exactly ``shape``: a value computed
+    earlier and written late, with no op at the write site). The value is
+    scaled by ``scale`` and reshaped to ``shape``.
     """
 
-    kind: Literal["x", "const", "temp", "state"]
+    kind: Literal["x", "const", "temp", "state", "whole"]
     shape: tuple[int, ...]
     scale: float = 1.0
     offset: int = 0
@@ -210,6 +212,9 @@ class _Renderer:
     def source(self, src: Source, dtype: DType = "float32") -> str:
         n = math.prod(src.shape)
         shape = repr(tuple(src.shape))
+        if src.kind == "whole":
+            assert src.ref is not None
+            return src.ref if dtype == "float32" else f"{src.ref}.to({_dtype(dtype)})"
         if src.kind == "x":
             flat = f"x[{src.offset}:{src.offset + n}]"
         elif src.kind == "const":
@@ -222,7 +227,8 @@ class _Renderer:
             if state is not None and state.dtype != "float32":
                 cast = ".to(torch.float32)"
             flat = f"{base}{cast}.reshape(-1)[{src.offset}:{src.offset + n}]"
-        text = f"({flat}.reshape({shape}) * {_num(src.scale)})"
+        scaled = "" if src.scale == 1.0 else f" * {_num(src.scale)}"
+        text = f"({flat}.reshape({shape}){scaled})"
         if dtype != "float32":
             text = f"{text}.to({_dtype(dtype)})"
         return text
@@ -371,7 +377,8 @@ def _render_compute(r: _Renderer, c: Compute) -> str:
 
 
 def _render_combine(r: _Renderer, c: Combine) -> str:
-    return f"{c.result} = {r.ref(c.a)} * {_num(c.scale)} + {r.ref(c.b)}.sum()"
+    scaled = "" if c.scale == 1.0 else f" * {_num(c.scale)}"
+    return f"{c.result} = {r.ref(c.a)}{scaled} + {r.ref(c.b)}.sum()"
 
 
 def _render_derive(r: _Renderer, d: Derive) -> str:

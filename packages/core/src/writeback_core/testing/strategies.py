@@ -32,6 +32,7 @@ from writeback_core.testing.program import (
     Read,
     Source,
     State,
+    StateKind,
     Statement,
     TempWrite,
     Write,
@@ -107,6 +108,9 @@ def _source(draw: st.DrawFn, scope: _Scope, shape: tuple[int, ...]) -> Source:
     temps = [t for t in scope.temps if _numel(t.shape) >= n]
     if temps:
         kinds.append("temp")
+    wholes = [t for t in scope.temps if t.shape == shape and t.dtype == "float32"]
+    if wholes:
+        kinds += ["whole", "whole"]
     states = [s for s in scope.states.values() if s.numel >= n]
     if states:
         kinds.append("state")
@@ -116,11 +120,13 @@ def _source(draw: st.DrawFn, scope: _Scope, shape: tuple[int, ...]) -> Source:
         # is drawn there only when nothing else fits.
         kinds.append("const")
     kind = draw(st.sampled_from(kinds))
-    scale = draw(st.sampled_from((0.5, -1.0, 2.0, 0.25)))
+    scale = draw(st.sampled_from((0.5, -1.0, 2.0, 0.25))) if scope.has_x else 1.0
     if kind == "x":
         return Source("x", shape, scale, offset=draw(st.integers(0, X_LEN - n)))
     if kind == "const":
         return Source("const", shape, scale, offset=draw(st.integers(0, 5)))
+    if kind == "whole":
+        return Source("whole", shape, ref=draw(st.sampled_from(wholes)).name)
     if kind == "temp":
         temp = draw(st.sampled_from(temps))
         offset = draw(st.integers(0, _numel(temp.shape) - n))
@@ -190,9 +196,18 @@ def _slice(draw: st.DrawFn, size: int) -> tuple[int | None, int | None, int]:
 
 
 @st.composite
-def _read(draw: st.DrawFn, scope: _Scope) -> Read:
-    state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
-    how = draw(st.sampled_from(_READS))
+def _read(
+    draw: st.DrawFn,
+    scope: _Scope,
+    state: State | None = None,
+    hows: tuple[str, ...] | None = None,
+) -> Read:
+    if state is None:
+        state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
+    if hows is None:
+        # "compute" multiplies by a scalar: see ``programs`` on input-free programs.
+        hows = _READS if scope.has_x else (*_READS[:-2], "sum")
+    how = draw(st.sampled_from(hows))
     shape, rank = state.shape, len(state.shape)
     dim = draw(st.integers(0, rank - 1))
     views = {"view", "transpose", "slice", "select"}
@@ -241,16 +256,42 @@ def _statement(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Statemen
         state = scope.states[write.state]
         return Derive(scope.new_temp(state.shape, state.dtype, None), write)
     if choice == "compute":
-        shape = draw(shapes())
+        # Half the time a state's shape, so it can later be written whole (early value).
+        state_shapes = sorted({s.shape for s in scope.states.values()})
+        shape = draw(st.one_of(shapes(), st.sampled_from(state_shapes)))
         source = draw(_source(scope, shape))
         return Compute(scope.new_temp(shape, "float32", None), source)
     if choice == "combine":
         a = draw(st.sampled_from(scope.temps))
         b = draw(st.sampled_from(scope.temps))
-        scale = draw(st.sampled_from((1.0, -0.5)))
+        scale = draw(st.sampled_from((1.0, -0.5))) if scope.has_x else 1.0
         return Combine(scope.new_temp(a.shape, "float32", None), a.name, b.name, scale)
     temp = draw(st.sampled_from(floats))
     return TempWrite(temp.name, draw(_source(scope, temp.shape)))
+
+
+@st.composite
+def _early_value_block(draw: st.DrawFn, scope: _Scope) -> list[Statement]:
+    """A value computed early, an old-value read through a view, then the value written whole.
+
+    ``new = f(x); v = view(state); y = v + ...; state.copy_(new)``: in the
+    graph ``new`` precedes the read of ``v``, so a write-back placed right
+    after ``new`` must still wait for that read (through the view). Drawn
+    on purpose because random statements rarely line these four up.
+    """
+    state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
+    early = Compute(scope.new_temp(state.shape, "float32", None),
+                    draw(_source(scope, state.shape)))
+    view = draw(_read(scope, state=state, hows=("view", "transpose", "slice", "select")))
+    first, second = (early, view) if draw(st.booleans()) else (view, early)
+    reader = Combine(scope.new_temp(_shape_of(scope, view.result), "float32", None),
+                     view.result, early.result)
+    write = Write(state.name, "copy", Source("whole", state.shape, ref=early.result))
+    return [first, second, reader, write]
+
+
+def _shape_of(scope: _Scope, name: str) -> tuple[int, ...]:
+    return next(t.shape for t in scope.temps if t.name == name)
 
 
 @st.composite
@@ -262,6 +303,7 @@ def programs(
     writes: Sequence[str] = ALL_WRITES,
     dtypes: Sequence[DType] = ("float32", "float32", "float32", "int64"),
     no_input_chance: bool = True,
+    state_outputs: bool = True,
 ) -> ProgramSpec:
     """A small stateful program (see the module docstring for what it may contain).
 
@@ -271,6 +313,7 @@ def programs(
     :param writes: the write forms to draw from (a subset of :data:`ALL_WRITES`).
     :param dtypes: state dtypes to draw from (repeats weight the draw).
     :param no_input_chance: allow programs whose ``forward`` takes nothing.
+    :param state_outputs: allow returning a state itself (not only temps).
     """
     no_input = no_input_chance and draw(st.integers(0, 9)) == 0
     n_buffers = draw(st.integers(1, max_buffers))
@@ -278,19 +321,21 @@ def programs(
     states: dict[str, State] = {}
     for i in range(n_buffers + n_inputs):
         name = f"s{i}"
-        kind = "buffer" if i < n_buffers else "input"
+        kind: StateKind = "buffer" if i < n_buffers else "input"
         states[name] = State(name, kind, draw(shapes()), draw(st.sampled_from(tuple(dtypes))))
     has_x = not no_input
     if no_input:
-        # exir 1.5.1's to_edge constant-folds the index tensors of an input-free
-        # program and then fails its own check ("Input spec name
-        # _lifted_tensor_constant2 does not match node name ..."): an upstream
-        # defect, so index writes are drawn only where there is an input.
+        # exir 1.5.1's to_edge fails on an input-free program holding more than
+        # one lifted constant (index tensors, scalars it turns into tensors):
+        # "Input spec name _lifted_tensor_constant2 does not match node name
+        # ...", an upstream defect. So such programs get no index writes, no
+        # scalar factors (scale 1.0 renders as nothing) and no constant sources.
         writes = [w for w in writes if w not in _INDEX_WRITES] or ["copy"]
     has_pos = not no_input and draw(st.booleans())
     scope = _Scope(states, has_x, has_pos)
+    first_state = next(iter(states.values()))
     count = draw(st.integers(1, max_statements))
-    statements = [draw(_write(scope, writes))]
+    statements: list[Statement] = [draw(_write(scope, writes))]
     for _ in range(count - 1):
         statements.append(draw(_statement(scope, writes)))
     first = statements[0]
@@ -298,7 +343,13 @@ def programs(
         # The first write was drawn before any temp existed, so it uses none and may move
         # anywhere: reads then come before and after it.
         statements.insert(draw(st.integers(0, len(statements) - 1)), statements.pop(0))
-    names = [t.name for t in scope.temps] + list(states)
+    if "copy" in writes and draw(st.integers(0, 3)) == 0:
+        statements += draw(_early_value_block(scope))
+    names = [t.name for t in scope.temps] + (list(states) if state_outputs else [])
+    if not names:
+        statements.append(Read(scope.new_temp(first_state.shape, "float32",
+                                              None), first_state.name, "clone"))
+        names = [scope.temps[-1].name]
     outputs = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))
     return ProgramSpec(
         states=tuple(states.values()),
