@@ -13,6 +13,9 @@ from writeback_core.registry import Registry, load_registry
 
 __all__ = ["main"]
 
+# Up to this many mutations, explain prints one column per state instead of one row.
+_TRANSPOSE_AT_MOST = 4
+
 
 def _registry(ctx: click.Context) -> Registry:
     registry = ctx.find_object(Registry)
@@ -84,18 +87,27 @@ def explain_command(ctx: click.Context, model: str) -> None:
     for row in rows:
         for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
             row.columns.update(extra or {})
-    console = Console(width=160)
+    console = Console(width=130)
     if not rows:
         console.print(f"{case.name}: no mutated state")
         return
     titles: list[str] = []
     for row in rows:
         titles.extend(t for t in row.columns if t not in titles)
-    table = Table(title=f"{case.name}: {case.description}")
-    for title in titles:
-        table.add_column(title)
-    for row in rows:
-        table.add_row(*(row.columns.get(t, "") for t in titles))
+    table = Table(title=f"{case.name}: {case.description}", show_lines=True)
+    if len(rows) <= _TRANSPOSE_AT_MOST:
+        # Few states, many plugin columns: one column per state reads best.
+        table.add_column("", style="bold")
+        for row in rows:
+            table.add_column(row.columns.get("state", row.mutation.target))
+        for title in titles:
+            if title != "state":
+                table.add_row(title, *(row.columns.get(title, "") for row in rows))
+    else:
+        for title in titles:
+            table.add_column(title)
+        for row in rows:
+            table.add_row(*(row.columns.get(t, "") for t in titles))
     console.print(table)
 
 
