@@ -9,6 +9,7 @@ when any step differs.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class RunReport:
     lowered: Lowered
     pte_path: Path
     steps: list[tuple[StepResult, StepCheck]]
+    kept: bool = True
 
     @property
     def failures(self) -> list[tuple[StepResult, StepCheck]]:
@@ -107,7 +109,8 @@ def _summary(report: RunReport) -> str:
     lines = [
         f"model {lowered.case.name}: {lowered.case.description}",
         f"backend {backend}, runtime {report.pipeline.runtime.name}, "
-        f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}",
+        f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}"
+        + ("" if report.kept else " (temporary: pass --output to keep it)"),
         f"{len(lowered.mutations)} mutations; state: {format_bytes(caller)} caller-owned, "
         f"{format_bytes(owned)} program-owned; written in place by the backend: "
         f"{', '.join(accepted) or 'none'}",
@@ -165,7 +168,7 @@ def run_command(ctx: click.Context, model: str, steps: int, backend: str | None,
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:
-            report = run_model(pipeline, case, steps, path, console)
+            report = dataclasses.replace(run_model(pipeline, case, steps, path, console), kept=output is not None)
         except PipelineError as error:
             raise click.ClickException(str(error)) from error
         console.print(_summary(report))
