@@ -113,6 +113,7 @@ def _run_share(
         ProgramMismatch,
         StockTarget,
         Target,
+        TargetError,
         check_program,
         runtime_targets,
     )
@@ -147,10 +148,13 @@ def _run_share(
             # Eager PyTorch refuses it (e.g. an in-place write whose source
             # overlaps its destination): not a program, draw another.
             reject()
-        except LoweringError as error:
-            if error.upstream:
-                # torch.export / exir fail on it with or without writeback: not
-                # what this fuzzer tests. Hypothesis draws another program.
+        except (LoweringError, TargetError) as error:
+            # A caller-writing runtime is writeback's own (pybind-runtime): its
+            # errors are findings even when exir alone triggers them.
+            ours = isinstance(error, TargetError) and error.target != "stock"
+            if error.upstream and not ours:
+                # torch.export / exir / the runtime fail on it with or without
+                # writeback: not what this fuzzer tests. Draw another program.
                 report.skipped_upstream += 1
                 report.upstream_example = report.upstream_example or str(error)
                 reject()
@@ -159,7 +163,7 @@ def _run_share(
         except Exception:
             counter["failed"] += 1
             raise
-        if counter["n"] <= count:
+        if not counter["failed"]:  # shrinking re-runs programs: those are not counted
             report.programs += 1
             report.runtime_checked += int(with_runtime and runtime is not None)
             for name in result.targets:
@@ -174,6 +178,8 @@ def _run_share(
         report.failures.append(FuzzFailure("contract", None, str(error)))
     except LoweringError as error:
         report.failures.append(FuzzFailure("lowering", None, str(error)))
+    except TargetError as error:
+        report.failures.append(FuzzFailure("error", error.target, str(error)))
     except Exception as error:
         report.failures.append(FuzzFailure("error", None, "".join(
             traceback.format_exception(error))))

@@ -57,6 +57,7 @@ __all__ = [
     "RuntimeTarget",
     "StockTarget",
     "Target",
+    "TargetError",
     "built_from_case",
     "check_program",
     "check_source",
@@ -96,6 +97,24 @@ class LoweringError(RuntimeError):
 
 class InvalidProgram(ValueError):
     """The program fails in eager PyTorch itself: there is nothing to compare against."""
+
+
+class TargetError(RuntimeError):
+    """A target failed to load or run a program that lowered (not a wrong value: an error).
+
+    ``upstream`` as for :class:`LoweringError`: True when the same target fails
+    on the program lowered without writeback's passes too.
+    """
+
+    def __init__(self, target: str, error: BaseException, source: str,
+                 upstream: bool | None) -> None:
+        self.target = target
+        self.upstream = upstream
+        verdict = {None: "not checked without writeback's passes",
+                   True: "fails without writeback's passes too (upstream)",
+                   False: "runs without writeback's passes: a writeback bug"}[upstream]
+        super().__init__(f"{target}: {type(error).__name__}: {error} ({verdict})\n"
+                         f"--- reproducer ---\n{source}")
 
 
 class ProgramMismatch(AssertionError):
@@ -517,7 +536,13 @@ def check_program(
     for target in targets:
         start = time.perf_counter()
         seconds_before = lowered.seconds
-        observed = target.run(lowered, calls)
+        try:
+            observed = target.run(lowered, calls)
+        except (LoweringError, ProgramMismatch):
+            raise
+        except Exception as error:
+            upstream = _fails_bare(built, target, calls) if triage else None
+            raise TargetError(target.name, error, built.source, upstream) from error
         report.running_seconds += time.perf_counter() - start - (lowered.seconds - seconds_before)
         for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
             diff = compare_observations(want, got)
@@ -527,6 +552,15 @@ def check_program(
         report.targets.append(target.name)
     report.lowering_seconds = lowered.seconds
     return report
+
+
+def _fails_bare(built: Built, target: Target, calls: int) -> bool:
+    """Whether ``target`` also fails with an error on the program lowered by exir alone."""
+    try:
+        target.run(Lowered(built, None, with_passes=False), calls)
+    except Exception:
+        return True
+    return False
 
 
 def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
