@@ -30,7 +30,7 @@ import torch
 from writeback_core.registry import load_registry
 from writeback_pybind_runtime import Runtime
 
-from pybind_runtime import (
+from tests.pybind_runtime import (
     conftest,
     test_input_mutations,
     test_python_delegates,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pybind_runtime.conftest import Lower
+from tests.pybind_runtime.conftest import Lower
 
 
 class Small(torch.nn.Module):

@@ -11,7 +11,7 @@ import torch
 from writeback_core.zoo import DecoderConfig, decoder_case
 from writeback_pybind_runtime import Method
 
-from pybind_runtime.conftest import Lower, stock_method
+from tests.pybind_runtime.conftest import Lower, stock_method
 
 Load = Callable[[bytes], Method]
 

@@ -10,8 +10,8 @@ import torch
 from writeback_core.registry import load_registry
 from writeback_pybind_runtime import DelegateError, Runtime
 
-from pybind_runtime.conftest import Lower, stock_method
-from pybind_runtime.doubler import BACKEND_ID, DoublerDelegate, DoublerPartitioner, DoublerPlugin
+from tests.pybind_runtime.conftest import Lower, stock_method
+from tests.pybind_runtime.doubler import BACKEND_ID, DoublerDelegate, DoublerPartitioner, DoublerPlugin
 
 
 class DoubleThenShift(torch.nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from writeback_pybind_runtime import Method
 
-from pybind_runtime.conftest import Lower
+from tests.pybind_runtime.conftest import Lower
 
 Load = Callable[[bytes], Method]
 

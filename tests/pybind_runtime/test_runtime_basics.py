@@ -8,7 +8,7 @@ import pytest
 import torch
 from writeback_pybind_runtime import Method, ProgramError, Runtime
 
-from pybind_runtime.conftest import Lower
+from tests.pybind_runtime.conftest import Lower
 
 
 class AddMul(torch.nn.Module):
