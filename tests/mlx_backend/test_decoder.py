@@ -7,7 +7,7 @@ import pytest
 import torch
 from writeback_core.zoo import DecoderConfig, decoder_case
 
-from mlx_backend.lowering import lower_mlx
+from tests.mlx_backend.lowering import lower_mlx
 
 STEPS = 16
 CONFIG = DecoderConfig(max_seq=16, layers=2)

@@ -8,7 +8,7 @@ import torch
 from writeback_core import Mutation, PartitionView, hookimpl
 from writeback_pybind_runtime import DelegateError
 
-from mlx_backend.lowering import lower_mlx, registry
+from tests.mlx_backend.lowering import lower_mlx, registry
 
 
 class IndexCopyAxis(torch.nn.Module):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlx_backend.lowering import lower_mlx
+from tests.mlx_backend.lowering import lower_mlx
 
 Fn = Callable[..., torch.Tensor]
 

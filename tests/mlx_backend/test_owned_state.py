@@ -12,7 +12,7 @@ import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback_mlx_backend import MLXDelegate
 
-from mlx_backend.lowering import lower_mlx
+from tests.mlx_backend.lowering import lower_mlx
 
 
 class RowCache(torch.nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from writeback_core.zoo import builtin_models
 
-from mlx_backend.lowering import lower_mlx
+from tests.mlx_backend.lowering import lower_mlx
 
 
 @pytest.mark.parametrize("name", ["recurrent", "ema", "no-input"])

@@ -95,8 +95,8 @@ def _size(nbytes: int | None) -> str:
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """The "mlx" column: what lowering this state to the MLX backend costs per call."""
     if mutation.write.kind not in _IN_PLACE_WRITES or not mutation.shape:
-        return {"mlx": f"write-back kept: {_size(mutation.nbytes)} copied per call"}
+        return {"mlx": f"copied back, {_size(mutation.nbytes)}/call"}
     if mutation.kind is MutationKind.BUFFER:
-        return {"mlx": "owned by the delegate, updated in place (no copy)"}
-    return {"mlx": f"in place (+{_size(mutation.nbytes)} copied in per call unless allocated "
-                   "by writeback_mlx_backend.empty)"}
+        return {"mlx": "delegate-owned, in place"}
+    # A plain torch tensor is copied into MLX each call; one from ``empty()`` is not.
+    return {"mlx": f"in place; {_size(mutation.nbytes)}/call copy-in unless from empty()"}
