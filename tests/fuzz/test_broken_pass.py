@@ -1,10 +1,14 @@
 """The fuzzer earns its keep: a deliberately broken rule patched into the early write-back
-pass is caught within a CI-sized budget, and the failure names the pass, not exir."""
+pass is caught within a CI-sized budget, and the failure is the rule's, not exir's."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
+from writeback_core.registry import load_registry
 from writeback_core.testing.fuzz import FuzzConfig, run_fuzz, summary
+from writeback_core.testing.oracle import StockTarget, check_source
 
 from .conftest import FUZZ_PLUGINS
 
@@ -17,8 +21,8 @@ def test_fuzzer_catches_early_write_back_that_ignores_readers_through_views(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rule b of the pass, broken: a read of the state through a ``view_copy`` (which exir
-    turns into a real view after the pass) no longer holds the copy back, so the copy can
-    land before a read of the old value."""
+    turns into a real view after the pass) no longer holds the write-back copy, so the
+    copy can land before that read of the old value."""
     import writeback_passes.early_write_back as early
 
     monkeypatch.setattr(early, "_BECOMES_VIEW", frozenset())
@@ -29,4 +33,9 @@ def test_fuzzer_catches_early_write_back_that_ignores_readers_through_views(
     (failure,) = report.failures
     assert failure.kind == "mismatch", failure.message
     assert "right without writeback's passes: a writeback bug" in failure.message
-    assert "view(" in failure.message, "the reproducer reads the state through a view"
+    assert failure.source is not None and ".view(-1)" in failure.source
+    # With the real rule back, the same reproducer passes: the broken rule was the cause.
+    monkeypatch.undo()
+    registry = load_registry(entry_points=False,
+                             plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS])
+    check_source(failure.source, [StockTarget()], registry)

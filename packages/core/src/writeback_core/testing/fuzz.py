@@ -58,9 +58,10 @@ class FuzzConfig:
 class FuzzFailure:
     """One failing (shrunk) program: which target, and the full message with the reproducer."""
 
-    kind: str  # "mismatch", "lowering" or "error"
+    kind: str  # "mismatch", "contract", "lowering" or "error"
     target: str | None
     message: str
+    source: str | None = None  # the reproducer, when the failure carries one
 
 
 @dataclass
@@ -173,7 +174,7 @@ def _run_share(
     try:
         fuzz_one()
     except ProgramMismatch as error:
-        report.failures.append(FuzzFailure("mismatch", error.target, str(error)))
+        report.failures.append(FuzzFailure("mismatch", error.target, str(error), error.source))
     except ContractViolation as error:
         report.failures.append(FuzzFailure("contract", None, str(error)))
     except LoweringError as error:

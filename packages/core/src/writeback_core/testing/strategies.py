@@ -88,6 +88,12 @@ class _Scope:
     has_x: bool
     has_pos: bool
     temps: list[_Temp] = field(default_factory=list)
+    no_write: set[str] = field(default_factory=set)  # states only the hazard block writes
+    keep: list[str] = field(default_factory=list)  # temps that must be outputs (else dead)
+
+    def writable(self) -> list[State]:
+        return sorted((s for s in self.states.values() if s.name not in self.no_write),
+                      key=lambda s: s.name)
 
     def new_temp(self, shape: tuple[int, ...], dtype: DType, view_of: str | None) -> str:
         name = f"t{len(self.temps)}"
@@ -145,7 +151,7 @@ def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
 
 @st.composite
 def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
-    state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
+    state = draw(st.sampled_from(scope.writable()))
     how = draw(st.sampled_from(tuple(forms)))
     shape, rank = state.shape, len(state.shape)
     dim = draw(st.integers(0, rank - 1))
@@ -238,12 +244,15 @@ def _read(
 
 @st.composite
 def _statement(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Statement:
-    choices = ["write", "write", "write", "read", "read", "compute"]
-    if "index_copy" in forms:
+    choices = ["read", "read", "compute"]
+    if scope.writable():
+        choices += ["write", "write", "write"]
+    if "index_copy" in forms and scope.writable():
         choices.append("derive")
     if scope.temps:
         choices.append("combine")
-    floats = [t for t in scope.temps if t.dtype == "float32" and t.shape]
+    floats = [t for t in scope.temps if t.dtype == "float32" and t.shape
+              and t.view_of not in scope.no_write]
     if floats:
         choices.append("temp_write")
     choice = draw(st.sampled_from(choices))
@@ -280,13 +289,14 @@ def _early_value_block(draw: st.DrawFn, scope: _Scope) -> list[Statement]:
     on purpose because random statements rarely line these four up.
     """
     state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
-    early = Compute(scope.new_temp(state.shape, "float32", None),
-                    draw(_source(scope, state.shape)))
-    view = draw(_read(scope, state=state, hows=("view", "transpose", "slice", "select")))
+    source = draw(_source(scope, state.shape))
+    early = Compute(scope.new_temp(state.shape, "float32", None), source)
+    view = draw(_read(scope, state=state, hows=("view", "view", "transpose", "slice", "select")))
     first, second = (early, view) if draw(st.booleans()) else (view, early)
     reader = Combine(scope.new_temp(_shape_of(scope, view.result), "float32", None),
                      view.result, early.result)
     write = Write(state.name, "copy", Source("whole", state.shape, ref=early.result))
+    scope.keep.append(reader.result)  # an unused read is dead code: no hazard left
     return [first, second, reader, write]
 
 
@@ -335,7 +345,13 @@ def programs(
     scope = _Scope(states, has_x, has_pos)
     first_state = next(iter(states.values()))
     count = draw(st.integers(1, max_statements))
-    statements: list[Statement] = [draw(_write(scope, writes))]
+    if "copy" in writes and draw(st.integers(0, 3)) == 0:
+        # The hazard block first, on a state nothing else writes: its write is then the
+        # state's final value and its view read a read of the old one.
+        statements: list[Statement] = draw(_early_value_block(scope))
+        scope.no_write.add(statements[-1].state)  # type: ignore[union-attr]
+    else:
+        statements = [draw(_write(scope, writes))]
     for _ in range(count - 1):
         statements.append(draw(_statement(scope, writes)))
     first = statements[0]
@@ -343,18 +359,16 @@ def programs(
         # The first write was drawn before any temp existed, so it uses none and may move
         # anywhere: reads then come before and after it.
         statements.insert(draw(st.integers(0, len(statements) - 1)), statements.pop(0))
-    if "copy" in writes and draw(st.integers(0, 3)) == 0:
-        statements += draw(_early_value_block(scope))
     names = [t.name for t in scope.temps] + (list(states) if state_outputs else [])
     if not names:
         statements.append(Read(scope.new_temp(first_state.shape, "float32",
                                               None), first_state.name, "clone"))
         names = [scope.temps[-1].name]
-    outputs = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))
+    outputs = scope.keep + draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))
     return ProgramSpec(
         states=tuple(states.values()),
         statements=tuple(statements),
-        outputs=tuple(outputs),
+        outputs=tuple(outputs[:3]),
         has_x=has_x,
         has_pos=has_pos,
         temps=tuple((t.name, t.shape) for t in scope.temps),
