@@ -1,1 +1,73 @@
-"""Differential fuzzing and the backend contract suite (needs ``writeback-core[testing]``)."""
+"""Differential fuzzing of stateful programs and the backend contract suite.
+
+Needs the ``testing`` extra (``writeback-core[testing]``: hypothesis, pytest).
+Names are imported lazily, so ``writeback_core.testing.cli`` (which the
+``writeback`` CLI loads) costs nothing until ``writeback fuzz`` runs.
+
+- ``program``: :class:`ProgramSpec` (state, statements, outputs), rendered to
+  Python source by :func:`render_source` and built by :func:`build`.
+- ``strategies``: :func:`programs`, the hypothesis strategy.
+- ``oracle``: :func:`check_program` (eager against every :class:`Target`),
+  :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
+- ``contract``: :func:`check_backend_contract`, :func:`zoo_cases`,
+  :func:`backend_names`.
+- ``fuzz``: :func:`run_fuzz` with a :class:`FuzzConfig` (``writeback fuzz``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "Built",
+    "ContractViolation",
+    "FuzzConfig",
+    "FuzzReport",
+    "ProgramMismatch",
+    "ProgramSpec",
+    "RuntimeTarget",
+    "StockTarget",
+    "Target",
+    "backend_names",
+    "build",
+    "check_backend_contract",
+    "check_program",
+    "check_source",
+    "programs",
+    "registry_runtime",
+    "render_source",
+    "run_fuzz",
+    "runtime_targets",
+    "zoo_cases",
+]
+
+_HOME = {
+    "Built": "program",
+    "ProgramSpec": "program",
+    "build": "program",
+    "render_source": "program",
+    "programs": "strategies",
+    "ProgramMismatch": "oracle",
+    "RuntimeTarget": "oracle",
+    "StockTarget": "oracle",
+    "Target": "oracle",
+    "check_program": "oracle",
+    "check_source": "oracle",
+    "registry_runtime": "oracle",
+    "runtime_targets": "oracle",
+    "ContractViolation": "contract",
+    "backend_names": "contract",
+    "check_backend_contract": "contract",
+    "zoo_cases": "contract",
+    "FuzzConfig": "fuzz",
+    "FuzzReport": "fuzz",
+    "run_fuzz": "fuzz",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'writeback_core.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"writeback_core.testing.{home}"), name)
