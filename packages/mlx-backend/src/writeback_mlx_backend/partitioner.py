@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ from executorch.exir.backend.partitioner import (
 )
 from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core import PartitionView, find_mutations
@@ -81,6 +83,7 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
             )
         if self.own_buffers:
             tag_mutated_buffer(exported_program)
+            _keep_returned_buffers_outside(exported_program)
         tag_constant_data(exported_program)
         self._annotate(exported_program, views)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
@@ -96,6 +99,25 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
                 self.decisions += self.registry.annotate_in_place(
                     graph, BACKEND_NAME, view, touched
                 )
+
+
+def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
+    """Untag a mutated buffer whose new value the program also returns.
+
+    exir cannot hand such a buffer to a delegate (its mutation output would also
+    be a user output), so it stays a program buffer that the delegate reads and
+    whose new value it returns.
+    """
+    sig = program.graph_signature
+    names = Counter(s.arg.name for s in sig.output_specs if hasattr(s.arg, "name"))
+    returned = {
+        s.target
+        for s in sig.output_specs
+        if s.kind is OutputKind.BUFFER_MUTATION and names[s.arg.name] > 1
+    }
+    for node in program.graph_module.graph.nodes:
+        if node.op == "placeholder" and sig.inputs_to_buffers.get(node.name) in returned:
+            node.meta.pop("delegation_tag", None)
 
 
 def partitioner_factory(registry: Registry, **options: Any) -> MLXPartitioner:
