@@ -17,6 +17,7 @@ BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
     states=(State("s0", "buffer", (1,)),),  # initial contents: [-1.0]
     statements=(Write("s0", "copy", Source("x", (1,), -1.0, offset=9)),),
     outputs=("s0", "s0"),
+    offset_initial=False,
 )
 
 
