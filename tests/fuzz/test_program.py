@@ -83,8 +83,13 @@ def test_functional_index_copy_leaves_its_state_unchanged_eagerly() -> None:
           suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_generated_programs_run_eagerly_three_times(spec: ProgramSpec) -> None:
-    """Every drawn program is valid eager PyTorch (the generator's own contract)."""
-    observed = eager_run(build(spec), calls=3)
+    """Every drawn program is valid eager PyTorch, but for one refusal the oracle rejects
+    (``InvalidProgram``): an in-place write whose source overlaps its destination."""
+    try:
+        observed = eager_run(build(spec), calls=3)
+    except RuntimeError as error:
+        assert "refer to a single memory location" in str(error), str(error)
+        return
     assert len(observed) == 3
     assert all(len(o.outputs) == len(spec.outputs) for o in observed)
 
