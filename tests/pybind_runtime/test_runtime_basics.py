@@ -120,3 +120,30 @@ def test_dtypes_and_zero_dim_outputs_match_eager(
     assert [g.dtype for g in got] == [w.dtype for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+class _ReadBeforeWrite(torch.nn.Module):
+    """A running sum read before it is written: exir serializes only its shape and dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = self.total * 1.0
+        self.total.add_(x)
+        return before
+
+
+def test_planned_mutable_buffer_starts_at_zero_like_stock(lower: Lower, runtime: Runtime) -> None:
+    from executorch.runtime import Runtime as StockRuntime
+
+    pte = lower(_ReadBeforeWrite(), (torch.ones(4),))
+    ours = runtime.load_program(pte).load_method("forward")
+    stock = StockRuntime.get().load_program(pte).load_method("forward")
+    eager = _ReadBeforeWrite()
+    for step in range(3):
+        x = torch.full((4,), float(step + 1))
+        expected = eager(x)
+        torch.testing.assert_close(ours.execute([x])[0], expected)
+        torch.testing.assert_close(stock.execute([x])[0], expected)

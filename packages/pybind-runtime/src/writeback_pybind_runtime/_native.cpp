@@ -216,12 +216,14 @@ struct Block {
   explicit Block(size_t n) : nbytes(n) {
     // 64-byte alignment: ExecuTorch kernels and delegates may vectorize.
     size_t padded = ((std::max<size_t>(n, 1) + 63) / 64) * 64;
-    // Not zeroed: every byte is written before it is read, and touching all
-    // pages of a large arena up front would cost as much as a copy.
     data = std::aligned_alloc(64, padded);
     if (data == nullptr) {
       throw std::bad_alloc();
     }
+    // Zeroed once at load, as the stock bindings' arenas are: a mutated buffer
+    // that exir serialized without its initial value (only shape and dtype)
+    // starts at zeros, which is what programs read before their first write.
+    std::memset(data, 0, padded);
   }
   ~Block() { std::free(data); }
   Block(const Block&) = delete;
