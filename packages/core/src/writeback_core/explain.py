@@ -13,7 +13,7 @@ from writeback_core._ops import packet_name
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.zoo import ModelCase
 
-__all__ = ["ExplainRow", "export_case", "explain_rows", "write_back_positions"]
+__all__ = ["ExplainRow", "explain_rows", "export_case", "write_back_positions"]
 
 
 @dataclass
