@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from writeback_core.registry import Registry
 from writeback_core.testing.oracle import Lowered, check_program, registry_runtime, runtime_targets
 from writeback_core.testing.program import ProgramSpec, Source, State, Write, build
@@ -13,6 +12,7 @@ from writeback_core.testing.program import ProgramSpec, Source, State, Write, bu
 # did not plan it; the emitter then stored it as constant data, deduplicated with a lifted
 # constant of the same bytes (the -1.0 the program multiplies by), and every write to the
 # buffer overwrote that constant. packages/passes/src/writeback_passes/early_write_back.py.
+# Fixed: only user-input placeholders are returned in place of their write-back.
 BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
     states=(State("s0", "buffer", (1,)),),  # initial contents: [-1.0]
     statements=(Write("s0", "copy", Source("x", (1,), -1.0, offset=9)),),
@@ -21,12 +21,6 @@ BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
 )
 
 
-# Still open in writeback-passes when this was written; strict, so the fix turns it red here
-# and the marker goes.
-OPEN_IN_PASSES = pytest.mark.xfail(
-    strict=True, reason="early write-back unplans the mutated buffer under unplanned outputs"
-)
-
 
 def _buffer_planned(lowered: Lowered, planned: bool) -> bool:
     graph = lowered.program(planned).exported_program().graph
@@ -34,14 +28,12 @@ def _buffer_planned(lowered: Lowered, planned: bool) -> bool:
     return getattr(placeholder.meta.get("spec"), "mem_id", None) is not None
 
 
-@OPEN_IN_PASSES
 def test_unplanned_outputs_keep_mutated_buffer_planned(fuzz_registry: Registry) -> None:
     lowered = Lowered(build(BUFFER_EQUAL_TO_A_CONSTANT), fuzz_registry)
     assert _buffer_planned(lowered, planned=True)
     assert _buffer_planned(lowered, planned=False), "the mutable buffer lost its planned slot"
 
 
-@OPEN_IN_PASSES
 def test_buffer_whose_bytes_equal_a_constant_is_not_merged_with_it(
     fuzz_registry: Registry,
 ) -> None:

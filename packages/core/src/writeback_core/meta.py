@@ -32,6 +32,11 @@ NO_ALIAS = "writeback.no_alias"
 # Written by trt-copyback classification; read by its cross-check and explain.
 COPY_BACK_CLASS = "writeback.copy_back_class"
 
+# On a placeholder: True when it is a user input (caller memory), not a buffer.
+# Written by writeback_passes.to_executorch from the signature (exir's passes
+# see only a GraphModule); read by early write-back's output renaming.
+USER_INPUT = "writeback.user_input"
+
 # exir's reinplace pass marks a node whose output must share its allocation
 # with ``node.args[idx]``; it is an alias edge that no schema shows.
 EXIR_SHARE_ALLOC = "_share_alloc_with_arg_idx"

@@ -9,14 +9,14 @@ allows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
-from writeback_core import AliasAnalysis
+from writeback_core import AliasAnalysis, meta
 
 __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
 
@@ -268,6 +268,20 @@ def _state_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
     return current if current is not None and current.op == "placeholder" else None
 
 
+def _user_input_test(graph: torch.fx.Graph, program: object) -> Callable[[torch.fx.Node], bool]:
+    """Tell user-input placeholders from buffers: from the signature of an
+    ``ExportedProgram``, else from the mark ``writeback_passes.to_executorch`` puts on
+    them; a bare ``GraphModule`` with no mark falls back on ``torch.export``'s
+    naming (lifted buffers are ``b_*``, parameters ``p_*``, constants ``c_*``)."""
+    if isinstance(program, ExportedProgram):
+        names = set(program.graph_signature.user_inputs)
+        return lambda node: node.name in names
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if any(meta.get_custom(n, meta.USER_INPUT) is not None for n in placeholders):
+        return lambda node: meta.get_custom(node, meta.USER_INPUT) is True
+    return lambda node: not node.name.startswith(("b_", "p_", "c_", "_lifted_tensor_constant"))
+
+
 def _name_states_at_output(graph: torch.fx.Graph, program: object) -> bool:
     """Make the output return each state placeholder instead of the in-place op that wrote it.
 
@@ -278,16 +292,21 @@ def _name_states_at_output(graph: torch.fx.Graph, program: object) -> bool:
     later temporaries before the caller reads it (stock placement hides this
     for ``copy_`` by putting it last, but not for a reinplaced op). Returning
     the placeholder keeps the slot alive to the end. The emitted program is
-    the same (an in-place op's value is its first argument's); a mutable
-    buffer's slot lives for the whole method anyway, and exir drops buffer
-    outputs before emitting. An ``ExportedProgram``'s signature is renamed to
-    match. Returns whether anything changed.
+    the same (an in-place op's value is its first argument's). Only user
+    inputs are renamed: a mutable buffer's slot lives for the whole method
+    anyway, and a buffer placeholder returned by the output would, with
+    unplanned outputs (``alloc_graph_output=False``), lose its planned slot and
+    be emitted as constant data (merged with any constant of equal bytes, so
+    every write corrupts that constant; found by the fuzzer). An
+    ``ExportedProgram``'s signature is renamed to match. Returns whether
+    anything changed.
     """
     output = graph.output_node()
     renamed: dict[str, str] = {}
+    is_user_input = _user_input_test(graph, program)
     for node in list(output.all_input_nodes):
         placeholder = _state_placeholder(node)
-        if placeholder is not None and placeholder is not node:
+        if placeholder is not None and placeholder is not node and is_user_input(placeholder):
             output.replace_input_with(node, placeholder)
             renamed[node.name] = placeholder.name
     if renamed and isinstance(program, ExportedProgram):

@@ -81,6 +81,19 @@ def _run_edge_passes(edge_manager: EdgeProgramManager, passes: Sequence[ProgramP
                 )
 
 
+def _mark_user_inputs(edge_manager: EdgeProgramManager) -> None:
+    """Record on each user-input placeholder that it is one: passes inside exir see
+    only a ``GraphModule``, without the signature that tells inputs from buffers."""
+    from writeback_core import meta
+
+    for method in edge_manager.methods:
+        program = edge_manager.exported_program(method)
+        user_inputs = set(program.graph_signature.user_inputs)
+        for node in program.graph_module.graph.nodes:
+            if node.op == "placeholder" and node.name in user_inputs:
+                meta.set_custom(node, meta.USER_INPUT, True)
+
+
 def to_executorch(
     edge_manager: EdgeProgramManager,
     config: ExecutorchBackendConfig | None = None,
@@ -104,6 +117,7 @@ def to_executorch(
     registry = registry if registry is not None else load_registry()
     config = config if config is not None else ExecutorchBackendConfig()
     _run_edge_passes(edge_manager, registry.program_passes("edge"))
+    _mark_user_inputs(edge_manager)
     added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning")]
     extended = dataclasses.replace(config, passes=[*config.passes, *added])
     return edge_manager.to_executorch(extended)
