@@ -331,3 +331,43 @@ def test_dropped_write_back_reserves_no_memory_for_the_unused_delegate_output() 
     assert sum(stock.metadata.memory_planned_buffers) >= 2 * mib
     # Dropped: the planned input cache only (plus a few small tensors).
     assert sum(dropped.metadata.memory_planned_buffers) < mib + 64 * 1024
+
+
+
+class ViewReadAfterWrite(torch.nn.Module):
+    """A view of the cache taken before the write, read after it: like eager, it sees the write."""
+
+    def forward(self, cache: torch.Tensor, idx: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        rows = cache[1:3]
+        cache.index_copy_(0, idx, update)
+        return rows * 1.0 + cache.sum()
+
+
+def _shared_cache_case(module: torch.nn.Module) -> None:
+    from writeback_mlx_backend import empty
+
+    start = torch.arange(8.0).reshape(4, 2)
+    idx, update = torch.tensor([2]), torch.full((1, 2), 100.0)
+    lowered = lower_mlx(module, (start.clone(), idx, update), planned_inputs=False)
+    assert lowered.write_backs() == []
+    cache = empty((4, 2))
+    cache.copy_(start)
+    outs = lowered.method().execute([cache, idx, update])
+    expected, after = _eager(module, start, idx, update)
+    torch.testing.assert_close(list(outs[-len(expected):]), expected)
+    torch.testing.assert_close(cache, after[0])  # row 2 is [100, 100]
+    assert 4 * 2 * 4 not in lowered.delegate().copied_input_bytes
+
+
+@pytest.mark.parametrize("module", [SnapshotBeforeMutation(), ReadBeforeIndexCopy()], ids=["clone", "read"])
+def test_old_value_of_a_shared_cache_read_after_its_in_place_write_is_snapshotted(
+    module: torch.nn.Module,
+) -> None:
+    """The snapshot hazard where it bites: the cache is the MLX array itself (allocator-made),
+    so a lazy value over it evaluated after the write would see the new rows."""
+    _shared_cache_case(module)
+
+
+def test_view_of_a_shared_cache_taken_before_its_write_sees_the_write_like_eager() -> None:
+    """The other side: a view is not a snapshot; eager's view shows row 2 as [100, 100]."""
+    _shared_cache_case(ViewReadAfterWrite())

@@ -105,6 +105,10 @@ CASES: dict[str, Case] = {
     "sdpa": _op(_sdpa, lambda g: tuple(torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))),
     "to_dtype": _op(lambda a: (a * 10).to(torch.int32).to(torch.float32), _rand(3, 4)),
     "arange_full": _op(lambda a: a + torch.arange(4) + torch.full((4,), 2.0), _rand(4)),
+    "index_select": _op(
+        lambda a, i: a.index_select(1, i) * 1.0,
+        lambda g: (torch.randn(2, 5, 3, generator=g), torch.tensor([4, 0, 4])),
+    ),
     "index_copy": _op(
         lambda a, i, s: a.index_copy(1, i, s) * 1.0,
         lambda g: (torch.randn(2, 5, generator=g), torch.tensor([4, 0]), torch.randn(2, 2, generator=g)),
@@ -138,3 +142,18 @@ def test_op_matches_eager(name: str) -> None:
         expected = module(*args)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(out.float().abs().sum()))
+
+
+def test_index_select_out_of_range_raises_naming_the_index_and_returns_nothing() -> None:
+    """MLX's take would read past the end silently; ATen raises, so the delegate does too."""
+    from writeback_pybind_runtime import DelegateError
+
+    module = Op(lambda a, i: a.index_select(0, i) * 1.0)
+    args = (torch.randn(4, 3), torch.tensor([1, 2]))
+    method = lower_mlx(module, args).method()
+    with pytest.raises(DelegateError, match=r"index_select: index 4 at position 1 is out of range for dimension 0 "
+                                            r"of size 4"):
+        method.execute([args[0], torch.tensor([0, 4])])
+    # The method still works after the refused call.
+    (out,) = method.execute(list(args))
+    torch.testing.assert_close(out, args[0][[1, 2]])

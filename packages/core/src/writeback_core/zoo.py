@@ -29,7 +29,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes of the tiny decoder. Each layer's K and V cache is ``[1, heads, max_seq, head_dim]``."""
+    """Sizes of the tiny decoder. Each layer's K and V cache is ``[1, heads, max_seq, head_dim]``.
+
+    ``window``: ``None`` attends over every cache slot (masked past the current
+    position); an int attends over the last ``window`` positions only (sliding
+    window attention, gathered from the cache by index), so a step's arithmetic
+    does not grow with ``max_seq``.
+    """
 
     vocab: int = 64
     dim: int = 32
@@ -37,6 +43,11 @@ class DecoderConfig:
     max_seq: int = 16
     layers: int = 1
     hidden: int = 64
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and not 1 <= self.window <= self.max_seq:
+            raise ValueError(f"window {self.window} must be between 1 and max_seq {self.max_seq}")
 
     @property
     def head_dim(self) -> int:
@@ -47,11 +58,15 @@ class DecoderConfig:
         return (1, self.heads, self.max_seq, self.head_dim)
 
     @classmethod
-    def for_cache_bytes(cls, nbytes: int, heads: int = 8, head_dim: int = 64) -> DecoderConfig:
-        """A one-layer config whose K and V caches (fp32) hold ``nbytes`` together."""
+    def for_cache_bytes(cls, nbytes: int, heads: int = 8, head_dim: int = 64,
+                        window: int | None = None) -> DecoderConfig:
+        """A one-layer config whose K and V caches (fp32) hold ``nbytes`` together.
+
+        ``window`` is clipped to the cache's length.
+        """
         max_seq = max(8, nbytes // (2 * heads * head_dim * 4))
         return cls(vocab=64, dim=heads * head_dim, heads=heads, max_seq=max_seq, layers=1,
-                   hidden=2 * heads * head_dim)
+                   hidden=2 * heads * head_dim, window=None if window is None else min(window, max_seq))
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -98,11 +113,24 @@ class Attention(nn.Module):
         v = self.wv(x).view(1, seq, cfg.heads, cfg.head_dim).transpose(1, 2)
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
-        positions = torch.arange(cfg.max_seq).view(1, cfg.max_seq)
-        visible = positions <= input_pos.view(seq, 1)
+        query_pos = input_pos.view(seq, 1)
+        if cfg.window is None:
+            keys, values = k_cache, v_cache
+            positions = torch.arange(cfg.max_seq).view(1, cfg.max_seq)
+            visible = positions <= query_pos
+        else:
+            # Every query's last ``window`` positions, gathered by index (``window``
+            # slots when decoding one token): slots before position 0 are clamped
+            # to 0 and masked out, like each query's positions outside its window.
+            span = cfg.window + seq - 1
+            positions = input_pos[-1] - (span - 1) + torch.arange(span)
+            slots = positions.clamp(min=0)
+            keys, values = k_cache.index_select(2, slots), v_cache.index_select(2, slots)
+            positions = positions.view(1, span)
+            visible = (positions >= 0) & (positions <= query_pos) & (positions > query_pos - cfg.window)
         mask = torch.where(visible, 0.0, float("-inf"))
-        scores = q @ k_cache.transpose(2, 3) / math.sqrt(cfg.head_dim) + mask
-        out = torch.softmax(scores, dim=-1) @ v_cache
+        scores = q @ keys.transpose(2, 3) / math.sqrt(cfg.head_dim) + mask
+        out = torch.softmax(scores, dim=-1) @ values
         return self.wo(out.transpose(1, 2).reshape(1, seq, cfg.dim))
 
 

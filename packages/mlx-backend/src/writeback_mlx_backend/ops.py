@@ -125,6 +125,22 @@ def _rank(node: Any) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
+def _index_select_check(node: torch.fx.Node) -> str | None:
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    if _rank(node.args[0]) == 0:
+        return "0-d source (left to portable kernels)"
+    index = node.args[2]
+    if not isinstance(index, torch.fx.Node) or _rank(index) != 1:
+        return "index is not a 1-D tensor (a 0-d index is left to portable kernels)"
+    if index.meta["val"].dtype not in _INDEX_DTYPES:
+        return "index dtype is not int64/int32"
+    if not isinstance(node.args[1], int):
+        return "dim is not a literal int"
+    return None
+
+
 def _index_copy_check(node: torch.fx.Node) -> str | None:
     reason = _tensor_check(node)
     if reason:
@@ -212,6 +228,9 @@ def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
     dim = _dim(dim, dest.ndim)
     size = dest.shape[dim]
     idx = _to_np_index(index).reshape(-1)
+    if idx.size == 1:  # a decode step's one slot: a scalar check, no array temporaries
+        if 0 <= int(idx[0]) < size:
+            return (*_prefix(dim), idx)
     bad = np.flatnonzero((idx < 0) | (idx >= size))
     if bad.size:
         first = int(bad[0])
@@ -359,6 +378,22 @@ def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
 
 def _slice(x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1) -> Any:
     return x[_slice_key(x.ndim, 0, dim, start, end, step)]
+
+
+def _index_select(x: Any, dim: int, index: Any) -> Any:
+    # MLX's take reads out of range silently; ATen raises. Evaluating the index
+    # here costs one small evaluation, and a bad index never yields a value.
+    dim = _dim(dim, x.ndim)
+    size = x.shape[dim]
+    idx = _to_np_index(index).reshape(-1)
+    bad = np.flatnonzero((idx < 0) | (idx >= size))
+    if bad.size:
+        first = int(bad[0])
+        raise IndexError(
+            f"index_select: index {int(idx[first])} at position {first} is out of range for "
+            f"dimension {dim} of size {size}; pass indices in [0, size)."
+        )
+    return mx.take(x, mx.array(idx), axis=dim)
 
 
 def _select(x: Any, dim: int, index: int) -> Any:
@@ -563,6 +598,7 @@ OPS: dict[str, OpHandler] = {
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
+    "aten.index_select.default": OpHandler(_index_select_check, _index_select),
     "aten.index_copy.default": OpHandler(
         _index_copy_check, _index_copy_run, _index_copy_region, _index_copy_validate
     ),

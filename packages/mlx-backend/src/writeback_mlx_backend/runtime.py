@@ -73,6 +73,10 @@ class _Handle:
     candidates: list[InPlaceCandidate]
     # Candidates the program requires in place (its write-back was dropped).
     forced: list[InPlaceCandidate]
+    # For each candidate's node: the values defined before it and read after it
+    # that may read or share the destination's memory (they depend on the
+    # destination input or on a write into it). Only these can see the write.
+    watch: dict[str, list[str]]
 
 
 def _decode(value: Any) -> Any:
@@ -160,9 +164,13 @@ def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate],
     an earlier one done in the caller's memory. Indices computed inside the
     program are checked when their write is reached (still before it writes).
     """
+    first = True
     for step in handle.steps:
-        if step.name in active and step.handler.validate is not None:
-            step.handler.validate(*_resolve_known(step.args, env))
+        if step.name in active:
+            # The first write checks its own indices before writing, with nothing written yet.
+            if not first and step.handler.validate is not None:
+                step.handler.validate(*_resolve_known(step.args, env))
+            first = False
 
 
 def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
@@ -190,6 +198,53 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
             )
         forced.append(match[0])
     return forced
+
+
+def _memory_plan(
+    program: DelegateProgram, steps: Sequence[_Step], last_use: Mapping[str, int]
+) -> dict[str, list[str]]:
+    """For each in-place candidate, the values an in-place write by it may change, decided once.
+
+    An MLX value can share or read a user input's memory only if it depends on
+    that input, directly or through a write into it done in place (whose value
+    *is* the input's memory). Anything else lives in MLX memory of its own, so
+    an in-place write cannot change it. Conservative: every dependency counts,
+    views or not.
+    """
+    by_node = {c.node: c.input for c in program.in_place}
+    reaches: dict[str, frozenset[int]] = {name: frozenset({i}) for i, name in enumerate(program.inputs)}
+    defined_at: dict[str, int] = {name: -1 for name in program.inputs}
+    for position, step in enumerate(steps):
+        found: set[int] = set()
+        for name in _refs((step.args, step.kwargs)):
+            found |= reaches.get(name, frozenset())
+        if step.name in by_node:
+            found.add(by_node[step.name])
+        reaches[step.name] = frozenset(found)
+        defined_at[step.name] = position
+    watch: dict[str, list[str]] = {}
+    for candidate in program.in_place:
+        position = defined_at[candidate.node]
+        watch[candidate.node] = [
+            name for name, at in defined_at.items()
+            if at < position and last_use.get(name, -1) > position and candidate.input in reaches[name]
+        ]
+    return watch
+
+
+def _tensor_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``_span`` of a tensor, quick for the contiguous case."""
+    if tensor.is_contiguous():
+        if tensor.numel() == 0:
+            return None
+        start = tensor.data_ptr()
+        return start, start + tensor.numel() * tensor.element_size()
+    return _span(tensor)
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Two tensors over the same bytes."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensor_span(a) == _tensor_span(b)
 
 
 class MLXDelegate:
@@ -231,8 +286,9 @@ class MLXDelegate:
         constants = {k: mx.array(program.array(r)) for k, r in program.constants.items()}
         state = {k: mx.array(program.array(r)) for k, r in program.state.items()}
         mx.eval(*constants.values(), *state.values())
+        watch = _memory_plan(program, steps, last_use)
         return _Handle(program, steps, constants, state, outputs, last_use, dies_at,
-                       list(program.in_place), _forced(program, compile_specs))
+                       list(program.in_place), _forced(program, compile_specs), watch)
 
     def destroy(self, handle: _Handle) -> None:
         """Drop the handle's MLX arrays."""
@@ -257,12 +313,12 @@ class MLXDelegate:
             env[name], shared[index] = self._bind(value)
         active = {c.node: c for c in handle.forced}
         for c in handle.candidates:
-            if (
-                isinstance(outputs[c.output], torch.Tensor)
-                and isinstance(inputs[c.input], torch.Tensor)
-                and _span(outputs[c.output]) == _span(inputs[c.input])
-            ):
+            if c.node not in active and _same_memory(outputs[c.output], inputs[c.input]):
                 active[c.node] = c
+        # Two inputs over one MLX allocation (the caller passed the same cache twice)
+        # defeat the per-input dependency plan: then every live value is checked.
+        pointers = [inputs[i].data_ptr() for i, is_shared in shared.items() if is_shared]
+        exact = len(pointers) == len(set(pointers))
         _validate_first(handle, active, env)
         old_state = handle.state
         handle.state = {}
@@ -273,7 +329,7 @@ class MLXDelegate:
                 if step.name in active:
                     candidate = active[step.name]
                     written[candidate.output] = self._write_in_place(
-                        handle, step, position, env, candidate, inputs, shared
+                        handle, step, position, env, candidate, inputs, shared, exact
                     )
                 else:
                     kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
@@ -297,7 +353,16 @@ class MLXDelegate:
         # An output that is the array written in place already holds its value.
         done = {index for index, array in written.items() if results[index] is array}
         done |= {c.output for c in handle.forced}  # nothing reads these outputs
-        self._write_outputs(results, outputs, done)
+        # An MLX array is in runtime-visible memory only over a shared input; unless an
+        # output's destination overlaps one, no result can already be there or be
+        # clobbered by writing another output, and the overlap checks are skipped.
+        shared_spans = [_tensor_span(inputs[i]) for i, is_shared in shared.items() if is_shared]
+        maybe_shared = any(
+            _overlaps(_tensor_span(tensor), span)
+            for index, tensor in enumerate(outputs) if isinstance(tensor, torch.Tensor) and index not in done
+            for span in shared_spans
+        )
+        self._write_outputs(results, outputs, done, maybe_shared)
 
     def _bind(self, value: Any) -> tuple[Any, bool]:
         """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
@@ -318,26 +383,31 @@ class MLXDelegate:
         candidate: InPlaceCandidate,
         inputs: list[Any],
         shared: dict[int, bool],
+        exact: bool,
     ) -> Any:
         assert step.handler.region is not None
         args = _resolve(step.args, env)
-        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()} if step.kwargs else {}
         dest = args[0]
         region = step.handler.region(*args, **kwargs)
-        if region.values.dtype != np.asarray(dest).dtype:
-            region = Region(region.key, region.values.astype(np.asarray(dest).dtype),
-                            region.accumulate)
+        view = np.asarray(dest)
+        if region.values.dtype != view.dtype:
+            region = Region(region.key, region.values.astype(view.dtype), region.accumulate)
         # Values read after this write must see the old contents: evaluate them now,
         # and copy those that share the destination's memory (the snapshot hazard).
-        live = [n for n, v in env.items()
-                if isinstance(v, mx.array) and handle.last_use.get(n, -1) > position
+        # Only values depending on the destination can (see _memory_plan), unless two
+        # inputs share one allocation.
+        names = handle.watch[step.name] if exact else list(env)
+        live = [n for n in names
+                if isinstance(env.get(n), mx.array) and handle.last_use.get(n, -1) > position
                 and n not in handle.constants]
-        mx.eval(*[env[n] for n in live])
-        target = _span(dest)
-        for name in live:
-            if _overlaps(_span(env[name]), target):
-                env[name] = _snapshot(env[name])
-        _apply(np.asarray(dest), region)
+        if live:
+            mx.eval(*[env[n] for n in live])
+            target = _span(dest)
+            for name in live:
+                if _overlaps(_span(env[name]), target):
+                    env[name] = _snapshot(env[name])
+        _apply(view, region)
         if not shared[candidate.input]:
             # The MLX array is a private copy: the caller's memory gets the same region.
             _apply(inputs[candidate.input].numpy(), region)
@@ -349,22 +419,13 @@ class MLXDelegate:
         results: list[Any],
         outputs: list[Any],
         done: set[int],
+        maybe_shared: bool,
     ) -> None:
-        spans = [_span(t) if isinstance(t, torch.Tensor) else None for t in outputs]
-        pending = []
-        for index, (value, tensor) in enumerate(zip(results, outputs, strict=True)):
-            if not isinstance(tensor, torch.Tensor) or index in done:
-                continue
-            if isinstance(value, mx.array) and _span(value) == spans[index]:
-                continue  # already in the destination's memory
-            pending.append(index)
-        targets = [spans[i] for i in pending]
-        for index, value in enumerate(results):
-            if isinstance(value, mx.array) and any(
-                _overlaps(_span(value), t) for j, t in zip(pending, targets, strict=True)
-                if j != index
-            ):
-                results[index] = _snapshot(value)
+        if maybe_shared:
+            self._snapshot_overlapping(results, outputs, done)
+            pending = [i for i in range(len(outputs)) if i not in done]
+        else:
+            pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and i not in done]
         for index in pending:
             value = results[index]
             tensor = outputs[index]
@@ -377,3 +438,24 @@ class MLXDelegate:
                     )
                 source = source.reshape(tuple(tensor.shape))
             np.copyto(tensor.numpy(), source, casting="unsafe")
+
+    @staticmethod
+    def _snapshot_overlapping(results: list[Any], outputs: list[Any], done: set[int]) -> None:
+        """Mark outputs already in their destination as done; copy results another output would clobber."""
+        spans = [_span(t) if isinstance(t, torch.Tensor) else None for t in outputs]
+        pending = []
+        for index, (value, tensor) in enumerate(zip(results, outputs, strict=True)):
+            if not isinstance(tensor, torch.Tensor) or index in done:
+                done.add(index)
+                continue
+            if isinstance(value, mx.array) and _span(value) == spans[index]:
+                done.add(index)  # already in the destination's memory
+                continue
+            pending.append(index)
+        targets = [spans[i] for i in pending]
+        for index, value in enumerate(results):
+            if isinstance(value, mx.array) and any(
+                _overlaps(_span(value), t) for j, t in zip(pending, targets, strict=True)
+                if j != index
+            ):
+                results[index] = _snapshot(value)
