@@ -77,6 +77,9 @@ class OpHandler:
     # For write ops: ``validate(*args)`` raises on an index ATen rejects; it reads
     # only the destination's shape and the indices, and skips what is ``UNKNOWN``.
     validate: Callable[..., None] | None = None
+    # ``run`` returns its first argument itself (clone and alias ops on immutable
+    # MLX arrays): the runtime may name that argument instead of running a step.
+    alias: bool = False
 
 
 def op_key(target: Any) -> str:
@@ -227,10 +230,13 @@ def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
     """The numpy key of ``index_copy(dest, dim, index)``; raises on an index ATen rejects."""
     dim = _dim(dim, dest.ndim)
     size = dest.shape[dim]
+    if getattr(index, "size", None) == 1:
+        # A decode step's one slot: a scalar check and a one-wide slice (numpy and MLX
+        # assign through a slice faster than through an index array).
+        slot = int(index.item())
+        if 0 <= slot < size:
+            return (*_prefix(dim), slice(slot, slot + 1))
     idx = _to_np_index(index).reshape(-1)
-    if idx.size == 1:  # a decode step's one slot: a scalar check, no array temporaries
-        if 0 <= int(idx[0]) < size:
-            return (*_prefix(dim), idx)
     bad = np.flatnonzero((idx < 0) | (idx >= size))
     if bad.size:
         first = int(bad[0])
@@ -245,7 +251,8 @@ def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
 def _index_copy_run(dest: Any, dim: int, index: Any, source: Any) -> Any:
     key = _index_copy_key(dest, dim, index)
     out = mx.array(dest)
-    out[(*key[:-1], mx.array(key[-1]))] = source
+    last = key[-1] if isinstance(key[-1], slice) else mx.array(key[-1])
+    out[(*key[:-1], last)] = source
     return out
 
 
@@ -589,12 +596,12 @@ OPS: dict[str, OpHandler] = {
     "aten.scalar_tensor.default": OpHandler(_ok, lambda value, **_: mx.array(value)),
     "aten.arange.start_step": OpHandler(_ok, _arange),
     "aten.arange.default": OpHandler(_ok, _arange),
-    "aten.clone.default": OpHandler(_ok, _identity),
+    "aten.clone.default": OpHandler(_ok, _identity, alias=True),
     "aten.copy.default": OpHandler(_ok, _copy),
-    "aten.alias_copy.default": OpHandler(_ok, _identity),
-    "aten.alias.default": OpHandler(_ok, _identity),
-    "aten.detach_copy.default": OpHandler(_ok, _identity),
-    "dim_order_ops._clone_dim_order.default": OpHandler(_ok, _identity),
+    "aten.alias_copy.default": OpHandler(_ok, _identity, alias=True),
+    "aten.alias.default": OpHandler(_ok, _identity, alias=True),
+    "aten.detach_copy.default": OpHandler(_ok, _identity, alias=True),
+    "dim_order_ops._clone_dim_order.default": OpHandler(_ok, _identity, alias=True),
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),

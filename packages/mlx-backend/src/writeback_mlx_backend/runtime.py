@@ -77,6 +77,8 @@ class _Handle:
     # that may read or share the destination's memory (they depend on the
     # destination input or on a write into it). Only these can see the write.
     watch: dict[str, list[str]]
+    # Which value each delegate-owned buffer becomes after a call (aliases folded).
+    state_updates: dict[str, str]
 
 
 def _decode(value: Any) -> Any:
@@ -200,6 +202,32 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
     return forced
 
 
+def _rename(value: Any, renames: Mapping[str, str]) -> Any:
+    if isinstance(value, _Ref):
+        return _Ref(renames.get(value.name, value.name))
+    if isinstance(value, list):
+        return [_rename(v, renames) for v in value]
+    if isinstance(value, dict):
+        return {k: _rename(v, renames) for k, v in value.items()}
+    return value
+
+
+def _fold_aliases(steps: Sequence[_Step]) -> tuple[list[_Step], dict[str, str]]:
+    """Drop the steps whose op returns its argument itself; later uses name that argument.
+
+    Every write keeps its own step. Returns the steps left and ``{alias: value}``.
+    """
+    renames: dict[str, str] = {}
+    kept = []
+    for step in steps:
+        args, kwargs = _rename(step.args, renames), _rename(step.kwargs, renames)
+        if step.handler.alias and args and isinstance(args[0], _Ref):
+            renames[step.name] = args[0].name
+            continue
+        kept.append(_Step(step.name, step.handler, args, kwargs, step.dtype))
+    return kept, renames
+
+
 def _memory_plan(
     program: DelegateProgram, steps: Sequence[_Step], last_use: Mapping[str, int]
 ) -> dict[str, list[str]]:
@@ -271,13 +299,15 @@ class MLXDelegate:
             dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
             steps.append(_Step(node["name"], handler, _decode(node["args"]),
                                _decode(node["kwargs"]), dtype))
-        outputs = _decode(program.outputs)
+        steps, renames = _fold_aliases(steps)
+        outputs = _rename(_decode(program.outputs), renames)
+        state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
             for name in _refs((step.args, step.kwargs)):
                 last_use[name] = position
-        for name in [*_refs(outputs), *program.state_updates.values()]:
+        for name in [*_refs(outputs), *state_updates.values()]:
             last_use[name] = end
         dies_at: list[list[str]] = [[] for _ in range(end + 1)]
         for name, position in last_use.items():
@@ -288,7 +318,7 @@ class MLXDelegate:
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
         return _Handle(program, steps, constants, state, outputs, last_use, dies_at,
-                       list(program.in_place), _forced(program, compile_specs), watch)
+                       list(program.in_place), _forced(program, compile_specs), watch, state_updates)
 
     def destroy(self, handle: _Handle) -> None:
         """Drop the handle's MLX arrays."""
@@ -340,7 +370,7 @@ class MLXDelegate:
                 for name in handle.dies_at[position]:
                     env.pop(name, None)
             results = [_resolve(o, env) for o in handle.outputs]
-            new_state = {k: env[v] for k, v in program.state_updates.items()}
+            new_state = {k: env[v] for k, v in handle.state_updates.items()}
             untouched = {k: v for k, v in old_state.items() if k not in new_state}
         except BaseException:
             handle.state = old_state
