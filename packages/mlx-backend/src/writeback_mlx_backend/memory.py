@@ -30,6 +30,8 @@ __all__ = ["empty", "lookup"]
 class _Allocation:
     array: Any
     nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 _LOCK = threading.Lock()
@@ -56,22 +58,19 @@ def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Ten
     tensor = torch.utils.dlpack.from_dlpack(array)
     pointer = tensor.data_ptr()
     with _LOCK:
-        _ALLOCATIONS[pointer] = _Allocation(array, tensor.numel() * tensor.element_size())
+        _ALLOCATIONS[pointer] = _Allocation(array, tensor.numel() * tensor.element_size(), tensor.shape, dtype)
     weakref.finalize(tensor, _forget, pointer)
     return tensor
 
 
 def lookup(tensor: torch.Tensor) -> Any | None:
     """The MLX array behind ``tensor`` if it covers a whole :func:`empty` allocation, else None."""
-    if not tensor.is_contiguous():
-        return None
     with _LOCK:
         found = _ALLOCATIONS.get(tensor.data_ptr())
-    if found is None or found.nbytes != tensor.numel() * tensor.element_size():
+    if found is None or tensor.dtype != found.dtype or not tensor.is_contiguous():
         return None
-    array = found.array
-    if array.dtype != MX_DTYPES.get(tensor.dtype):
+    if tensor.shape == found.shape:
+        return found.array  # the common case: the tensor empty() returned
+    if found.nbytes != tensor.numel() * tensor.element_size():
         return None
-    if tuple(array.shape) != tuple(tensor.shape):
-        array = array.reshape(tuple(tensor.shape))
-    return array
+    return found.array.reshape(tuple(tensor.shape))
