@@ -54,7 +54,8 @@ def test_owned_buffer_is_updated_by_donation_without_a_second_buffer() -> None:
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(torch.from_numpy(np.array(handle.state[state_name])),
                                    eager.cache)
-    assert delegate.copied_input_bytes == [8, width * 4] * 4
+    assert list(delegate.copied_input_bytes) == [8, width * 4] * 4
+    assert delegate.copied_input_bytes_total == (8 + width * 4) * 4
 
 
 def test_owned_buffer_is_unchanged_when_an_index_is_rejected() -> None:
@@ -110,3 +111,16 @@ def test_buffer_the_program_also_returns_stays_a_program_buffer_and_matches_eage
         with torch.no_grad():
             expected = eager(idx, x, base)
         torch.testing.assert_close(outputs[-1], expected)
+
+
+def test_copy_record_stays_bounded_over_a_long_decode_while_the_total_counts_every_copy() -> None:
+    """A long decode loop must not grow the delegate's memory: only the latest copies are kept."""
+    from writeback_mlx_backend.runtime import COPY_HISTORY
+
+    delegate = MLXDelegate()
+    handle = delegate.init(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))), {})
+    calls = COPY_HISTORY  # two copies (position 8 B, row 16 B) per call: twice the history
+    for step in range(calls):
+        delegate.execute(handle, [torch.tensor([step % 8]), torch.ones(1, 4), torch.empty(4)])
+    assert len(delegate.copied_input_bytes) == COPY_HISTORY
+    assert delegate.copied_input_bytes_total == calls * (8 + 16)

@@ -17,7 +17,7 @@ What this module guarantees:
 2. Every copy of whole state the program still performs per call is counted:
    the write-back ``copy_`` nodes left in the final program (static), and the
    bytes a delegate reports it copied to bind its inputs (dynamic, read from
-   the optional ``copied_input_bytes`` attribute of a runtime delegate).
+   the optional ``copied_input_bytes_total`` attribute of a runtime delegate).
 3. :meth:`Session.step` checks nothing; :func:`compare` compares one step with
    eager PyTorch, outputs and caller-owned state.
 """
@@ -237,9 +237,9 @@ class StepResult:
 def _delegate_copies(delegates: Mapping[str, RuntimeDelegate]) -> int:
     total = 0
     for delegate in delegates.values():
-        counter = getattr(delegate, "copied_input_bytes", None)
-        if isinstance(counter, list):
-            total += sum(counter)
+        counter = getattr(delegate, "copied_input_bytes_total", None)
+        if isinstance(counter, int):
+            total += counter
     return total
 
 

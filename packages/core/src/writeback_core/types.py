@@ -203,8 +203,8 @@ class RuntimeSpec:
     them) as ExecuTorch backends and loads the program in ``data`` (the
     ``.pte`` bytes). The pipeline passes the same delegate objects to every
     load of one session and reads, from any delegate that has one, the
-    optional attribute ``copied_input_bytes: list[int]`` (bytes the delegate
-    copied to bind an input, one entry per copy) to report copies it made.
+    optional attribute ``copied_input_bytes_total: int`` (bytes the delegate
+    has copied to bind inputs, over all calls) to report copies it made.
     """
 
     name: str

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 # when it drops a write-back: JSON ``[{"output": j, "input": i}]``; output j is
 # then unread and must be written into input i in place.
 IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+# How many of the latest input copies ``MLXDelegate.copied_input_bytes`` keeps.
+COPY_HISTORY = 64
 
 
 @dataclass(frozen=True)
@@ -281,9 +284,11 @@ class MLXDelegate:
     backend_id = BACKEND_ID
 
     def __init__(self) -> None:
-        # Bytes copied into MLX to bind each input that MLX did not own (one
-        # entry per copy), for tests, benchmarks and reports to read.
-        self.copied_input_bytes: list[int] = []
+        # Bytes copied into MLX to bind inputs that MLX did not own: the total over
+        # all calls (what ``writeback run`` reports) and the last few copies, one
+        # entry each (bounded: a long decode loop must not grow it), for tests.
+        self.copied_input_bytes_total = 0
+        self.copied_input_bytes: deque[int] = deque(maxlen=COPY_HISTORY)
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
@@ -401,7 +406,9 @@ class MLXDelegate:
         found = lookup(value)
         if found is not None:
             return found, True
-        self.copied_input_bytes.append(value.numel() * value.element_size())
+        nbytes = value.numel() * value.element_size()
+        self.copied_input_bytes_total += nbytes
+        self.copied_input_bytes.append(nbytes)
         return mx.array(value.detach().contiguous().numpy()), False
 
     def _write_in_place(
