@@ -24,17 +24,6 @@ EXAMPLE_PLUGINS = (
     "writeback_example_backend.plugin",
 )
 
-# Found by this suite: writeback-passes' reinplace_delegate_input_mutations drops the
-# write-back of an accepted mutation by pointing every use of the delegate's output at
-# the state placeholder; when the write-back was the delegate's only use, the delegate
-# call is left with no users and exir's dead-code elimination removes it, so the state
-# is never written (packages/passes/src/writeback_passes/reinplace_delegate.py).
-DELEGATE_DROPPED = pytest.mark.xfail(
-    strict=True,
-    reason="reinplace_delegate_input_mutations leaves the delegate unused; exir removes it",
-)
-
-
 def _registry(modules: tuple[str, ...]) -> Registry:
     return load_registry(entry_points=False,
                          plugins=[importlib.import_module(m) for m in modules])
@@ -45,15 +34,7 @@ def example_registry() -> Registry:
     return _registry(EXAMPLE_PLUGINS)
 
 
-def _zoo_params() -> list[object]:
-    params: list[object] = []
-    for case in zoo_cases():
-        marks = [DELEGATE_DROPPED] if case.name.startswith("decoder") else []
-        params.append(pytest.param(case, id=case.name, marks=marks))
-    return params
-
-
-@pytest.mark.parametrize("case", _zoo_params())
+@pytest.mark.parametrize("case", zoo_cases(), ids=lambda case: case.name)
 def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registry,
                                                        case: object) -> None:
     assert backend_names(example_registry) == ["example"]
@@ -61,7 +42,6 @@ def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registr
     assert report.targets == ["example-unplanned", "example-planned", "example-stock"]
 
 
-@DELEGATE_DROPPED
 @settings(max_examples=15, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(writes=("index_copy", "add", "slice"), max_buffers=1, max_inputs=1,
@@ -113,7 +93,7 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
         EarlyOnly(),
     ])
     spec = ProgramSpec(
-        states=(State("s0", "buffer", (4, 3)),),
+        states=(State("s0", "input", (4, 3)),),
         statements=(Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None),),
         outputs=("s0",),
     )
@@ -122,16 +102,8 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
 
 
 def _installed_params() -> list[object]:
-    params: list[object] = []
-    for backend in backend_names(load_registry()):
-        for case in zoo_cases():
-            # The example backend delegates only its index_copy: that delegate's sole
-            # use is the write-back, so it meets the open bug above. MLX delegates the
-            # whole model, whose other outputs keep the delegate alive.
-            broken = backend == "example" and case.name.startswith("decoder")
-            params.append(pytest.param(backend, case, id=f"{backend}-{case.name}",
-                                       marks=[DELEGATE_DROPPED] if broken else []))
-    return params
+    return [pytest.param(backend, case, id=f"{backend}-{case.name}")
+            for backend in backend_names(load_registry()) for case in zoo_cases()]
 
 
 @pytest.mark.parametrize(("backend", "case"), _installed_params())

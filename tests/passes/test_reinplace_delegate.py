@@ -169,3 +169,71 @@ def test_pass_is_registered_through_writeback_program_passes(stage: str) -> None
     assert names.index("reinplace_delegate_input_mutations") < names.index(
         "insert_write_back_early"
     )
+
+
+class OnlyStateWrites(torch.nn.Module):
+    """Two one-slot cache writes, each the only result of its own example-backend delegate:
+    ``kc`` a buffer, ``vc`` the caller's tensor. The output reads both before they are written,
+    so each call shows what the previous call wrote without reading a delegate result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kc", torch.zeros(4, 3))
+
+    def forward(self, pos: torch.Tensor, k: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        seen = self.kc * 1.0 + vc.sum()
+        self.kc.index_copy_(0, pos, k)
+        vc.index_copy_(0, pos, k * 2.0)
+        return seen
+
+
+def _example_registry() -> Any:
+    import writeback_example_backend.plugin as example_plugin
+    import writeback_passes.plugin as passes_plugin
+    import writeback_pybind_runtime.plugin as pybind_plugin
+
+    return load_registry(entry_points=False,
+                         plugins=[passes_plugin, pybind_plugin, example_plugin])
+
+
+def _lower_to_example(registry: Any, planned: bool) -> Any:
+    from executorch.exir.passes import MemoryPlanningPass
+    from writeback_example_backend.backend import ExamplePartitioner
+    from writeback_passes import to_executorch
+
+    args = (torch.tensor([0]), torch.ones(1, 3), torch.zeros(4, 3))
+    module = OnlyStateWrites().eval().requires_grad_(False)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, args, strict=False)
+        edge = to_edge_transform_and_lower(program, partitioner=[ExamplePartitioner(registry)])
+        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(
+            alloc_graph_input=planned, alloc_graph_output=planned))
+        return to_executorch(edge, config, registry=registry)
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+def test_delegate_whose_only_results_were_dropped_write_backs_still_runs(planned: bool) -> None:
+    """Hazard: dropping every accepted write-back of a delegate left its call with no users,
+    and exir's dead-code elimination deleted it, so the state was never written. The call
+    must survive to the .pte with zero write-back copies, and the real runtime must write the
+    caller's cache and the buffer as eager PyTorch does, call after call."""
+    from writeback_core.testing.oracle import registry_runtime
+
+    registry = _example_registry()
+    manager = _lower_to_example(registry, planned)
+    graph = manager.exported_program().graph
+    assert sum(1 for n in graph.nodes if n.target is executorch_call_delegate) == 2
+    assert _write_backs(manager) == set()
+
+    runtime = registry_runtime(registry)
+    assert runtime is not None
+    method = runtime.load_program(bytes(manager.buffer)).load_method("forward")
+    eager = OnlyStateWrites()
+    vc, eager_vc = torch.zeros(4, 3), torch.zeros(4, 3)
+    for step in range(4):
+        pos, k = torch.tensor([step]), torch.full((1, 3), step + 1.0)
+        got = method.execute([pos, k, vc])
+        want = eager(pos, k, eager_vc)
+        torch.testing.assert_close(vc, eager_vc)  # the caller's tensor, written in place
+        torch.testing.assert_close(got[-1], want)  # reads kc and vc as the last call left them

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from writeback_core import (
     BackendSpec,
     Mutation,
+    MutationKind,
     PartitionView,
     RuntimeDelegate,
     WriteKind,
@@ -37,6 +39,17 @@ def writeback_backends() -> Sequence[BackendSpec]:
     ]
 
 
+def _also_returned(graph: torch.fx.Graph, mutation: Mutation) -> bool:
+    """Whether the program returns the state's new value besides writing it back."""
+    outputs = graph.output_node().args[0]
+    if not isinstance(outputs, (list, tuple)):
+        return False
+    return any(
+        isinstance(out, torch.fx.Node) and out.name == mutation.value and i != mutation.output_index
+        for i, out in enumerate(outputs)
+    )
+
+
 @hookimpl
 def writeback_accepts_in_place(
     backend: str, partition: PartitionView, mutation: Mutation
@@ -44,9 +57,13 @@ def writeback_accepts_in_place(
     if backend != BACKEND_NAME:
         return None
     write = mutation.write
-    return write.kind is WriteKind.INDEX_COPY and write.node is not None and partition.contains(
-        write.node
-    )
+    if write.kind is not WriteKind.INDEX_COPY or write.node is None:
+        return False
+    if mutation.kind is MutationKind.BUFFER and _also_returned(partition.graph, mutation):
+        # A buffer is planned memory; the value the caller gets back must live
+        # elsewhere, so a copy is needed either way: keep exir's write-back.
+        return False
+    return partition.contains(write.node)
 
 
 @hookimpl

@@ -1,10 +1,12 @@
-"""Drop the write-back of a user input that its delegate writes in place.
+"""Drop the write-back of state (a user input or a buffer) that its delegate writes in place.
 
-After ``to_executorch`` inserts write-backs, a user input ``P`` mutated inside a
+After ``to_executorch`` inserts write-backs, state ``P`` mutated inside a
 delegate is written back by ``copy_(P, getitem(delegate, j))`` (often through
 functional ``aten.copy(P, ...)`` nodes): the whole tensor is copied every call.
 When the backend accepted that mutation (core's per-mutation decision recorded
-on ``P``), the delegate can write ``P``'s memory itself, so the copy goes.
+on ``P``), the delegate can write ``P``'s memory itself, so the copy goes,
+and the delegate call stays in the program even when that copy was its only
+reader.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 from writeback_core.registry import InPlaceDecision
+
+from writeback_passes.early_write_back import _user_input_test
 
 __all__ = [
     "IN_PLACE_OUTPUTS_SPEC",
@@ -155,6 +159,7 @@ def _check(
     call: torch.fx.Node,
     value: torch.fx.Node,
     skip: Iterable[torch.fx.Node],
+    user_input: bool,
 ) -> str | None:
     """Why dropping ``copy`` would be wrong, or ``None`` when it is safe."""
     aliases = _aliases(placeholder)
@@ -166,9 +171,14 @@ def _check(
     if twice:
         return (f"an alias of {placeholder.name!r} ({', '.join(twice)}) is also passed to the "
                 "delegate; writing in place would change that argument while it is read")
-    if not any(u.users for u in call.users if u is not value):
-        return (f"the write-back of {placeholder.name!r} is the delegate's last used output; "
-                "without it exir would remove the delegate call as dead code")
+    if not copy.users and not _other_results_used(call, value):
+        return (f"the write-back of {placeholder.name!r} is the delegate's last used result "
+                "and the program does not return it: nothing would keep the delegate call")
+    returned = copy.graph.output_node().all_input_nodes
+    if not user_input and any(n in returned for n in (value, *skip)):
+        return (f"the program also returns the new value of buffer {placeholder.name!r}: "
+                "returning the buffer itself would make it a graph output, which unplanned "
+                "outputs leave without a planned slot (exir then emits it as constant data)")
     position = {n: i for i, n in enumerate(graph_nodes)}
     ignored = set(skip) | {copy} | {u for u in call.users if u.target is operator.getitem}
     for node in graph_nodes[position[call] + 1 : position[copy]]:
@@ -179,6 +189,52 @@ def _check(
             return (f"{node.name!r} reads {', '.join(read)} between the delegate and the "
                     "write-back; it expects the old value")
     return None
+
+
+# The metadata that makes exir's passes (and a rerun of this one) see the
+# ``getitem((P, out_j), 0)`` node as ``P`` itself.
+_SAME_AS_PLACEHOLDER = ("val", "tensor_meta", "spec")
+
+
+def _other_results_used(call: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether a result of ``call`` other than ``value`` is still read."""
+    return any(u.users for u in call.users if u is not value)
+
+
+def _returned_in_place_of_copy(
+    graph: torch.fx.Graph,
+    placeholder: torch.fx.Node,
+    value: torch.fx.Node,
+    call: torch.fx.Node,
+    user_input: bool,
+) -> torch.fx.Node:
+    """What the output returns where it returned the dropped write-back ``copy_``.
+
+    exir's dead-code elimination keeps a call only while one of its results is
+    read (``executorch_call_delegate`` is a pure higher-order op to
+    ``Node.is_impure``), so the delegate's now unread result ``value`` must
+    stay reachable from the output when nothing else reads the call:
+
+    * a mutable buffer: the output returns ``value`` itself. exir drops buffer
+      outputs before emitting, so it costs nothing; and returning the buffer
+      placeholder instead would make the buffer a graph output, which with
+      unplanned outputs (``alloc_graph_output=False``) loses its planned slot
+      and is emitted as constant data.
+    * a user input: the method must return the input itself (the caller reads
+      the new state there), so the output returns ``getitem((placeholder,
+      value), 0)``: to exir's passes, its planner and its emitter that *is*
+      ``placeholder`` (same spec, same value, no instruction), and it keeps
+      ``value``, hence the call, alive. When another result of the call is
+      still read, the output returns ``placeholder`` directly.
+    """
+    if not user_input:
+        return value
+    if _other_results_used(call, value):
+        return placeholder
+    with graph.inserting_after(value):
+        after = graph.call_function(operator.getitem, ((placeholder, value), 0))
+    after.meta.update({k: v for k, v in placeholder.meta.items() if k in _SAME_AS_PLACEHOLDER})
+    return after
 
 
 def _release_output(call: torch.fx.Node, output: int) -> None:
@@ -228,17 +284,25 @@ def reinplace_delegate_input_mutations(
     3. Refuse (keep the copy, report why) when ``P`` is not passed to that
        delegate exactly once, when an alias of ``P`` is passed to it as another
        argument, when any node between the delegate and the copy reads ``P``
-       or an alias of it (it expects the old value), or when this is the
-       delegate's last output still in use (exir would then remove the call as
-       dead code: a delegate that only writes state keeps one write-back).
-    4. Otherwise replace the copy's uses and output ``j``'s uses by ``P``, erase
-       the copy and the peeled nodes, and record ``{"output": j, "input": i}``
-       in the lowered module's compile spec :data:`IN_PLACE_OUTPUTS_SPEC`, so
-       the runtime delegate writes argument ``i`` in place. Output ``j`` stays
-       in the delegate's signature (exir retraces it from the lowered program)
-       but nothing reads it, and it gets an empty tensor spec so the memory
-       plan reserves nothing for it. (Sharing ``P``'s spec instead is not
-       possible here: exir makes new placeholder specs after this stage.)
+       or an alias of it (it expects the old value), when ``P`` is a buffer
+       whose new value the program also returns (a buffer returned as a graph
+       output loses its planned slot under unplanned outputs), or when the
+       copy is the delegate's last used result and the program does not
+       return it (nothing would keep the call).
+    4. Otherwise point the other readers of output ``j`` at ``P``, and make
+       the output return, where it returned the copy: for a buffer, output
+       ``j`` itself (exir drops buffer outputs before emitting); for a user
+       input, ``P`` — as ``getitem((P, out_j), 0)`` when nothing else reads
+       the delegate, which emits as ``P`` but keeps the call reachable, since
+       exir's dead-code elimination deletes a delegate call none of whose
+       results is read, and with it the in-place write. Erase the copy and
+       the peeled nodes, and record ``{"output": j, "input": i}`` in the
+       lowered module's compile spec :data:`IN_PLACE_OUTPUTS_SPEC`, so the
+       runtime delegate writes argument ``i`` in place. Output ``j`` stays in
+       the delegate's signature (exir retraces it from the lowered program)
+       and gets an empty tensor spec, so the memory plan reserves nothing for
+       it. (Sharing ``P``'s spec instead is not possible here: exir makes new
+       placeholder specs after this stage.)
 
     Example it must refuse::
 
@@ -250,6 +314,7 @@ def reinplace_delegate_input_mutations(
     """
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
     graph = gm.graph
+    is_user_input = _user_input_test(graph, program)
     report = ReinplaceReport()
     for copy in _write_backs(graph):
         placeholder = copy.args[0]
@@ -265,18 +330,23 @@ def reinplace_delegate_input_mutations(
             continue
         call, output = found
         assert isinstance(value, torch.fx.Node)
-        reason = _check(list(graph.nodes), copy, placeholder, call, value, chain)
+        user_input = is_user_input(placeholder)
+        reason = _check(list(graph.nodes), copy, placeholder, call, value, chain, user_input)
         if reason is not None:
             report.kept.append(KeptWriteBack(placeholder.name, reason))
             continue
         input_index = list(call.args[1:]).index(placeholder)
-        copy.replace_all_uses_with(placeholder)
+        returned = _returned_in_place_of_copy(graph, placeholder, value, call, user_input)
+        for reader in list(value.users):
+            if reader is not returned:
+                reader.replace_input_with(value, placeholder)
+        copy.replace_all_uses_with(returned)
         graph.erase_node(copy)
         for node in chain:
             if not node.users:
                 graph.erase_node(node)
-        value.replace_all_uses_with(placeholder)
-        graph.erase_node(value)
+        if not value.users:
+            graph.erase_node(value)
         _record(call, gm, output, input_index)
         _release_output(call, output)
         report.dropped.append(DroppedWriteBack(placeholder.name, call.name, output, input_index))
