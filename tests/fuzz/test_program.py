@@ -7,10 +7,12 @@ import subprocess
 import sys
 from types import ModuleType
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from writeback_core.testing.oracle import eager_run
+from writeback_core.testing.oracle import InvalidProgram, check_program, eager_run
+from writeback_core.testing.overlap import OverlappingWrite
 from writeback_core.testing.program import (
     Derive,
     ProgramSpec,
@@ -84,9 +86,12 @@ def test_functional_index_copy_leaves_its_state_unchanged_eagerly() -> None:
 @given(programs())
 def test_generated_programs_run_eagerly_three_times(spec: ProgramSpec) -> None:
     """Every drawn program is valid eager PyTorch, but for one refusal the oracle rejects
-    (``InvalidProgram``): an in-place write whose source overlaps its destination."""
+    (``InvalidProgram``): an in-place write whose source overlaps its destination, refused by
+    eager itself or by the oracle's check (``OverlappingWrite``)."""
     try:
         observed = eager_run(build(spec), calls=3)
+    except OverlappingWrite:
+        return
     except RuntimeError as error:
         assert "refer to a single memory location" in str(error), str(error)
         return
@@ -94,10 +99,50 @@ def test_generated_programs_run_eagerly_three_times(spec: ProgramSpec) -> None:
     assert all(len(o.outputs) == len(spec.outputs) for o in observed)
 
 
+# Found while adding the copy-back target: ``s0[:, :, 1] = s0.flat[0:4]`` reads elements the
+# same copy_ writes. Eager copies element by element (the result depends on the kernel's
+# order); the exported program reads the source first. Stock runs had reported these as
+# "wrong without writeback's passes too (upstream)"; the oracle now refuses them as invalid.
+OVERLAPPING_COPY = ProgramSpec(
+    states=(State("s0", "buffer", (2, 2, 2)),),
+    statements=(Write("s0", "select_copy", Source("state", (2, 2), ref="s0"), dim=2, index=1),),
+    outputs=("s0",),
+    has_x=False,
+    has_pos=False,
+)
+
+
+def test_eager_refuses_a_write_whose_source_overlaps_its_destination() -> None:
+    with pytest.raises(OverlappingWrite, match="writes elements it also reads"):
+        eager_run(build(OVERLAPPING_COPY))
+    with pytest.raises(InvalidProgram, match="OverlappingWrite"):
+        check_program(OVERLAPPING_COPY, targets=[])
+    # By hand, why it has no ground truth: flat [0, 1, 2, 3] lands in flat [1, 3, 5, 7], so
+    # visiting elements in order copies flat 0 into 1 and then the new flat 1 into 3.
+    flat = torch.arange(8.0)
+    dest, src = flat.view(2, 2, 2).select(2, 1), flat[0:4].view(2, 2)
+    functional = src.clone()
+    dest.copy_(src)
+    assert flat[3] == 0.0 and functional[0, 1] == 1.0
+
+
+def test_elementwise_in_place_write_reading_itself_is_not_refused() -> None:
+    """``s.add_(s)`` reads each element before writing that same element: well defined."""
+    spec = ProgramSpec(
+        states=(State("s0", "buffer", (2, 3)),),
+        statements=(Write("s0", "add", Source("state", (2, 3), ref="s0")),),
+        outputs=("s0",),
+        has_x=False,
+        has_pos=False,
+    )
+    first, second, _ = eager_run(build(spec))
+    torch.testing.assert_close(second.state["s0"], first.state["s0"] * 2)
+
+
 def test_generator_draws_every_write_form_and_input_free_programs() -> None:
-    """Coverage of the generator itself: all write forms, caller state, no-input models."""
+    """Coverage of the generator itself: all write forms, caller state, no-input models, 4-D caches."""
     seen: set[str] = set()
-    flags = {"no_input": False, "caller_state": False, "view_read": False}
+    flags = {"no_input": False, "caller_state": False, "view_read": False, "cache": False}
 
     @settings(max_examples=300, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -106,6 +151,7 @@ def test_generator_draws_every_write_form_and_input_free_programs() -> None:
         seen.update(s.how for s in spec.statements if isinstance(s, Write))
         flags["no_input"] |= not spec.has_x and not spec.inputs
         flags["caller_state"] |= bool(spec.inputs)
+        flags["cache"] |= any(len(s.shape) == 4 for s in spec.states)
         flags["view_read"] |= any(isinstance(s, Read) and s.how in ("view", "transpose", "slice",
                                                                      "select")
                                   for s in spec.statements)

@@ -105,6 +105,33 @@ def writeback_engines() -> Sequence[AliasingEngine]:
     raise NotImplementedError
 
 
+@hookspec(firstresult=True)
+def writeback_lower_for_engine(
+    engine: AliasingEngine, program: ExportedProgram
+) -> EdgeProgramManager | str | None:
+    """Called when a pipeline lowers a program to an engine that aliases only some writes
+    (the fuzz oracle's engine targets do, once per program and engine).
+
+    The plugin that owns ``engine`` runs its copy-back path: every mutated
+    buffer ends up either written in place by the engine or copied back by the
+    program, checked against what the engine really aliased.
+
+    Stops at the first non-None result: the plugin owning ``engine`` answers,
+    every other plugin returns ``None``.
+
+    :param engine: one of the engines offered through ``writeback_engines``.
+    :param program: the program as ``torch.export`` made it (aten dialect); the
+        implementation must not change it.
+    :return: the lowered edge program (an ``EdgeProgramManager``, ready for
+        ``to_executorch``, which returns what the model returns and declares every
+        buffer it writes); or a ``str``, the reason ``engine`` cannot take this
+        program (an op or argument it does not support, a documented limit),
+        which callers report as a skip, never as a pass; ``None`` when this plugin
+        does not own ``engine``. Any exception is a failure of the path.
+    """
+    raise NotImplementedError
+
+
 @hookspec
 def writeback_models() -> dict[str, ModelCase]:
     """Called when the CLI resolves a model name (``writeback explain NAME``).

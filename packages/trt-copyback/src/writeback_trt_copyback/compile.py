@@ -16,7 +16,7 @@ from writeback_trt_copyback.declare import declare_copy_back
 from writeback_trt_copyback.lift import Lifted, Mode, lift_mutated_buffers
 from writeback_trt_copyback.settle import settle_aliased
 
-__all__ = ["CompiledProgram", "compile_for_engine"]
+__all__ = ["CompiledProgram", "compile_for_engine", "lower_for_engine"]
 
 
 @dataclass
@@ -111,3 +111,9 @@ def compile_for_engine(
     aliasing = check_aliasing(lowered, engine, engines_built=not dryrun)
     settled = settle_aliased(lowered, aliasing)
     return CompiledProgram(EdgeProgramManager({"forward": settled}, compile_config=config), lifted, aliasing)
+
+
+def lower_for_engine(program: ExportedProgram, engine: AliasingEngine) -> Any:
+    """What this package answers to core's ``writeback_lower_for_engine``: the settled edge
+    program of :func:`compile_for_engine` (``Mode.PREDICT``), or why ``engine`` refuses it."""
+    return compile_for_engine(program, engine).edge

@@ -26,6 +26,13 @@ DEAD_WRITE = (
     "copied back instead, and marked so the engine leaves it alone"
 )
 
+RETURNED_ONLY_WRITE = (
+    "returned only: the program returns its result and computes nothing on it, so once "
+    "that output is the buffer itself nothing would use the engine's call and ExecuTorch "
+    "would drop it with the write; it is copied back instead, and marked so the engine "
+    "leaves it alone"
+)
+
 
 class Mode(enum.Enum):
     """``PREDICT`` decides each buffer before lowering and cross-checks after; ``KEEP_ALL``
@@ -96,12 +103,22 @@ def _copy_chain(value: torch.fx.Node, write: torch.fx.Node | None) -> list[torch
     return chain
 
 
-def _dead(value: torch.fx.Node, write: torch.fx.Node | None) -> bool:
-    """Nothing but the (erased) write-back reads the write's result."""
+def _unread(value: torch.fx.Node, write: torch.fx.Node | None) -> str | None:
+    """Why an aliased write could never happen, or ``None`` when something computes on its result.
+
+    :data:`DEAD_WRITE`: nothing but the (erased) write-back reads the result,
+    so dead-code elimination takes the write before any engine sees it.
+    :data:`RETURNED_ONLY_WRITE`: only the graph's output reads it (the model
+    returns the cache it wrote); aliasing would point that output at the buffer,
+    leaving the engine's call, and the write in it, unused (found by the fuzzer:
+    ``tests/trt_copyback/test_fuzz_target.py``).
+    """
     chain = _copy_chain(value, write)
-    if value.users:
-        return False
-    return all(len(n.users) == 1 for n in chain[1:])
+    if any(len(n.users) != 1 for n in chain[1:]):
+        return None
+    if any(u.op != "output" for u in value.users):
+        return None
+    return RETURNED_ONLY_WRITE if value.users else DEAD_WRITE
 
 
 def _classify(
@@ -112,8 +129,9 @@ def _classify(
     node = write_node_of(write.write, value.graph)
     refusal = engine.alias_refusal(write)
     marked = False
-    if refusal is None and mode is Mode.PREDICT and _dead(value, node):
-        refusal, marked = DEAD_WRITE, True
+    unread = _unread(value, node) if refusal is None and mode is Mode.PREDICT else None
+    if unread is not None:
+        refusal, marked = unread, True
     cls = BufferClass(
         target=mutation.target,
         placeholder=placeholder.name,
@@ -139,8 +157,9 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
       3. Ask ``engine.alias_refusal`` about each write, derived by
          ``derive.engine_write`` as the engine's lowering derives it.
          ``PREDICT``: an accepted write is aliased, unless nothing reads its
-         result (it would be dead code, and the engine could never alias it): that
-         one is copied back and its write node gets ``meta.NO_ALIAS``.
+         result (it would be dead code, and the engine could never alias it) or
+         only the graph's output does (the engine's call would be left unused):
+         that one is copied back and its write node gets ``meta.NO_ALIAS``.
          ``KEEP_ALL``: every buffer is kept for copy-back; the engine settles it.
       4. Append each copy-back value as a trailing output, record
          ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation
@@ -19,6 +20,17 @@ def writeback_engines() -> Sequence[AliasingEngine]:
     from writeback_trt_copyback.engine import KVAliasEngine
 
     return [KVAliasEngine()]
+
+
+@hookimpl
+def writeback_lower_for_engine(engine: AliasingEngine, program: ExportedProgram) -> Any:
+    from writeback_trt_copyback.compile import lower_for_engine
+    from writeback_trt_copyback.engine import KVAliasEngine
+
+    # Only the engine this plugin offers: another plugin's engine is its own to lower.
+    if not isinstance(engine, KVAliasEngine):
+        return None
+    return lower_for_engine(program, engine)
 
 
 @hookimpl

@@ -31,6 +31,12 @@ __all__ = ["fuzz_command"]
 @click.option("--backend", "backends", multiple=True,
               help="Also lower every program with this backend (repeatable) and check it "
                    "against eager and its in-place answers (the contract suite).")
+@click.option("--engine", "engines", multiple=True,
+              help="Run every program through this aliasing engine's copy-back path "
+                   "(writeback_engines; repeatable; default: every engine offered).")
+@click.option("--no-engines", is_flag=True, help="Run no engine's copy-back path.")
+@click.option("--engine-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the engine targets on every n-th program only.")
 @click.option("--no-shrink", is_flag=True, help="Report the first failing program as drawn.")
 def fuzz_command(
     n_programs: int,
@@ -40,6 +46,9 @@ def fuzz_command(
     runtime_every: int,
     calls: int,
     backends: tuple[str, ...],
+    engines: tuple[str, ...],
+    no_engines: bool,
+    engine_every: int,
     no_shrink: bool,
 ) -> None:
     """Check N generated stateful programs: eager PyTorch against every lowered form.
@@ -47,9 +56,14 @@ def fuzz_command(
     Each program runs eagerly and through the pipeline the installed plugins
     assemble (early write-back among its passes), in stock executorch.runtime
     and in the caller-writing runtime (planned, unplanned, bound outputs),
-    comparing every output and every state after each call. A failure prints
-    a minimal reproducing module. Exit status 1 on any failure.
+    and through the copy-back path of every aliasing engine offered (in the
+    caller-writing runtime and stock executorch.runtime), comparing every
+    output and every state after each call. A program a path cannot take is
+    reported as skipped, with its reason. A failure prints a minimal
+    reproducing module. Exit status 1 on any failure.
     """
+    if no_engines and engines:
+        raise click.UsageError("--engine and --no-engines exclude each other")
     try:
         import hypothesis  # noqa: F401 - only to fail early with a clear message
     except ImportError as error:
@@ -59,7 +73,7 @@ def fuzz_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from writeback_core.testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
+    from writeback_core.testing.fuzz import FuzzConfig, check_config, default_jobs, run_fuzz, summary
 
     config = FuzzConfig(
         programs=n_programs,
@@ -70,7 +84,13 @@ def fuzz_command(
         calls=calls,
         shrink=not no_shrink,
         backends=backends,
+        engines=() if no_engines else (engines or None),
+        engine_every=engine_every,
     )
+    try:
+        check_config(config)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
     console = Console(stderr=True)
     with Progress("fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as bar:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "run_fuzz"]
+__all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "check_config", "run_fuzz"]
 
 
 
@@ -39,6 +39,10 @@ class FuzzConfig:
     (``writeback_backends``) whose lowering each program also goes through:
     the contract check (``contract.check_backend_contract``) compares it with
     eager PyTorch and checks each in-place answer against the program.
+    ``engines`` names aliasing engines (``writeback_engines``) whose copy-back
+    path each program also goes through (``engines.engine_targets``; ``None``:
+    every engine offered, ``()``: none), on every ``engine_every``-th program;
+    they need a runtime (not ``runtime=""``).
     """
 
     programs: int
@@ -52,6 +56,8 @@ class FuzzConfig:
     shrink: bool = True
     strategy: tuple[tuple[str, Any], ...] = ()
     backends: tuple[str, ...] = ()
+    engines: tuple[str, ...] | None = None
+    engine_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,11 @@ class FuzzReport:
     failures: list[FuzzFailure] = field(default_factory=list)
     seconds: float = 0.0
     targets: dict[str, int] = field(default_factory=dict)
+    # Programs a target could not take, by target and reason (``TargetSkipped``): such a
+    # program passed the other targets and is counted in ``programs``, not in ``targets``.
+    target_skips: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Why no engine target ran, when engines were asked for but none could run.
+    engines_absent: str | None = None
 
     def merge(self, other: FuzzReport) -> None:
         self.programs += other.programs
@@ -84,6 +95,9 @@ class FuzzReport:
         self.failures.extend(other.failures)
         for name, count in other.targets.items():
             self.targets[name] = self.targets.get(name, 0) + count
+        for key, count in other.target_skips.items():
+            self.target_skips[key] = self.target_skips.get(key, 0) + count
+        self.engines_absent = self.engines_absent or other.engines_absent
 
 
 def _registry(config: FuzzConfig) -> Any:
@@ -101,10 +115,26 @@ def _runtime(config: FuzzConfig, registry: Any) -> Any:
     return registry_runtime(registry, config.runtime)
 
 
+def _engine_targets(config: FuzzConfig, registry: Any, runtime: Any) -> tuple[list[Any], str | None]:
+    """The engine targets to run, or why there are none although engines were asked for."""
+    from writeback_core.testing.engines import engine_targets, registry_engines
+
+    if config.engines == ():
+        return [], None
+    if not registry_engines(registry):
+        return [], None if config.engines is None else "no plugin offers an engine"
+    if runtime is None:
+        return [], ("no runtime to load the engines' delegates (runtime='' or none offered); "
+                    "engine targets not run")
+    return engine_targets(registry, runtime, config.engines), None
+
+
 def _run_share(
     config: FuzzConfig, job: int, count: int, progress: Callable[[int], None]
 ) -> FuzzReport:
     """One hypothesis loop over ``count`` programs with seed ``config.seed + job``."""
+    import warnings
+
     from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
     from writeback_core.testing.contract import ContractViolation, check_backend_contract
@@ -120,12 +150,17 @@ def _run_share(
     )
     from writeback_core.testing.strategies import programs
 
+    # torch's pytree deprecation, raised while exir deep-copies programs (the root pytest
+    # configuration filters the same one); it would print once per program.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                            category=FutureWarning)
     registry = _registry(config)
     runtime = _runtime(config, registry)
     stock: list[Target] = [StockTarget()]
     name = getattr(getattr(runtime, "spec", None), "name", "runtime")
     full = stock + (runtime_targets(runtime, name) if runtime is not None else [])
-    report = FuzzReport()
+    engines, engines_absent = _engine_targets(config, registry, runtime)
+    report = FuzzReport(engines_absent=engines_absent)
     counter = {"n": 0, "failed": 0}
     phases = [Phase.generate, Phase.shrink] if config.shrink else [Phase.generate]
 
@@ -138,7 +173,8 @@ def _run_share(
         # Once a program failed, every later call (hypothesis replaying and
         # shrinking it) runs all targets, so the failure cannot vanish with them.
         with_runtime = counter["failed"] > 0 or counter["n"] % config.runtime_every == 0
-        targets = full if with_runtime else stock
+        with_engines = counter["failed"] > 0 or counter["n"] % config.engine_every == 0
+        targets = (full if with_runtime else stock) + (engines if with_engines else [])
         try:
             result = check_program(spec, targets, registry, calls=config.calls)
             for backend in config.backends:
@@ -178,6 +214,9 @@ def _run_share(
             report.runtime_checked += int(with_runtime and runtime is not None)
             for name in result.targets:
                 report.targets[name] = report.targets.get(name, 0) + 1
+            for name, reason in result.skipped.items():
+                key = (name, _reason_kind(reason))
+                report.target_skips[key] = report.target_skips.get(key, 0) + 1
             progress(1)
 
     try:
@@ -196,6 +235,11 @@ def _run_share(
     return report
 
 
+def _reason_kind(reason: str) -> str:
+    """A skip reason without its program-specific detail (what follows the first colon)."""
+    return reason.split(":", 1)[0].strip()
+
+
 def _worker(config: FuzzConfig, job: int, count: int, queue: Any) -> None:
     report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
     queue.put(("done", report))
@@ -205,12 +249,27 @@ def _shares(total: int, jobs: int) -> list[int]:
     return [total // jobs + (1 if j < total % jobs else 0) for j in range(jobs)]
 
 
+def check_config(config: FuzzConfig) -> None:
+    """Refuse (``ValueError``) engine names no plugin of ``config``'s registry offers."""
+    from writeback_core.testing.engines import registry_engines
+
+    if not config.engines:
+        return
+    offered = registry_engines(_registry(config))
+    unknown = [name for name in config.engines if name not in offered]
+    if unknown:
+        raise ValueError(f"no plugin offers engine(s) {unknown}; offered: {sorted(offered)}")
+
+
 def run_fuzz(config: FuzzConfig, progress: Callable[[int], None] | None = None) -> FuzzReport:
     """Fuzz ``config.programs`` programs; ``progress(n)`` is called as programs pass.
 
     Each job stops at its first failure (after shrinking it). The report
-    counts programs that passed every target they ran.
+    counts programs that passed every target they ran, and the programs each
+    target skipped. Raises ``ValueError`` before any work for an unknown engine
+    (:func:`check_config`).
     """
+    check_config(config)
     progress = progress or (lambda n: None)
     start = time.perf_counter()
     jobs = max(1, min(config.jobs, config.programs))
@@ -273,6 +332,16 @@ def summary(report: FuzzReport) -> Sequence[str]:
     if report.upstream_example:
         first = report.upstream_example.splitlines()[0]
         lines.append(f"first upstream skip: {first}")
+    if report.engines_absent:
+        lines.append(f"engines: {report.engines_absent}")
+    if report.target_skips:
+        by_target: dict[str, int] = {}
+        for (target, _), count in report.target_skips.items():
+            by_target[target] = by_target.get(target, 0) + count
+        lines.append("skipped by a target (the program cannot take that path; not a pass): "
+                     + ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items())))
+        for (target, reason), count in sorted(report.target_skips.items()):
+            lines.append(f"  {target} x{count}: {reason}")
     if report.failures:
         lines.append(f"{len(report.failures)} failure(s):")
         for failure in report.failures:

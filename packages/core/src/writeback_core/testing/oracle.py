@@ -47,6 +47,7 @@ from writeback_core.testing.program import Built, ProgramSpec, build
 
 __all__ = [
     "DEFAULT_CALLS",
+    "UPSTREAM_VERDICTS",
     "InvalidProgram",
     "Lowered",
     "LoweringError",
@@ -58,6 +59,7 @@ __all__ = [
     "StockTarget",
     "Target",
     "TargetError",
+    "TargetSkipped",
     "built_from_case",
     "check_program",
     "check_source",
@@ -117,8 +119,35 @@ class TargetError(RuntimeError):
                          f"--- reproducer ---\n{source}")
 
 
+class TargetSkipped(Exception):
+    """A target cannot take this program (an op it does not support, a documented limit).
+
+    Raised by :meth:`Target.run`; :func:`check_program` records ``reason`` under
+    the target's name in :attr:`OracleReport.skipped` and goes on with the other
+    targets. A skip is reported and counted, never counted as a pass.
+    """
+
+    def __init__(self, target: str, reason: str) -> None:
+        super().__init__(f"{target}: skipped: {reason}")
+        self.target = target
+        self.reason = reason
+
+
+# What a mismatch's triage (the same target on the program lowered without writeback's
+# passes) says, for targets whose bare path is upstream exir and runtimes.
+UPSTREAM_VERDICTS: dict[bool | None, str] = {
+    None: "not checked without writeback's passes",
+    True: "ALSO wrong without writeback's passes (upstream ExecuTorch)",
+    False: "right without writeback's passes: a writeback bug",
+}
+
+
 class ProgramMismatch(AssertionError):
-    """A target disagreed with eager PyTorch. ``str()`` is a complete reproducer."""
+    """A target disagreed with eager PyTorch. ``str()`` is a complete reproducer.
+
+    ``verdicts`` words the triage (``upstream``) for the target; default
+    :data:`UPSTREAM_VERDICTS`.
+    """
 
     def __init__(
         self,
@@ -128,6 +157,7 @@ class ProgramMismatch(AssertionError):
         what: str,
         detail: str,
         upstream: bool | None = None,
+        verdicts: dict[bool | None, str] | None = None,
     ) -> None:
         self.source = source
         self.target = target
@@ -135,11 +165,7 @@ class ProgramMismatch(AssertionError):
         self.what = what
         self.detail = detail
         self.upstream = upstream
-        verdict = {
-            None: "not checked without writeback's passes",
-            True: "ALSO wrong without writeback's passes (upstream ExecuTorch)",
-            False: "right without writeback's passes: a writeback bug",
-        }[upstream]
+        verdict = (verdicts or UPSTREAM_VERDICTS)[upstream]
         super().__init__(
             f"{target}: call {call}: {what} differs from eager ({verdict})\n{detail}\n"
             f"--- reproducer (a complete module; see writeback_core.testing.check_source) ---\n"
@@ -163,6 +189,9 @@ class Lowered:
     _ptes: dict[bool, bytes] = field(default_factory=dict)
     _layout: dict[bool, _Layout] = field(default_factory=dict)
     seconds: float = 0.0
+    # Lowerings other targets derive from this program (an engine's), keyed by the target's
+    # choice of name, so that two targets sharing one lowering do it once per program.
+    derived: dict[str, Any] = field(default_factory=dict)
 
     def edge(self) -> Any:
         if self._edge is None:
@@ -323,11 +352,17 @@ def _snapshot(value: Any) -> torch.Tensor:
 
 
 def eager_run(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
-    """Run the program eagerly ``calls`` times; every output and state is cloned at once."""
+    """Run the program eagerly ``calls`` times; every output and state is cloned at once.
+
+    :raises OverlappingWrite: an in-place write reads elements it writes, so eager's
+        answer depends on iteration order (``writeback_core.testing.overlap``).
+    """
+    from writeback_core.testing.overlap import NoOverlappingWrites
+
     module = built.new_module()
     state = built.make_state()
     observations = []
-    with torch.no_grad():
+    with torch.no_grad(), NoOverlappingWrites():
         for call in range(calls):
             outputs = module(*built.step_inputs(call), *state)
             if isinstance(outputs, torch.Tensor):
@@ -343,8 +378,11 @@ class Target(Protocol):
 
     EXTENSION POINT: a backend-lowered target (MLX through
     ``to_edge_transform_and_lower`` with the backend's partitioner) or a
-    copy-back engine target implements this protocol and is passed to
-    :func:`check_program` in ``targets``.
+    copy-back engine target (``writeback_core.testing.engines``) implements
+    this protocol and is passed to :func:`check_program` in ``targets``. A
+    target that cannot take a program raises :class:`TargetSkipped`; a target
+    may set ``verdicts`` (see :class:`ProgramMismatch`) when its path without
+    writeback's passes is not upstream's alone.
     """
 
     @property
@@ -500,6 +538,7 @@ class OracleReport:
 
     source: str
     targets: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # target -> reason
     lowering_seconds: float = 0.0
     running_seconds: float = 0.0
 
@@ -521,6 +560,9 @@ def check_program(
         and record whether stock exir is wrong too.
     :raises ProgramMismatch: a target's output or state differs from eager.
     :raises LoweringError: the program could not be exported or lowered.
+
+    A target that raises :class:`TargetSkipped` is recorded in the report's
+    ``skipped`` with its reason, not in ``targets``.
     """
     if calls < 3:
         raise ValueError(f"calls must be at least 3 (state must be carried twice), got {calls}")
@@ -538,6 +580,9 @@ def check_program(
         seconds_before = lowered.seconds
         try:
             observed = target.run(lowered, calls)
+        except TargetSkipped as skip:
+            report.skipped[target.name] = skip.reason
+            continue
         except (LoweringError, ProgramMismatch):
             raise
         except Exception as error:
@@ -548,7 +593,8 @@ def check_program(
             diff = compare_observations(want, got)
             if diff is not None:
                 upstream = _triage(built, target, call, calls) if triage else None
-                raise ProgramMismatch(built.source, target.name, call, diff[0], diff[1], upstream)
+                raise ProgramMismatch(built.source, target.name, call, diff[0], diff[1], upstream,
+                                      getattr(target, "verdicts", None))
         report.targets.append(target.name)
     report.lowering_seconds = lowered.seconds
     return report

@@ -8,7 +8,9 @@ the pipeline classifies (``index_copy_``, strided slice assignment,
 whole replacement (``s[...] = new``), writes through ``select``/``transpose``/``view`` views),
 functional ``index_copy`` of state (which must leave it unchanged), values
 computed early and used late, dead writes, and outputs that are state
-itself or views of it. About one program in ten takes no input at all.
+itself or views of it. About one program in ten takes no input at all; about one
+state in four is a 4-D `[batch, heads, seq, head_dim]` cache, the shape an
+aliasing engine writes in place.
 
 Shapes stay tiny (at most 24 elements per state): the oracle's cost is
 lowering, not arithmetic, and small shapes shrink to readable reproducers.
@@ -38,7 +40,7 @@ from writeback_core.testing.program import (
     Write,
 )
 
-__all__ = ["ALL_WRITES", "programs", "shapes"]
+__all__ = ["ALL_WRITES", "cache_shapes", "programs", "shapes"]
 
 MAX_NUMEL = 24
 
@@ -70,6 +72,19 @@ def shapes(draw: st.DrawFn, max_rank: int = 3, max_numel: int = MAX_NUMEL) -> tu
         room = max_numel // max(1, math.prod(dims))
         dims.append(draw(st.integers(1, max(1, min(4, room)))))
     return tuple(dims)
+
+
+@st.composite
+def cache_shapes(draw: st.DrawFn, max_numel: int = MAX_NUMEL) -> tuple[int, int, int, int]:
+    """A 4-D ``[batch, heads, seq, head_dim]`` cache shape (seq 2..4), at most ``max_numel`` elements.
+
+    The shape a KV-cache update layer (TensorRT's, the kv-alias engine's) writes
+    in place along ``seq``; the other shapes the generator draws never are.
+    """
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    seq = draw(st.integers(2, 4))
+    room = max(1, max_numel // (batch * heads * seq))
+    return (batch, heads, seq, draw(st.integers(1, min(3, room))))
 
 
 @dataclass
@@ -154,7 +169,8 @@ def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
     state = draw(st.sampled_from(scope.writable()))
     how = draw(st.sampled_from(tuple(forms)))
     shape, rank = state.shape, len(state.shape)
-    dim = draw(st.integers(0, rank - 1))
+    # A cache is written along its sequence dim half the time: the write an engine aliases.
+    dim = 2 if rank == 4 and draw(st.booleans()) else draw(st.integers(0, rank - 1))
     if how == "index_copy":
         index = None if scope.has_pos and draw(st.booleans()) else draw(
             st.integers(0, shape[dim] - 1)
@@ -314,6 +330,7 @@ def programs(
     dtypes: Sequence[DType] = ("float32", "float32", "float32", "int64"),
     no_input_chance: bool = True,
     state_outputs: bool = True,
+    cache_chance: int = 4,
 ) -> ProgramSpec:
     """A small stateful program (see the module docstring for what it may contain).
 
@@ -324,6 +341,9 @@ def programs(
     :param dtypes: state dtypes to draw from (repeats weight the draw).
     :param no_input_chance: allow programs whose ``forward`` takes nothing.
     :param state_outputs: allow returning a state itself (not only temps).
+    :param cache_chance: about one state in this many is a 4-D cache
+        (:func:`cache_shapes`), written along its sequence dim half the time;
+        0 for none.
     """
     no_input = no_input_chance and draw(st.integers(0, 9)) == 0
     n_buffers = draw(st.integers(1, max_buffers))
@@ -332,7 +352,9 @@ def programs(
     for i in range(n_buffers + n_inputs):
         name = f"s{i}"
         kind: StateKind = "buffer" if i < n_buffers else "input"
-        states[name] = State(name, kind, draw(shapes()), draw(st.sampled_from(tuple(dtypes))))
+        cache = cache_chance > 0 and draw(st.integers(0, cache_chance - 1)) == 0
+        shape = draw(cache_shapes()) if cache else draw(shapes())
+        states[name] = State(name, kind, shape, draw(st.sampled_from(tuple(dtypes))))
     has_x = not no_input
     if no_input:
         # exir 1.5.1's to_edge fails on an input-free program holding more than

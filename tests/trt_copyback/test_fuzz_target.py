@@ -1,0 +1,121 @@
+"""The copy-back path as a target of core's differential oracle, and the bugs the fuzzer found in it.
+
+Core reaches the path only through hooks (``writeback_engines``,
+``writeback_lower_for_engine``, ``writeback_runtime_delegates``); these tests
+drive the same hooks on this package's plugin and compare with eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from writeback_core.registry import Registry, load_registry
+from writeback_core.testing.engines import engine_targets, registry_engines
+from writeback_core.testing.oracle import check_program, export_built, registry_runtime
+from writeback_core.testing.program import ProgramSpec, Read, Source, State, Write, build
+from writeback_trt_copyback import (
+    KVAliasEngine,
+    UninitializedCopyBackWarning,
+    engine_aliasing,
+    lift_mutated_buffers,
+)
+from writeback_trt_copyback.lift import RETURNED_ONLY_WRITE
+
+from tests.trt_copyback.conftest import export, run_against_eager
+
+PLUGINS = ("writeback_passes.plugin", "writeback_pybind_runtime.plugin", "writeback_trt_copyback.plugin")
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in PLUGINS])
+
+
+def _targets(registry: Registry) -> list[object]:
+    return engine_targets(registry, registry_runtime(registry))  # type: ignore[return-value]
+
+
+# A KV cache written at ``pos`` along its sequence dim and read after the write (aliased),
+# and a running sum (copied back), with an old value read before the writes.
+ALIASED_AND_COPIED = ProgramSpec(
+    states=(State("s0", "buffer", (1, 2, 4, 3)), State("s1", "buffer", (3,))),
+    statements=(
+        Read("t0", "s1", "clone"),
+        Write("s0", "index_copy", Source("x", (1, 2, 1, 3), 0.5), dim=2, index=None),
+        Write("s1", "add", Source("x", (3,), -1.0, offset=7)),
+        Read("t1", "s0", "sum"),
+    ),
+    outputs=("t0", "t1", "s1"),
+)
+
+
+def test_writeback_lower_for_engine_lowers_kv_alias_with_the_cache_aliased_and_the_rest_copied(
+    registry: Registry,
+) -> None:
+    engine = registry_engines(registry)["kv-alias"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UninitializedCopyBackWarning)  # s1 is read first; tested on its own
+        edge = registry.hook.writeback_lower_for_engine(
+            engine=engine, program=export_built(build(ALIASED_AND_COPIED))
+        )
+    assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s0"}
+    mutated = {
+        str(s.target) for s in edge.exported_program().graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"
+    }
+    assert mutated == {"s0", "s1"}
+
+
+def test_oracle_runs_every_call_of_the_kv_alias_path_against_eager(registry: Registry) -> None:
+    report = check_program(ALIASED_AND_COPIED, _targets(registry), registry, calls=4)
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"] and not report.skipped
+
+
+def test_writeback_lower_for_engine_answers_none_for_an_engine_it_does_not_own(registry: Registry) -> None:
+    class Other:
+        name, backend_id = "other", "OtherBackend"
+
+    program = export_built(build(ALIASED_AND_COPIED))
+    assert registry.hook.writeback_lower_for_engine(engine=Other(), program=program) is None
+
+
+# Found by the fuzzer (kv-alias targets, first run): a cache written in place and only
+# returned. Aliasing pointed the output at the buffer, which left the engine's call with no
+# user; settle_aliased then refused the program ("nothing uses the delegate"). Fixed in
+# lift.py: such a write is copied back, marked no-alias, like a dead write.
+RETURNED_CACHE = ProgramSpec(
+    states=(State("s0", "buffer", (1, 1, 2, 1)),),
+    statements=(Write("s0", "index_copy", Source("const", (1, 1, 1, 1), 0.5), dim=2, index=0),),
+    outputs=("s0",),
+)
+
+
+def test_cache_write_only_returned_is_copied_back_not_dropped_with_the_engine_call(registry: Registry) -> None:
+    report = check_program(RETURNED_CACHE, _targets(registry), registry)
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]
+    (cls,) = lift_mutated_buffers(export_built(build(RETURNED_CACHE)), KVAliasEngine()).buffers
+    assert not cls.aliased and cls.marked and cls.reason == RETURNED_ONLY_WRITE
+
+
+class _ReturnsCache(torch.nn.Module):
+    """A decode step that returns the cache it wrote and nothing computed on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 2, 8, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.index_copy_(2, pos, x)
+        return self.cache, x * 2.0
+
+
+def test_cache_returned_beside_another_output_still_matches_eager() -> None:
+    """The returned-only rule also takes a write whose engine call has another output; copied
+    back, it is slower than aliasing but right: every step against eager."""
+    (cls,) = lift_mutated_buffers(export(_ReturnsCache(), (torch.ones(1, 2, 1, 4), torch.tensor([1]))),
+                                  KVAliasEngine()).buffers
+    assert cls.reason == RETURNED_ONLY_WRITE
+    compiled = run_against_eager(_ReturnsCache, lambda s: (torch.full((1, 2, 1, 4), float(s + 1)), torch.tensor([s])))
+    assert compiled.copy_back == ["cache"]
