@@ -2,7 +2,8 @@
 
 The registry is built from named plugin modules (not entry points), so an
 in-progress sibling plugin cannot change what CI fuzzes: the passes (early
-write-back and its ``to_executorch`` step) and the pybind-runtime.
+write-back and its ``to_executorch`` step) and the pybind-runtime, and for the
+engine targets the copy-back path (trt-copyback).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from writeback_core.registry import Registry, load_registry
 
 # The plugins every fuzz test lowers and runs with.
 FUZZ_PLUGINS = ("writeback_passes.plugin", "writeback_pybind_runtime.plugin")
+
+# The same, plus the copy-back path's plugin, whose engine (kv-alias) becomes two targets.
+ENGINE_PLUGINS = (*FUZZ_PLUGINS, "writeback_trt_copyback.plugin")
 
 # Programs CI checks per run, over all chunks (the issue asks for at least 2,000).
 # WRITEBACK_FUZZ_PROGRAMS lowers it for a quick local run; CI leaves it unset.

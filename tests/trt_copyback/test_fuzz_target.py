@@ -15,7 +15,7 @@ import torch
 from writeback_core.registry import Registry, load_registry
 from writeback_core.testing.engines import engine_targets, registry_engines
 from writeback_core.testing.oracle import check_program, export_built, registry_runtime
-from writeback_core.testing.program import ProgramSpec, Read, Source, State, Write, build
+from writeback_core.testing.program import Derive, ProgramSpec, Read, Source, State, Write, build
 from writeback_trt_copyback import (
     KVAliasEngine,
     UninitializedCopyBackWarning,
@@ -119,3 +119,35 @@ def test_cache_returned_beside_another_output_still_matches_eager() -> None:
     assert cls.reason == RETURNED_ONLY_WRITE
     compiled = run_against_eager(_ReturnsCache, lambda s: (torch.full((1, 2, 1, 4), float(s + 1)), torch.tensor([s])))
     assert compiled.copy_back == ["cache"]
+
+
+# Found by the fuzzer (kv-alias targets): ``t0 = s0.index_copy(2, i, v)`` on a buffer the
+# program never writes. The engine's lowering took any cache-shaped write into one of its
+# inputs for an in-place update, so it wrote the read-only buffer s0. Seen three ways: the
+# cross-check refused it (another buffer was mutated: "wrote ['s0'] in place, but they were
+# filed copy-back"), settle_aliased found the engine call unused, or exir's verifier refused
+# the settled program. Fixed in lowering.py: only a write lift recorded as a buffer's new
+# value (meta.COPY_BACK_CLASS on the write node) is made in place.
+def _functional_write(other: tuple[Write, ...] = (), extra: tuple[str, ...] = ()) -> ProgramSpec:
+    write = Write("s0", "index_copy", Source("x", (1, 1, 1, 1)), dim=2, index=0)
+    return ProgramSpec(
+        states=(State("s0", "buffer", (1, 1, 2, 1)), State("s1", "buffer", (1, 1, 2, 1))),
+        statements=(*other, Derive("t0", write)),
+        outputs=("t0", *extra),
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _functional_write(),
+        _functional_write(extra=("t0",)),
+        _functional_write(other=(Write("s1", "copy", Source("x", (1, 1, 2, 1), 0.5, offset=3)),)),
+    ],
+    ids=["only_output", "output_twice", "beside_a_mutated_buffer"],
+)
+def test_functional_index_copy_of_a_read_only_cache_is_not_written_in_place(
+    registry: Registry, spec: ProgramSpec
+) -> None:
+    report = check_program(spec, _targets(registry), registry)
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]

@@ -143,7 +143,7 @@ def _classify(
         read_before_write=bool(old_value_readers(placeholder, node)),
         nbytes=mutation.nbytes,
     )
-    return cls, node if marked else None
+    return cls, node
 
 
 def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT) -> Lifted:
@@ -164,7 +164,8 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
       4. Append each copy-back value as a trailing output, record
          ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``
          for :func:`~writeback_trt_copyback.declare.declare_copy_back`, and record
-         each buffer's class on its placeholder under ``meta.COPY_BACK_CLASS``.
+         each buffer's class under ``meta.COPY_BACK_CLASS`` on its placeholder and
+         on the node performing its write (the engine aliases no other write).
 
     The result returns the trailing values as extra user outputs until declared.
     User-input mutations are left as they are. Nested buffers keep their fully
@@ -185,10 +186,14 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     by_name = {n.name: n for n in graph.nodes}
     classes = [_classify(m, by_name, engine, mode) for m in mutations]
     records: list[dict[str, str]] = []
-    for cls, marked_node in classes:
+    for cls, write_node in classes:
         meta.set_custom(by_name[cls.placeholder], meta.COPY_BACK_CLASS, cls.to_meta(mode))
-        if marked_node is not None:
-            meta.set_custom(marked_node, meta.NO_ALIAS, cls.target)
+        if write_node is not None and write_node.op != "placeholder":
+            # The engine writes in place only a write that is some buffer's new value
+            # (lowering._in_place_step): a functional write of a buffer is not one.
+            meta.set_custom(write_node, meta.COPY_BACK_CLASS, cls.to_meta(mode))
+        if write_node is not None and cls.marked:
+            meta.set_custom(write_node, meta.NO_ALIAS, cls.target)
         if not cls.aliased or mode is Mode.KEEP_ALL:
             kept.append(
                 (

@@ -115,6 +115,10 @@ def _owned_tensor(program: ExportedProgram, name: str) -> torch.Tensor:
 
 def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) -> dict[str, Any] | None:
     """The in-place update for write ``node`` into input ``position``, or ``None`` if refused."""
+    if not isinstance(meta.get_custom(node, meta.COPY_BACK_CLASS), dict):
+        # Not a buffer's new value (a functional ``buf.index_copy(...)`` whose result is
+        # only read): writing it in place would change a buffer the program leaves alone.
+        return None
     cache = node.args[0]
     assert isinstance(cache, torch.fx.Node)
     write = engine_write(node, cache)
@@ -151,9 +155,12 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
       1. Copy the partition and peel input clones (``clones.peel_input_clones``).
       2. Walk the nodes in order. A write op (``index_put``, ``slice_scatter``,
          ``index_copy``) whose destination is a partition input becomes an
-         in-place update of that input when the engine's rule accepts the
-         write, derived by ``derive.engine_write`` exactly as the classifier
-         derives it; every other node becomes a call of its aten op.
+         in-place update of that input when it is a buffer's new value (lift
+         recorded ``meta.COPY_BACK_CLASS`` on it) and the engine's rule accepts
+         the write, derived by ``derive.engine_write`` exactly as the classifier
+         derives it; every other node becomes a call of its aten op. Refused:
+         ``t = buf.index_copy(2, pos, x)`` with ``buf`` never written, which is
+         a functional write whose result only is read.
       3. Record each in-place write in ``aliased_io``: ``output<k>`` when the
          write is the delegate's output ``k`` (the runtime leaves that output
          untouched: the input holds the value), ``update:<node>`` otherwise.

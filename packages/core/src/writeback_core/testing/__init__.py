@@ -9,6 +9,9 @@ Names are imported lazily, so ``writeback_core.testing.cli`` (which the
 - ``strategies``: :func:`programs`, the hypothesis strategy.
 - ``oracle``: :func:`check_program` (eager against every :class:`Target`),
   :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
+- ``engines``: :func:`engine_targets` (:class:`EngineTarget`: each program
+  through an aliasing engine's copy-back path, reached through hooks).
+- ``overlap``: the eager check that refuses in-place writes reading what they write.
 - ``contract``: :func:`check_backend_contract`, :func:`zoo_cases`,
   :func:`backend_names`.
 - ``fuzz``: :func:`run_fuzz` with a :class:`FuzzConfig` (``writeback fuzz``).
@@ -22,6 +25,7 @@ from typing import Any
 __all__ = [
     "Built",
     "ContractViolation",
+    "EngineTarget",
     "FuzzConfig",
     "FuzzReport",
     "ProgramMismatch",
@@ -29,12 +33,15 @@ __all__ = [
     "RuntimeTarget",
     "StockTarget",
     "Target",
+    "TargetSkipped",
     "backend_names",
     "build",
     "check_backend_contract",
     "check_program",
     "check_source",
+    "engine_targets",
     "programs",
+    "registry_engines",
     "registry_runtime",
     "render_source",
     "run_fuzz",
@@ -52,6 +59,10 @@ _HOME = {
     "RuntimeTarget": "oracle",
     "StockTarget": "oracle",
     "Target": "oracle",
+    "TargetSkipped": "oracle",
+    "EngineTarget": "engines",
+    "engine_targets": "engines",
+    "registry_engines": "engines",
     "check_program": "oracle",
     "check_source": "oracle",
     "registry_runtime": "oracle",
