@@ -151,3 +151,23 @@ def test_functional_index_copy_of_a_read_only_cache_is_not_written_in_place(
 ) -> None:
     report = check_program(spec, _targets(registry), registry)
     assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]
+
+
+# Found by the fuzzer (kv-alias targets): ``s1.copy_(s0[0:1])`` then ``s0.add_(...)``. The
+# copy-back value of s1 is a view of the old s0; to_edge decomposes the lifted program again
+# by running it with the write-backs applied in order, so s0 was written first and s1 took
+# the new s0. Fixed in lift.py (_detached): such a value is cloned where it is computed.
+VIEW_OF_ANOTHER_BUFFER = ProgramSpec(
+    states=(State("s0", "buffer", (2,)), State("s1", "buffer", (1,)), State("s2", "input", (1,))),
+    statements=(
+        Write("s1", "copy", Source("state", (1,), ref="s0")),
+        Write("s2", "copy", Source("state", (1,), ref="s0", offset=1)),
+        Write("s0", "add", Source("x", (2,), 0.5)),
+    ),
+    outputs=("s0",),
+)
+
+
+def test_copy_back_value_that_is_a_view_of_another_buffer_keeps_the_old_values(registry: Registry) -> None:
+    report = check_program(VIEW_OF_ANOTHER_BUFFER, _targets(registry), registry)
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]

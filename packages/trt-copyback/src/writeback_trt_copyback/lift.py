@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 from writeback_core import meta
+from writeback_core.alias import AliasAnalysis
 from writeback_core.mutations import Mutation, MutationKind, find_mutations
 from writeback_core.types import AliasingEngine
 
@@ -121,6 +123,26 @@ def _unread(value: torch.fx.Node, write: torch.fx.Node | None) -> str | None:
     return RETURNED_ONLY_WRITE if value.users else DEAD_WRITE
 
 
+def _detached(value: torch.fx.Node, analysis: AliasAnalysis, placeholders: list[torch.fx.Node]) -> torch.fx.Node:
+    """``value``, or a clone of it when it may share storage with a program input.
+
+    A mutation value that is a view of an input (``s1.copy_(s0[0:1])`` before
+    ``s0.add_(...)`` leaves s1's new value a view of the old s0) is right in
+    this graph, but ``to_edge`` decomposes the program again, by running it with
+    each write-back applied in output order: s0 is written first, the view then
+    shows the new s0, and s1 gets it (found by the fuzzer). A clone taken where
+    the value is computed keeps the old values through any retrace.
+    """
+    if not any(analysis.may_alias(value, p) for p in placeholders):
+        return value
+    with value.graph.inserting_after(value):
+        clone = value.graph.call_function(torch.ops.aten.clone.default, (value,))
+    for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
+        if key in value.meta:
+            clone.meta[key] = value.meta[key]
+    return clone
+
+
 def _classify(
     mutation: Mutation, by_name: dict[str, torch.fx.Node], engine: AliasingEngine, mode: Mode
 ) -> tuple[BufferClass, torch.fx.Node | None]:
@@ -161,7 +183,9 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
          only the graph's output does (the engine's call would be left unused):
          that one is copied back and its write node gets ``meta.NO_ALIAS``.
          ``KEEP_ALL``: every buffer is kept for copy-back; the engine settles it.
-      4. Append each copy-back value as a trailing output, record
+      4. Append each copy-back value as a trailing output (a clone of it when it
+         may be a view of an input: :func:`_detached`; user-input mutations get
+         the same), record
          ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``
          for :func:`~writeback_trt_copyback.declare.declare_copy_back`, and record
          each buffer's class under ``meta.COPY_BACK_CLASS`` on its placeholder and
@@ -185,6 +209,12 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     graph.erase_node(old)
     by_name = {n.name: n for n in graph.nodes}
     classes = [_classify(m, by_name, engine, mode) for m in mutations]
+    analysis = AliasAnalysis(graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, (value, spec) in enumerate(kept):
+        if spec.kind is OutputKind.USER_INPUT_MUTATION:
+            value = _detached(value, analysis, placeholders)
+            kept[i] = (value, OutputSpec(spec.kind, TensorArgument(value.name), spec.target))
     records: list[dict[str, str]] = []
     for cls, write_node in classes:
         meta.set_custom(by_name[cls.placeholder], meta.COPY_BACK_CLASS, cls.to_meta(mode))
@@ -195,13 +225,9 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
         if write_node is not None and cls.marked:
             meta.set_custom(write_node, meta.NO_ALIAS, cls.target)
         if not cls.aliased or mode is Mode.KEEP_ALL:
-            kept.append(
-                (
-                    by_name[cls.value],
-                    OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(cls.value), None),
-                )
-            )
-            records.append({"buffer": cls.target, "value": cls.value, "state": "pending"})
+            value = _detached(by_name[cls.value], analysis, placeholders)
+            kept.append((value, OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(value.name), None)))
+            records.append({"buffer": cls.target, "value": value.name, "state": "pending"})
     model_out_spec = out_spec_of(lifted)
     result = rebuild(
         lifted,
