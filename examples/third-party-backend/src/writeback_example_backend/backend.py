@@ -11,7 +11,7 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from writeback_core import PartitionView, Registry, find_mutations
+from writeback_core import PartitionView, Registry, find_mutations, meta
 from writeback_core._ops import packet_name
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
@@ -85,9 +85,8 @@ class WritebackExampleBackend(BackendDetails):
 
 
 # The compile-spec key under which a pass that drops a write-back tells the
-# delegate to write an input in place: JSON ``[{"output": j, "input": i}, ...]``
-# (writeback-passes' ``reinplace_delegate_input_mutations`` writes it).
-IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+# delegate to write an input in place (defined and documented in core).
+IN_PLACE_OUTPUTS_SPEC = meta.IN_PLACE_OUTPUTS_SPEC
 
 
 class ExampleRuntimeDelegate:

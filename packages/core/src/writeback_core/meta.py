@@ -37,6 +37,13 @@ COPY_BACK_CLASS = "writeback.copy_back_class"
 # see only a GraphModule); read by early write-back's output renaming.
 USER_INPUT = "writeback.user_input"
 
+# Not a node.meta key but the same kind of contract: the compile spec
+# ``writeback_passes.reinplace_delegate_input_mutations`` adds to a lowered
+# module when it drops write-backs, JSON ``[{"output": j, "input": i}]`` (the
+# delegate's output j is unread and must be written into its input i in place).
+# Written by the passes; read by every runtime delegate that writes in place.
+IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+
 # exir's reinplace pass marks a node whose output must share its allocation
 # with ``node.args[idx]``; it is an alias edge that no schema shows.
 EXIR_SHARE_ALLOC = "_share_alloc_with_arg_idx"

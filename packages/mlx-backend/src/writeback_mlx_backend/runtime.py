@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend.memory import lookup
@@ -42,10 +43,6 @@ from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, tor
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 
-# The compile spec ``writeback_passes.reinplace_delegate_input_mutations`` adds
-# when it drops a write-back: JSON ``[{"output": j, "input": i}]``; output j is
-# then unread and must be written into input i in place.
-IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
 # How many of the latest input copies ``MLXDelegate.copied_input_bytes`` keeps.
 COPY_HISTORY = 64
 

@@ -21,7 +21,7 @@ import torch.fx
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
-from writeback_core import ProgramPass
+from writeback_core import ProgramPass, meta
 from writeback_core.registry import InPlaceDecision
 
 from writeback_passes.early_write_back import _user_input_test
@@ -36,11 +36,8 @@ __all__ = [
     "reinplace_delegate_pass",
 ]
 
-# Compile-spec key added to a lowered module whose outputs were turned into
-# in-place writes: JSON ``[{"output": j, "input": i}, ...]`` meaning "output j
-# is no longer read by the program; write its value into argument i in place".
-# Read by runtime delegates (writeback-mlx-backend) at init.
-IN_PLACE_OUTPUTS_SPEC = "writeback.in_place_outputs"
+# The compile-spec key this pass adds (its meaning is documented in core).
+IN_PLACE_OUTPUTS_SPEC = meta.IN_PLACE_OUTPUTS_SPEC
 
 
 @dataclass(frozen=True)
