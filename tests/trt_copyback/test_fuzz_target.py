@@ -171,3 +171,27 @@ VIEW_OF_ANOTHER_BUFFER = ProgramSpec(
 def test_copy_back_value_that_is_a_view_of_another_buffer_keeps_the_old_values(registry: Registry) -> None:
     report = check_program(VIEW_OF_ANOTHER_BUFFER, _targets(registry), registry)
     assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]
+
+
+# Found by the fuzzer (kv-alias targets, the 300-program run): a cache written in place,
+# read after the write, and returned. settle_aliased pointed the returned value at the buffer
+# but kept the output's old name in the signature, so exir's verifier refused the program
+# ("User output b_s1 is not in the correct order"). Fixed in settle.py: the spec names the
+# buffer it now returns.
+RETURNED_AND_READ_CACHE = ProgramSpec(
+    states=(State("s0", "buffer", (1,)), State("s1", "buffer", (1, 1, 2, 1))),
+    statements=(
+        Write("s1", "index_copy", Source("x", (1, 1, 1, 1), 0.5), dim=2, index=None),
+        Read("t0", "s1", "clone"),
+    ),
+    outputs=("t0", "s1"),
+)
+
+
+def test_cache_written_in_place_read_and_returned_is_returned_as_its_buffer(registry: Registry) -> None:
+    report = check_program(RETURNED_AND_READ_CACHE, _targets(registry), registry, calls=4)
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]
+    edge = registry.hook.writeback_lower_for_engine(
+        engine=registry_engines(registry)["kv-alias"], program=export_built(build(RETURNED_AND_READ_CACHE))
+    )
+    assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s1"}

@@ -30,7 +30,9 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
          value that is the buffer itself, and still plans the buffer as
          mutable state rather than a constant.
       3. Order mutations: copy-back ones, then in-place ones, then user outputs
-         (exir pairs write-back copies with specs in that order).
+         (exir pairs write-back copies with specs in that order). A user output
+         that was an aliased write now returns its buffer, and its spec is
+         renamed after the buffer's placeholder.
 
     Refused (``ValueError``): a delegate left with no user once its aliased
     outputs point at the buffers (exir would drop it as dead code, and its
@@ -75,6 +77,9 @@ def settle_aliased(program: ExportedProgram, aliasing: EngineAliasing) -> Export
     for value, spec in zip(outputs, specs, strict=True):
         if spec.kind is OutputKind.BUFFER_MUTATION and spec.target in in_place:
             continue
+        if spec.kind is OutputKind.USER_OUTPUT and isinstance(value, torch.fx.Node) and value.op == "placeholder":
+            # A returned aliased write now returns its buffer: name the spec after it.
+            spec = OutputSpec(spec.kind, TensorArgument(value.name), spec.target)
         (copies if spec.kind is not OutputKind.USER_OUTPUT else users).append((value, spec))
     settled = [
         (p, OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(p.name), b)) for b, p in sorted(in_place.items())
