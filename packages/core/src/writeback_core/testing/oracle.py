@@ -20,8 +20,15 @@ runs it in one runtime configuration:
 Core imports no sibling package: the ``to_executorch`` step comes from the
 plugin owning ``writeback_to_executorch`` and a runtime from
 ``writeback_runtimes`` (:func:`registry_runtime`), so a third party's
-runtime is fuzzed the same way. Further targets (a backend's lowering, a copy-back engine) are
-:class:`Target` objects too; see ``EXTENSION POINT`` below.
+runtime is fuzzed the same way. Further targets are :class:`Target` objects
+too (``EXTENSION POINT`` below): a backend's lowering (the contract suite) and
+each aliasing engine's copy-back path (``writeback_core.testing.engines``). A
+target that cannot take a program raises :class:`TargetSkipped`, which is
+recorded with its reason, never counted as a pass.
+
+The eager reference refuses programs whose in-place writes read what they
+write (``writeback_core.testing.overlap``): eager's answer depends on the
+kernel's element order there, so nothing can be compared with it.
 
 A mismatch raises :class:`ProgramMismatch`, whose message is the program's
 source (a complete module) followed by what differed, where, and whether the

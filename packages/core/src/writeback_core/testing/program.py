@@ -163,15 +163,13 @@ class ProgramSpec:
     vector ``x`` (length :data:`X_LEN`) and int64 position ``pos`` (shape
     ``[1]``); with neither and no input state, ``forward`` takes nothing.
     ``temps`` records each temp's shape (the renderer needs none of it; the
-    generator and the contract suite read it). ``offset_initial`` keeps
-    initial state off the values constants take. It exists for one open bug:
-    early write-back under unplanned outputs (``MemoryPlanningPass(
-    alloc_graph_output=False)``) unplans a mutated buffer, exir then stores it
-    as constant data, merged with any constant of the same bytes, and writes
-    to the buffer corrupt that constant. That bug is pinned by
-    ``tests/fuzz/test_regressions.py`` (which sets this False); drawn programs
-    keep it True so that CI's fuzz keeps looking for other bugs. Set it to
-    False for every program once the pass is fixed.
+    generator and the contract suite read it). ``offset_initial`` shifts
+    initial state off the values constants take (floats by 0.125, ints by
+    100). It was the default while one bug was open (early write-back under
+    unplanned outputs let exir store a mutated buffer as constant data, merged
+    with an equal constant, fixed in 85daf0f and pinned by
+    ``tests/fuzz/test_regressions.py``); drawn programs now start on the
+    constants' grid, where such merges would show.
     """
 
     states: tuple[State, ...]
@@ -180,7 +178,7 @@ class ProgramSpec:
     has_x: bool = True
     has_pos: bool = True
     temps: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), compare=False)
-    offset_initial: bool = True
+    offset_initial: bool = False
 
     def state(self, name: str) -> State:
         for state in self.states:
