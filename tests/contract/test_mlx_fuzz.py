@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 from writeback_core.registry import load_registry
-from writeback_core.testing.contract import ContractViolation, check_backend_contract
+from writeback_core.testing.contract import check_backend_contract
 from writeback_core.testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
 from writeback_core.testing.program import ProgramSpec, Source, State, Write
 
@@ -31,9 +31,6 @@ def test_mlx_lowered_generated_programs_match_eager() -> None:
         plugins=MLX_PLUGINS,
         runtime="",
         backends=("mlx",),
-        # Programs returning a mutated buffer still break the contract on MLX (pinned by the
-        # strict xfail below); drop this once it passes.
-        strategy=(("state_outputs", False),),
     )
     report = run_fuzz(config)
     assert not report.failures, "\n".join(summary(report))
@@ -55,13 +52,10 @@ def test_mlx_lowers_a_program_that_returns_its_mutated_buffer() -> None:
     check_backend_contract(registry, "mlx", spec)
 
 
-@pytest.mark.xfail(strict=True, raises=ContractViolation, reason=(
-    "open (mlx-backend/passes): MLX accepts an index_copy_ of a buffer the program returns, "
-    "yet the lowered program still copies it back"))
 def test_mlx_contract_holds_for_an_index_copy_buffer_the_program_returns() -> None:
     """Found when the fuzz test above stopped excluding programs that return their state
-    (seed 77, the 27th program): the per-mutation answer says in place, the program says
-    copied back (``ContractViolation``)."""
+    (seed 77, the 27th program): MLX said in place, the program still copied back, since
+    the returned value must live outside the buffer. MLX now declines such a buffer."""
     registry = load_registry(entry_points=False,
                              plugins=[importlib.import_module(m) for m in MLX_PLUGINS])
     spec = ProgramSpec(

@@ -192,3 +192,22 @@ def test_signature_naming_a_missing_node_is_a_clear_error(aten) -> None:  # type
     spec.target = "ghost"
     with pytest.raises(ValueError, match="ghost"):
         find_mutations(program)
+
+
+class ReturnsOneOfTwo(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kept", torch.zeros(4))
+        self.register_buffer("returned", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kept.index_copy_(0, torch.tensor([1]), x)
+        self.returned.index_copy_(0, torch.tensor([2]), x)
+        return self.returned, x * 2.0
+
+
+def test_also_returned_tells_a_returned_new_value_from_a_write_back_only(aten) -> None:  # type: ignore[no-untyped-def]
+    program = aten(ReturnsOneOfTwo(), (torch.ones(1),))
+    found = _by_target(program)
+    assert found["returned"].also_returned(program.graph)  # written back and returned as output 2
+    assert not found["kept"].also_returned(program.graph)  # written back only

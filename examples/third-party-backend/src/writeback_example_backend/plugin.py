@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from writeback_core import (
     BackendSpec,
     Mutation,
@@ -39,17 +38,6 @@ def writeback_backends() -> Sequence[BackendSpec]:
     ]
 
 
-def _also_returned(graph: torch.fx.Graph, mutation: Mutation) -> bool:
-    """Whether the program returns the state's new value besides writing it back."""
-    outputs = graph.output_node().args[0]
-    if not isinstance(outputs, (list, tuple)):
-        return False
-    return any(
-        isinstance(out, torch.fx.Node) and out.name == mutation.value and i != mutation.output_index
-        for i, out in enumerate(outputs)
-    )
-
-
 @hookimpl
 def writeback_accepts_in_place(
     backend: str, partition: PartitionView, mutation: Mutation
@@ -59,7 +47,7 @@ def writeback_accepts_in_place(
     write = mutation.write
     if write.kind is not WriteKind.INDEX_COPY or write.node is None:
         return False
-    if mutation.kind is MutationKind.BUFFER and _also_returned(partition.graph, mutation):
+    if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
         # A buffer is planned memory; the value the caller gets back must live
         # elsewhere, so a copy is needed either way: keep exir's write-back.
         return False

@@ -129,6 +129,22 @@ class Mutation:
     dtype: torch.dtype
     user_input_index: int | None = field(default=None)
 
+    def also_returned(self, graph: torch.fx.Graph) -> bool:
+        """Whether ``graph`` (the program's, or a partition's view of it) also returns this
+        state's new value as an output of its own, besides writing it back.
+
+        A buffer's new value returned that way must live outside the buffer's
+        planned memory, so a copy is needed whether or not a backend writes the
+        buffer in place: a backend should decline such a buffer mutation.
+        """
+        outputs = graph.output_node().args[0]
+        if not isinstance(outputs, (list, tuple)):
+            return False
+        return any(
+            isinstance(out, torch.fx.Node) and out.name == self.value and index != self.output_index
+            for index, out in enumerate(outputs)
+        )
+
     @property
     def nbytes(self) -> int | None:
         """Bytes of the whole state tensor (what a full write-back copies), if static."""

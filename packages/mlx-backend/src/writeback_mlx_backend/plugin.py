@@ -61,6 +61,9 @@ def writeback_accepts_in_place(
         return False
     if not mutation.shape:
         return False  # 0-d state: no region to write
+    if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
+        # The returned value must live outside the buffer's memory: a copy either way.
+        return False
     return mutation.kind in (MutationKind.USER_INPUT, MutationKind.BUFFER)
 
 
