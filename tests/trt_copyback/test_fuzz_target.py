@@ -14,7 +14,13 @@ import pytest
 import torch
 from writeback_core.registry import Registry, load_registry
 from writeback_core.testing.engines import engine_targets, registry_engines
-from writeback_core.testing.oracle import check_program, export_built, registry_runtime
+from writeback_core.testing.oracle import (
+    ProgramMismatch,
+    check_program,
+    check_source,
+    export_built,
+    registry_runtime,
+)
 from writeback_core.testing.program import Derive, ProgramSpec, Read, Source, State, Write, build
 from writeback_trt_copyback import (
     KVAliasEngine,
@@ -195,3 +201,55 @@ def test_cache_written_in_place_read_and_returned_is_returned_as_its_buffer(regi
         engine=registry_engines(registry)["kv-alias"], program=export_built(build(RETURNED_AND_READ_CACHE))
     )
     assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s1"}
+
+
+_OPEN_COPY_BACK_BUG = (
+    "open (trt-copyback): a buffer copied from a view of another buffer that is itself "
+    "written in the same call gets that buffer's new value; found by the CI fuzz run (seed 0)"
+)
+
+COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER = '''import torch
+
+
+class FuzzModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('s0', ((torch.arange(2, dtype=torch.float32) % 5 - 2 + 0) * 0.5).reshape((1, 1, 2, 1)))
+        self.register_buffer('s1', ((torch.arange(2, dtype=torch.float32) % 5 - 2 + 1) * 0.5).reshape((1, 1, 2, 1)))
+
+    def forward(self):
+        t1 = self.s0.view(-1)
+        t0 = (self.s1.reshape(-1)[0:2].reshape((1, 1, 2, 1)))
+        t2 = t1 + t0.sum()
+        self.s0.copy_(t0)
+        self.s1.add_((t0.reshape(-1)[0:2].reshape((1, 1, 2, 1))))
+        return (t2, t1,)
+'''
+
+COPY_OF_A_BUFFER_WRITTEN_LATER = '''import torch
+
+
+class FuzzModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('s0', ((torch.arange(4, dtype=torch.float32) % 5 - 2 + 0) * 0.5).reshape((2, 1, 2, 1)))
+        self.register_buffer('s1', ((torch.arange(1, dtype=torch.float32) % 5 - 2 + 1) * 0.5).reshape((1,)))
+
+    def forward(self):
+        self.s1.copy_((self.s0.reshape(-1)[0:1].reshape((1,))))
+        t0 = self.s0.sum(0, keepdim=True)
+        self.s0.add_((self.s0.reshape(-1)[0:4].reshape((2, 1, 2, 1))))
+        self.s0.copy_((self.s0.reshape(-1)[0:4].reshape((2, 1, 2, 1))))
+        return (self.s1,)
+'''
+
+
+@pytest.mark.xfail(strict=True, raises=ProgramMismatch, reason=_OPEN_COPY_BACK_BUG)
+@pytest.mark.parametrize("source", [COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER, COPY_OF_A_BUFFER_WRITTEN_LATER],
+                         ids=["copy-from-view", "copy-then-write"])
+def test_copy_back_of_a_value_read_through_a_view_of_a_buffer_written_in_the_same_call(
+    registry: Registry, source: str,
+) -> None:
+    report = check_source(source + "\n\ndef step_inputs(step):\n    return ()\n\n\ndef make_state():\n    return ()\n",
+                          targets=_targets(registry), registry=registry)  # type: ignore[arg-type]
+    assert "kv-alias-pybind" in report.targets

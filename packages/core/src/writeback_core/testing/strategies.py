@@ -125,7 +125,8 @@ def _source(draw: st.DrawFn, scope: _Scope, shape: tuple[int, ...]) -> Source:
     n = _numel(shape)
     kinds: list[str] = []
     if scope.has_x:
-        kinds += ["const", "x", "x"]
+        # A source wider than the input vector (a big cache-shaped write) takes a constant.
+        kinds += ["const", "x", "x"] if n <= X_LEN else ["const"]
     temps = [t for t in scope.temps if _numel(t.shape) >= n]
     if temps:
         kinds.append("temp")
