@@ -128,36 +128,25 @@ def _rank(node: Any) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
-def _index_select_check(node: torch.fx.Node) -> str | None:
-    reason = _tensor_check(node)
-    if reason:
-        return reason
-    if _rank(node.args[0]) == 0:
-        return "0-d source (left to portable kernels)"
-    index = node.args[2]
-    if not isinstance(index, torch.fx.Node) or _rank(index) != 1:
-        return "index is not a 1-D tensor (a 0-d index is left to portable kernels)"
-    if index.meta["val"].dtype not in _INDEX_DTYPES:
-        return "index dtype is not int64/int32"
-    if not isinstance(node.args[1], int):
-        return "dim is not a literal int"
-    return None
+def _one_index_check(first: str) -> Callable[[torch.fx.Node], str | None]:
+    """Checks for ``op(x, dim, index, ...)`` with one 1-D integer index; ``first`` names ``x``."""
 
+    def check(node: torch.fx.Node) -> str | None:
+        reason = _tensor_check(node)
+        if reason:
+            return reason
+        if _rank(node.args[0]) == 0:
+            return f"0-d {first} (left to portable kernels)"
+        index = node.args[2]
+        if not isinstance(index, torch.fx.Node) or _rank(index) != 1:
+            return "index is not a 1-D tensor (a 0-d index is left to portable kernels)"
+        if index.meta["val"].dtype not in _INDEX_DTYPES:
+            return "index dtype is not int64/int32"
+        if not isinstance(node.args[1], int):
+            return "dim is not a literal int"
+        return None
 
-def _index_copy_check(node: torch.fx.Node) -> str | None:
-    reason = _tensor_check(node)
-    if reason:
-        return reason
-    if _rank(node.args[0]) == 0:
-        return "0-d destination (ATen accepts it; left to portable kernels)"
-    index = node.args[2]
-    if not isinstance(index, torch.fx.Node) or _rank(index) != 1:
-        return "index is not a 1-D tensor (a 0-d index is left to portable kernels)"
-    if index.meta["val"].dtype not in _INDEX_DTYPES:
-        return "index dtype is not int64/int32"
-    if not isinstance(node.args[1], int):
-        return "dim is not a literal int"
-    return None
+    return check
 
 
 def _index_put_check(node: torch.fx.Node) -> str | None:
@@ -226,6 +215,19 @@ def _prefix(dim: int) -> tuple[slice, ...]:
 # -- write ops ----------------------------------------------------------------------
 
 
+def _in_range(index: Any, op: str, dim: int, size: int, advice: str) -> np.ndarray:
+    """``index`` flattened as int64 numpy; ``IndexError`` naming the first index outside ``[0, size)``."""
+    idx = _to_np_index(index).reshape(-1)
+    bad = np.flatnonzero((idx < 0) | (idx >= size))
+    if bad.size:
+        first = int(bad[0])
+        raise IndexError(
+            f"{op}: index {int(idx[first])} at position {first} is out of range for "
+            f"dimension {dim} of size {size}; {advice}"
+        )
+    return idx
+
+
 def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
     """The numpy key of ``index_copy(dest, dim, index)``; raises on an index ATen rejects."""
     dim = _dim(dim, dest.ndim)
@@ -236,15 +238,8 @@ def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
         slot = int(index.item())
         if 0 <= slot < size:
             return (*_prefix(dim), slice(slot, slot + 1))
-    idx = _to_np_index(index).reshape(-1)
-    bad = np.flatnonzero((idx < 0) | (idx >= size))
-    if bad.size:
-        first = int(bad[0])
-        raise IndexError(
-            f"index_copy: index {int(idx[first])} at position {first} is out of range for "
-            f"dimension {dim} of size {size}; negative indices are rejected, not wrapped "
-            "(as ATen does). Pass indices in [0, size)."
-        )
+    idx = _in_range(index, "index_copy", dim, size,
+                    "negative indices are rejected, not wrapped (as ATen does). Pass indices in [0, size).")
     return (*_prefix(dim), idx)
 
 
@@ -392,14 +387,7 @@ def _index_select(x: Any, dim: int, index: Any) -> Any:
     # here costs one small evaluation, and a bad index never yields a value.
     dim = _dim(dim, x.ndim)
     size = x.shape[dim]
-    idx = _to_np_index(index).reshape(-1)
-    bad = np.flatnonzero((idx < 0) | (idx >= size))
-    if bad.size:
-        first = int(bad[0])
-        raise IndexError(
-            f"index_select: index {int(idx[first])} at position {first} is out of range for "
-            f"dimension {dim} of size {size}; pass indices in [0, size)."
-        )
+    idx = _in_range(index, "index_select", dim, size, "pass indices in [0, size).")
     return mx.take(x, mx.array(idx), axis=dim)
 
 
@@ -605,9 +593,9 @@ OPS: dict[str, OpHandler] = {
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
-    "aten.index_select.default": OpHandler(_index_select_check, _index_select),
+    "aten.index_select.default": OpHandler(_one_index_check("source"), _index_select),
     "aten.index_copy.default": OpHandler(
-        _index_copy_check, _index_copy_run, _index_copy_region, _index_copy_validate
+        _one_index_check("destination"), _index_copy_run, _index_copy_region, _index_copy_validate
     ),
     "aten.index_put.default": OpHandler(
         _index_put_check, _index_put_run, _index_put_region, _index_put_validate
