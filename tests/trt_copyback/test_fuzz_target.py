@@ -15,7 +15,6 @@ import torch
 from writeback_core.registry import Registry, load_registry
 from writeback_core.testing.engines import engine_targets, registry_engines
 from writeback_core.testing.oracle import (
-    ProgramMismatch,
     check_program,
     check_source,
     export_built,
@@ -203,11 +202,11 @@ def test_cache_written_in_place_read_and_returned_is_returned_as_its_buffer(regi
     assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s1"}
 
 
-_OPEN_COPY_BACK_BUG = (
-    "open (trt-copyback): a buffer copied from a view of another buffer that is itself "
-    "written in the same call gets that buffer's new value; found by the CI fuzz run (seed 0)"
-)
-
+# Found by the CI fuzz run (seed 0, kv-alias targets): a value leaving the graph (an output,
+# or a buffer's copy-back value) that is a view of a buffer written in the same call. to_edge
+# decomposes the program again with every write-back applied before it returns, so the view
+# showed the buffer's new value: -1 where eager returns -0.5, -2 where eager returns -1. Fixed
+# in lift.py (_detached): such a value is cloned where it is computed.
 COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER = '''import torch
 
 
@@ -243,13 +242,32 @@ class FuzzModule(torch.nn.Module):
         return (self.s1,)
 '''
 
+# The same view, where the written buffer is a cache with a one-slot write: the engine
+# declines to alias it (its old value is read through the output), so it is copied back too.
+VIEW_OF_AN_ALIASED_CACHE = '''import torch
 
-@pytest.mark.xfail(strict=True, raises=ProgramMismatch, reason=_OPEN_COPY_BACK_BUG)
-@pytest.mark.parametrize("source", [COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER, COPY_OF_A_BUFFER_WRITTEN_LATER],
-                         ids=["copy-from-view", "copy-then-write"])
-def test_copy_back_of_a_value_read_through_a_view_of_a_buffer_written_in_the_same_call(
+
+class FuzzModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('s0', ((torch.arange(4, dtype=torch.float32) % 5 - 2 + 0) * 0.5).reshape((1, 1, 4, 1)))
+        self.register_buffer('s1', ((torch.arange(4, dtype=torch.float32) % 5 - 2 + 1) * 0.5).reshape((1, 1, 4, 1)))
+        self.register_buffer('pos', torch.tensor([1]))
+
+    def forward(self):
+        t0 = self.s0.view(-1)
+        self.s0.copy_(self.s1)
+        self.s1.index_copy_(2, self.pos, torch.full((1, 1, 1, 1), 7.0))
+        return (t0, self.s1 * 2)
+'''
+
+
+@pytest.mark.parametrize("source", [COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER, COPY_OF_A_BUFFER_WRITTEN_LATER,
+                                    VIEW_OF_AN_ALIASED_CACHE],
+                         ids=["copy-from-view", "copy-then-write", "view-of-aliased-cache"])
+def test_output_that_views_a_buffer_written_in_the_same_call_keeps_the_old_values(
     registry: Registry, source: str,
 ) -> None:
     report = check_source(source + "\n\ndef step_inputs(step):\n    return ()\n\n\ndef make_state():\n    return ()\n",
                           targets=_targets(registry), registry=registry)  # type: ignore[arg-type]
-    assert "kv-alias-pybind" in report.targets
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"] and not report.skipped

@@ -23,6 +23,7 @@ from writeback_core import hookspecs, meta
 from writeback_core._name import NAME
 from writeback_core.mutations import Mutation
 from writeback_core.types import (
+    AliasingEngine,
     BackendSpec,
     PartitionView,
     ProgramPass,
@@ -163,6 +164,10 @@ class Registry:
         """Every Python runtime delegate offered, keyed by backend id."""
         found = self._unique("writeback_runtime_delegates", "backend_id", "runtime delegate")
         return {n: d for n, (_, d) in found.items()}
+
+    def engines(self) -> dict[str, AliasingEngine]:
+        """Every aliasing engine offered (``writeback_engines``), keyed by name, in name order."""
+        return {n: e for n, (_, e) in sorted(self._unique("writeback_engines", "name", "engine").items())}
 
     def runtimes(self) -> dict[str, RuntimeSpec]:
         """Every runtime offered (``writeback_runtimes``), keyed by name."""

@@ -36,6 +36,10 @@ RETURNED_ONLY_WRITE = (
 )
 
 
+# Outputs whose value is cloned where computed when it may view a written input (_detached).
+_DETACHED_OUTPUTS = (OutputKind.USER_OUTPUT, OutputKind.USER_INPUT_MUTATION)
+
+
 class Mode(enum.Enum):
     """``PREDICT`` decides each buffer before lowering and cross-checks after; ``KEEP_ALL``
     keeps every buffer's copy-back value until the engine's ``aliased_io`` settles it."""
@@ -123,23 +127,33 @@ def _unread(value: torch.fx.Node, write: torch.fx.Node | None) -> str | None:
     return RETURNED_ONLY_WRITE if value.users else DEAD_WRITE
 
 
-def _detached(value: torch.fx.Node, analysis: AliasAnalysis, placeholders: list[torch.fx.Node]) -> torch.fx.Node:
-    """``value``, or a clone of it when it may share storage with a program input.
+def _detached(
+    value: torch.fx.Node, analysis: AliasAnalysis, written: list[torch.fx.Node], clones: dict[str, torch.fx.Node]
+) -> torch.fx.Node:
+    """``value``, or a clone of it when it may share storage with an input some write-back changes.
 
-    A mutation value that is a view of an input (``s1.copy_(s0[0:1])`` before
-    ``s0.add_(...)`` leaves s1's new value a view of the old s0) is right in
-    this graph, but ``to_edge`` decomposes the program again, by running it with
-    each write-back applied in output order: s0 is written first, the view then
-    shows the new s0, and s1 gets it (found by the fuzzer). A clone taken where
-    the value is computed keeps the old values through any retrace.
+    A value leaving the graph (an output or a copy-back value) that is a view
+    of a written input (``s1.copy_(s0[0:1])`` before ``s0.add_(...)`` leaves
+    s1's new value a view of the old s0; ``t = s0.view(-1)`` before
+    ``s0.copy_(s1)`` leaves the output ``t`` a view of the old s1) is right in
+    this graph, but ``to_edge`` decomposes the program again by running it with
+    each write-back applied before it returns: the view then shows the
+    written input's new values (found by the fuzzer, both ways). An engine
+    writing that input in place would do the same at run time. A clone taken
+    where the value is computed keeps the old values through any retrace.
+    ``clones`` holds one clone per value, so an output that is also a copy-back
+    value is copied once.
     """
-    if not any(analysis.may_alias(value, p) for p in placeholders):
+    if not any(analysis.may_alias(value, p) for p in written):
         return value
+    if value.name in clones:
+        return clones[value.name]
     with value.graph.inserting_after(value):
         clone = value.graph.call_function(torch.ops.aten.clone.default, (value,))
     for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
         if key in value.meta:
             clone.meta[key] = value.meta[key]
+    clones[value.name] = clone
     return clone
 
 
@@ -184,8 +198,8 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
          that one is copied back and its write node gets ``meta.NO_ALIAS``.
          ``KEEP_ALL``: every buffer is kept for copy-back; the engine settles it.
       4. Append each copy-back value as a trailing output (a clone of it when it
-         may be a view of an input: :func:`_detached`; user-input mutations get
-         the same), record
+         may be a view of an input some write-back changes: :func:`_detached`;
+         user outputs and user-input mutations get the same), record
          ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``
          for :func:`~writeback_trt_copyback.declare.declare_copy_back`, and record
          each buffer's class under ``meta.COPY_BACK_CLASS`` on its placeholder and
@@ -196,7 +210,8 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     qualified names (``layers.0.attn.k_cache``) throughout.
     """
     lifted = program.run_decompositions()
-    mutations = [m for m in find_mutations(lifted) if m.kind is MutationKind.BUFFER]
+    found = find_mutations(lifted)
+    mutations = [m for m in found if m.kind is MutationKind.BUFFER]
     module = lifted.graph_module
     graph = module.graph
     specs = list(lifted.graph_signature.output_specs)
@@ -210,11 +225,14 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     by_name = {n.name: n for n in graph.nodes}
     classes = [_classify(m, by_name, engine, mode) for m in mutations]
     analysis = AliasAnalysis(graph)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    written = [by_name[m.placeholder] for m in found]
+    clones: dict[str, torch.fx.Node] = {}
     for i, (value, spec) in enumerate(kept):
-        if spec.kind is OutputKind.USER_INPUT_MUTATION:
-            value = _detached(value, analysis, placeholders)
-            kept[i] = (value, OutputSpec(spec.kind, TensorArgument(value.name), spec.target))
+        if not isinstance(value, torch.fx.Node) or spec.kind not in _DETACHED_OUTPUTS:
+            continue
+        detached = _detached(value, analysis, written, clones)
+        if detached is not value:
+            kept[i] = (detached, OutputSpec(spec.kind, TensorArgument(detached.name), spec.target))
     records: list[dict[str, str]] = []
     for cls, write_node in classes:
         meta.set_custom(by_name[cls.placeholder], meta.COPY_BACK_CLASS, cls.to_meta(mode))
@@ -225,7 +243,7 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
         if write_node is not None and cls.marked:
             meta.set_custom(write_node, meta.NO_ALIAS, cls.target)
         if not cls.aliased or mode is Mode.KEEP_ALL:
-            value = _detached(by_name[cls.value], analysis, placeholders)
+            value = _detached(by_name[cls.value], analysis, written, clones)
             kept.append((value, OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(value.name), None)))
             records.append({"buffer": cls.target, "value": value.name, "state": "pending"})
     model_out_spec = out_spec_of(lifted)

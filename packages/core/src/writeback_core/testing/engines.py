@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from writeback_core.registry import Registry
+from writeback_core.registry import DuplicateNameError, Registry
 from writeback_core.testing.oracle import (
     Lowered,
     LoweringError,
@@ -56,29 +56,16 @@ ENGINE_VERDICTS: dict[bool | None, str] = {
 }
 
 
-class DuplicateEngineError(ValueError):
-    """Two plugins offered an engine of one name."""
+# Two plugins offering an engine of one name: what Registry.engines raises.
+DuplicateEngineError = DuplicateNameError
 
 
 def registry_engines(registry: Registry) -> dict[str, AliasingEngine]:
-    """Every engine offered through ``writeback_engines``, keyed by name.
+    """Every engine offered through ``writeback_engines``, keyed by name (:meth:`Registry.engines`).
 
-    Plugins are read in name order, so hook order never changes the result;
-    two plugins offering one name raise :class:`DuplicateEngineError` naming both.
+    Two plugins offering one name raise :class:`DuplicateEngineError` naming both.
     """
-    caller = registry.hook.writeback_engines
-    offered = sorted(((impl.plugin_name, impl.function()) for impl in caller.get_hookimpls()),
-                     key=lambda item: item[0])
-    found: dict[str, tuple[str, AliasingEngine]] = {}
-    for plugin, engines in offered:
-        for engine in engines or ():
-            if engine.name in found:
-                raise DuplicateEngineError(
-                    f"engine {engine.name!r} is offered by both plugin {found[engine.name][0]!r} "
-                    f"and plugin {plugin!r}; block one with WRITEBACK_BLOCK_PLUGINS={plugin}"
-                )
-            found[engine.name] = (plugin, engine)
-    return {name: engine for name, (_, engine) in sorted(found.items())}
+    return registry.engines()
 
 
 @dataclass(frozen=True)
