@@ -128,9 +128,9 @@ def _unread(value: torch.fx.Node, write: torch.fx.Node | None) -> str | None:
 
 
 def _detached(
-    value: torch.fx.Node, analysis: AliasAnalysis, written: list[torch.fx.Node], clones: dict[str, torch.fx.Node]
+    value: torch.fx.Node, analysis: AliasAnalysis, inputs: list[torch.fx.Node], clones: dict[str, torch.fx.Node]
 ) -> torch.fx.Node:
-    """``value``, or a clone of it when it may share storage with an input some write-back changes.
+    """``value``, or a clone of it when it may share storage with one of ``inputs``.
 
     A value leaving the graph (an output or a copy-back value) that is a view
     of a written input (``s1.copy_(s0[0:1])`` before ``s0.add_(...)`` leaves
@@ -141,10 +141,13 @@ def _detached(
     written input's new values (found by the fuzzer, both ways). An engine
     writing that input in place would do the same at run time. A clone taken
     where the value is computed keeps the old values through any retrace.
-    ``clones`` holds one clone per value, so an output that is also a copy-back
-    value is copied once.
+    A user output is checked against the written inputs only (a view of an
+    input nothing writes keeps its values); a write-back value against every
+    input, so no write-back is ever a view of another input. ``clones`` holds
+    one clone per value, so an output that is also a copy-back value is
+    copied once.
     """
-    if not any(analysis.may_alias(value, p) for p in written):
+    if not any(analysis.may_alias(value, p) for p in inputs):
         return value
     if value.name in clones:
         return clones[value.name]
@@ -198,8 +201,9 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
          that one is copied back and its write node gets ``meta.NO_ALIAS``.
          ``KEEP_ALL``: every buffer is kept for copy-back; the engine settles it.
       4. Append each copy-back value as a trailing output (a clone of it when it
-         may be a view of an input some write-back changes: :func:`_detached`;
-         user outputs and user-input mutations get the same), record
+         may be a view of an input: :func:`_detached`; user-input mutations get
+         the same, and user outputs that may view an input some write-back
+         changes), record
          ``{buffer, value, state}`` in ``graph_module.meta[COPY_BACK_RECORDS]``
          for :func:`~writeback_trt_copyback.declare.declare_copy_back`, and record
          each buffer's class under ``meta.COPY_BACK_CLASS`` on its placeholder and
@@ -225,12 +229,14 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     by_name = {n.name: n for n in graph.nodes}
     classes = [_classify(m, by_name, engine, mode) for m in mutations]
     analysis = AliasAnalysis(graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     written = [by_name[m.placeholder] for m in found]
     clones: dict[str, torch.fx.Node] = {}
     for i, (value, spec) in enumerate(kept):
         if not isinstance(value, torch.fx.Node) or spec.kind not in _DETACHED_OUTPUTS:
             continue
-        detached = _detached(value, analysis, written, clones)
+        inputs = written if spec.kind is OutputKind.USER_OUTPUT else placeholders
+        detached = _detached(value, analysis, inputs, clones)
         if detached is not value:
             kept[i] = (detached, OutputSpec(spec.kind, TensorArgument(detached.name), spec.target))
     records: list[dict[str, str]] = []
@@ -243,7 +249,7 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
         if write_node is not None and cls.marked:
             meta.set_custom(write_node, meta.NO_ALIAS, cls.target)
         if not cls.aliased or mode is Mode.KEEP_ALL:
-            value = _detached(by_name[cls.value], analysis, written, clones)
+            value = _detached(by_name[cls.value], analysis, placeholders, clones)
             kept.append((value, OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(value.name), None)))
             records.append({"buffer": cls.target, "value": value.name, "state": "pending"})
     model_out_spec = out_spec_of(lifted)
