@@ -13,6 +13,7 @@ from writeback_core.registry import Registry, load_registry
 from writeback_core.testing.oracle import (
     ProgramMismatch,
     StockTarget,
+    TargetError,
     check_program,
     check_source,
     registry_runtime,
@@ -83,3 +84,40 @@ def test_oracle_catches_dropped_write_back_and_its_reproducer_reproduces() -> No
 def test_oracle_refuses_fewer_than_three_calls(fuzz_registry: Registry) -> None:
     with pytest.raises(ValueError, match="at least 3"):
         check_program(SPEC, [StockTarget()], fuzz_registry, calls=2)
+
+
+# Drawn three times by the CI fuzz run (chunk 3) since constant sources came in: stock
+# ExecuTorch 1.5.1 cannot load a program that reads a one-element buffer through a view and
+# writes it with a value computed from constants, once the buffer is initialised
+# (InitializedMutableBufferPass): the runtime logs "offset index 2 out of range >= 2" and
+# refuses the method (0x20). Reduced by hand from the drawn program; a (2,) buffer loads.
+UPSTREAM_LOAD_FAILURE = """import torch
+
+
+class FuzzModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('s0', torch.full((1,), -1.0))
+
+    def forward(self, x):
+        t0 = self.s0.view(-1) + 1.0
+        self.s0.copy_(torch.arange(5, 6, dtype=torch.float32) * -1.0)
+        return t0
+
+
+def step_inputs(step):
+    return (torch.ones(32),)
+
+
+def make_state():
+    return ()
+"""
+
+
+def test_a_program_stock_cannot_load_without_writeback_either_is_an_upstream_error_not_a_pass(
+    fuzz_registry: Registry,
+) -> None:
+    with pytest.raises(TargetError, match=r"0x:20 \(fails without writeback's passes too \(upstream\)\)") as caught:
+        check_source(UPSTREAM_LOAD_FAILURE, [StockTarget("stock")], fuzz_registry)
+    assert caught.value.upstream is True and caught.value.target == "stock"
+    assert "register_buffer('s0'" in str(caught.value)  # the reproducer comes with it
