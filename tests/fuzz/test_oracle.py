@@ -90,7 +90,12 @@ def test_oracle_refuses_fewer_than_three_calls(fuzz_registry: Registry) -> None:
 # ExecuTorch 1.5.1 cannot load a program that reads a one-element buffer through a view and
 # writes it with a value computed from constants, once the buffer is initialised
 # (InitializedMutableBufferPass): the runtime logs "offset index 2 out of range >= 2" and
-# refuses the method (0x20). Reduced by hand from the drawn program; a (2,) buffer loads.
+# refuses the method (0x20). Reduced by hand from the drawn program. The cause is exir's
+# emitter: with emit_mutable_buffer_names (what lets a runtime read a buffer by name) a
+# mutable tensor's initial bytes are looked up among the constants, so the view, emitted
+# after the lifted scalar -1.0, takes that constant's index as its mutable-data index. It
+# loads with the names off, with a buffer whose bytes equal no constant (-2.0, or a (2,)
+# buffer), or without the view.
 UPSTREAM_LOAD_FAILURE = """import torch
 
 
