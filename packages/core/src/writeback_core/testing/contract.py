@@ -49,7 +49,7 @@ from writeback_core.testing.oracle import (
     Target,
     built_from_case,
     compare_observations,
-    eager_run,
+    eager_reference,
     export_built,
     registry_runtime,
 )
@@ -162,8 +162,10 @@ def check_backend_contract(
     :raises ContractViolation: an accepted mutation is still copied back, or a
         declined one is not.
     :raises ProgramMismatch: a run differs from eager PyTorch.
+    :raises InvalidProgram: eager PyTorch itself fails on the program (nothing is lowered).
     """
     built = program if isinstance(program, Built) else build(program)
+    expected = eager_reference(built, calls)
     if runtime is None:
         runtime = registry_runtime(registry)
         if runtime is None:
@@ -198,7 +200,6 @@ def check_backend_contract(
         RuntimeTarget(f"{backend}-planned", runtime, planned=True),
         StockTarget(f"{backend}-stock"),
     ]
-    expected = eager_run(built, calls)
     for runner in targets:
         observed = runner.run(lowered, calls)
         for call, (want, got) in enumerate(zip(expected, observed, strict=True)):

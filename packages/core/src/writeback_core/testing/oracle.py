@@ -71,6 +71,7 @@ __all__ = [
     "check_program",
     "check_source",
     "compare_observations",
+    "eager_reference",
     "eager_run",
     "export_built",
     "lower_program",
@@ -380,6 +381,17 @@ def eager_run(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
     return observations
 
 
+def eager_reference(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
+    """:func:`eager_run`, or :class:`InvalidProgram` when eager PyTorch itself fails on the
+    program (an overlapping in-place write it refuses, or one :func:`eager_run` refuses):
+    there is then nothing to compare a lowered program with."""
+    try:
+        return eager_run(built, calls)
+    except Exception as error:
+        raise InvalidProgram(f"eager PyTorch fails: {type(error).__name__}: {error}\n"
+                             f"--- program ---\n{built.source}") from error
+
+
 class Target(Protocol):
     """One way to lower and run a program; ``run`` returns what each call produced.
 
@@ -575,11 +587,7 @@ def check_program(
         raise ValueError(f"calls must be at least 3 (state must be carried twice), got {calls}")
     built = program if isinstance(program, Built) else build(program)
     targets = list(targets) if targets is not None else [StockTarget()]
-    try:
-        expected = eager_run(built, calls)
-    except Exception as error:
-        raise InvalidProgram(f"eager PyTorch fails: {type(error).__name__}: {error}\n"
-                             f"--- program ---\n{built.source}") from error
+    expected = eager_reference(built, calls)
     lowered = Lowered(built, registry)
     report = OracleReport(built.source)
     for target in targets:
