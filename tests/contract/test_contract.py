@@ -25,9 +25,9 @@ EXAMPLE_PLUGINS = (
     "writeback_example_backend.plugin",
 )
 
+
 def _registry(modules: tuple[str, ...]) -> Registry:
-    return load_registry(entry_points=False,
-                         plugins=[importlib.import_module(m) for m in modules])
+    return load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in modules])
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,7 @@ def example_registry() -> Registry:
 
 
 @pytest.mark.parametrize("case", zoo_cases(), ids=lambda case: case.name)
-def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registry,
-                                                       case: object) -> None:
+def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registry, case: object) -> None:
     assert backend_names(example_registry) == ["example"]
     report = check_backend_contract(example_registry, "example", case.built)  # type: ignore[attr-defined]
     assert report.targets == ["example-unplanned", "example-planned", "example-stock"]
@@ -45,10 +44,12 @@ def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registr
 
 # A fixed seed, as the CI fuzz chunks have: a run that passes once passes again.
 @seed(4711)
-@settings(max_examples=15, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(programs(writes=("index_copy", "add", "slice"), max_buffers=1, max_inputs=1,
-                max_statements=4, no_input_chance=False))
+@settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    programs(
+        writes=("index_copy", "add", "slice"), max_buffers=1, max_inputs=1, max_statements=4, no_input_chance=False
+    )
+)
 def test_example_backend_keeps_its_contract_on_generated_programs(spec: ProgramSpec) -> None:
     try:
         check_backend_contract(_registry(EXAMPLE_PLUGINS), "example", spec)
@@ -72,7 +73,8 @@ EAGER_REFUSES = ProgramSpec(
 
 
 def test_contract_check_refuses_a_program_eager_itself_fails_on_before_lowering_anything(
-    example_registry: Registry, monkeypatch: pytest.MonkeyPatch,
+    example_registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import writeback_core.testing.contract as contract
 
@@ -93,8 +95,7 @@ def test_functional_index_copy_on_a_read_only_buffer_leaves_it_alone(
     from writeback_core.testing.program import Derive, Source, State, Write
 
     write = Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None)
-    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),),
-                       statements=(Derive("t0", write),), outputs=("t0", "s0"))
+    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),), statements=(Derive("t0", write),), outputs=("t0", "s0"))
     report = check_backend_contract(example_registry, "example", spec)
     assert report.delegated == 1 and report.decisions == {}
 
@@ -115,17 +116,19 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
             return [early_write_back_pass()] if stage == "before_memory_planning" else []
 
         @hookimpl
-        def writeback_to_executorch(self, edge_manager: object, config: object,
-                                    registry: Registry) -> object:
+        def writeback_to_executorch(self, edge_manager: object, config: object, registry: Registry) -> object:
             from writeback_passes.pipeline import to_executorch
 
             return to_executorch(edge_manager, config, registry=registry)  # type: ignore[arg-type]
 
-    registry = load_registry(entry_points=False, plugins=[
-        importlib.import_module("writeback_pybind_runtime.plugin"),
-        importlib.import_module("writeback_example_backend.plugin"),
-        EarlyOnly(),
-    ])
+    registry = load_registry(
+        entry_points=False,
+        plugins=[
+            importlib.import_module("writeback_pybind_runtime.plugin"),
+            importlib.import_module("writeback_example_backend.plugin"),
+            EarlyOnly(),
+        ],
+    )
     spec = ProgramSpec(
         states=(State("s0", "input", (4, 3)),),
         statements=(Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None),),
@@ -136,12 +139,14 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
 
 
 def _installed_params() -> list[object]:
-    return [pytest.param(backend, case, id=f"{backend}-{case.name}")
-            for backend in backend_names(load_registry()) for case in zoo_cases()]
+    return [
+        pytest.param(backend, case, id=f"{backend}-{case.name}")
+        for backend in backend_names(load_registry())
+        for case in zoo_cases()
+    ]
 
 
 @pytest.mark.parametrize(("backend", "case"), _installed_params())
-def test_every_installed_backend_keeps_its_contract_on_the_zoo(backend: str,
-                                                               case: object) -> None:
+def test_every_installed_backend_keeps_its_contract_on_the_zoo(backend: str, case: object) -> None:
     """Every backend the entry points offer, on every zoo model."""
     check_backend_contract(load_registry(), backend, case.built)  # type: ignore[attr-defined]

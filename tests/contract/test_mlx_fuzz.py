@@ -42,8 +42,7 @@ def test_mlx_lowers_a_program_that_returns_its_mutated_buffer() -> None:
     the program also returns, which exir's to_edge_transform_and_lower refuses ('Constant s0
     was tagged to be consumed by the buffer ... also used as other types of outputs'). Such a
     buffer now stays a program buffer."""
-    registry = load_registry(entry_points=False,
-                             plugins=[importlib.import_module(m) for m in MLX_PLUGINS])
+    registry = load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in MLX_PLUGINS])
     spec = ProgramSpec(
         states=(State("s0", "buffer", (2, 3)),),
         statements=(Write("s0", "add", Source("x", (2, 3), 0.5)),),
@@ -56,8 +55,7 @@ def test_mlx_contract_holds_for_an_index_copy_buffer_the_program_returns() -> No
     """Found when the fuzz test above stopped excluding programs that return their state
     (seed 77, the 27th program): MLX said in place, the program still copied back, since
     the returned value must live outside the buffer. MLX now declines such a buffer."""
-    registry = load_registry(entry_points=False,
-                             plugins=[importlib.import_module(m) for m in MLX_PLUGINS])
+    registry = load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in MLX_PLUGINS])
     spec = ProgramSpec(
         states=(State("s0", "buffer", (1,)),),
         statements=(Write("s0", "index_copy", Source("const", (1,), 0.5), dim=0, index=0),),

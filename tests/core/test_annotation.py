@@ -59,9 +59,7 @@ def test_decision_on_a_placeholder_the_graph_lacks_is_a_clear_error() -> None:
     registry = load_registry(entry_points=False)
     graph = program.graph_module.graph
     with pytest.raises(KeyError, match="b_blocks_0_k_cache"):
-        registry.annotate_in_place(
-            graph, "toy", PartitionView("toy", frozenset(), graph), find_mutations(other)
-        )
+        registry.annotate_in_place(graph, "toy", PartitionView("toy", frozenset(), graph), find_mutations(other))
     assert in_place_decisions(program) == {}
 
 
@@ -75,9 +73,7 @@ def test_example_backend_runs_from_pte_and_writes_the_cache() -> None:
     case = builtin_models()["decoder-caller-cache"]
     from writeback_example_backend.backend import ExamplePartitioner
 
-    lowered = to_edge_transform_and_lower(
-        export_case(case), partitioner=[ExamplePartitioner(registry)]
-    )
+    lowered = to_edge_transform_and_lower(export_case(case), partitioner=[ExamplePartitioner(registry)])
     graph_module = lowered.exported_program().graph_module
     blobs = [m for _, m in graph_module.named_children() if hasattr(m, "processed_bytes")]
     assert blobs

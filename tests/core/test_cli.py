@@ -102,9 +102,7 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
 
         @hookimpl
         def writeback_models(self) -> dict[str, ModelCase]:
-            return {
-                "tick": ModelCase("tick", "a plugin's model", Tick, lambda step: (torch.ones(4),))
-            }
+            return {"tick": ModelCase("tick", "a plugin's model", Tick, lambda step: (torch.ones(4),))}
 
         @hookimpl
         def writeback_explain_columns(self, mutation) -> dict[str, str] | None:  # type: ignore[no-untyped-def]

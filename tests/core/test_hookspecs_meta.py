@@ -9,11 +9,7 @@ import pytest
 from writeback_core import hookspecs
 
 TESTS = Path(__file__).resolve().parents[1]
-SPECS = sorted(
-    name
-    for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-    if hasattr(fn, "writeback_spec")
-)
+SPECS = sorted(name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "writeback_spec"))
 
 
 def test_there_are_hookspecs() -> None:
@@ -43,8 +39,6 @@ def test_hookspec_is_documented_and_typed(name: str) -> None:
 @pytest.mark.parametrize("name", SPECS)
 def test_hookspec_has_a_test(name: str) -> None:
     mentioned = [
-        path
-        for path in TESTS.rglob("test_*.py")
-        if path.name != Path(__file__).name and name in path.read_text()
+        path for path in TESTS.rglob("test_*.py") if path.name != Path(__file__).name and name in path.read_text()
     ]
     assert mentioned, f"no test mentions hook {name}"

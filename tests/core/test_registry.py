@@ -160,8 +160,10 @@ def test_program_passes_are_ordered_by_order_then_name_whatever_the_registration
     b = ProgramPass("a-late", "before_memory_planning", run=lambda gm: None, order=10)
     c = ProgramPass("early", "before_memory_planning", run=lambda gm: None, order=1)
     e = ProgramPass("edge-only", "edge", run=lambda ep: None)
-    for plugins in ([contributing("x", [a, e]), contributing("y", [b, c])],
-                    [contributing("y", [b, c]), contributing("x", [a, e])]):
+    for plugins in (
+        [contributing("x", [a, e]), contributing("y", [b, c])],
+        [contributing("y", [b, c]), contributing("x", [a, e])],
+    ):
         registry = load_registry(entry_points=False, plugins=plugins)
         names = [p.name for p in registry.program_passes("before_memory_planning")]
         assert names[:3] == ["early", "a-late", "b-late"]

@@ -69,5 +69,5 @@ def test_windowed_prefill_of_several_tokens_equals_decoding_them_one_by_one() ->
         caches = [torch.zeros(cfg.cache_shape) for _ in range(2)]
         prefill = model(tokens, torch.arange(5), *caches)
         caches = [torch.zeros(cfg.cache_shape) for _ in range(2)]
-        one_by_one = torch.cat([model(tokens[:, i:i + 1], torch.tensor([i]), *caches) for i in range(5)], dim=1)
+        one_by_one = torch.cat([model(tokens[:, i : i + 1], torch.tensor([i]), *caches) for i in range(5)], dim=1)
     torch.testing.assert_close(prefill, one_by_one)

@@ -18,8 +18,17 @@ def test_bench_two_smallest_sizes_one_repeat_prints_every_pipeline_and_writes_th
     plot = tmp_path / "bench.png"
     result = CliRunner().invoke(main, ["bench", "--sizes", "1,2", "--repeats", "1", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
-    for text in ("1 MiB", "2 MiB", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "slice copy_ (floor)",
-                 "stock / writeback", "goals at 2 MiB:"):
+    for text in (
+        "1 MiB",
+        "2 MiB",
+        STOCK,
+        REINPLACE,
+        WRITEBACK,
+        "eager (floor)",
+        "slice copy_ (floor)",
+        "stock / writeback",
+        "goals at 2 MiB:",
+    ):
         assert text in result.output
     # Every pipeline lowered, ran and matched eager on its warm-up calls.
     assert "failed" not in result.output and "wrong" not in result.output

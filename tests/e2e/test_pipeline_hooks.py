@@ -99,8 +99,11 @@ def test_two_plugins_offering_an_allocator_for_one_backend_is_an_error_naming_bo
             return {"mlx": lambda shape, dtype: torch.zeros(tuple(shape), dtype=dtype)}
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, Other()])
-    with pytest.raises(DuplicateNameError, match=r"'mlx-backend' and plugin 'other-allocator'|"
-                                                 r"'other-allocator' and plugin 'mlx-backend'"):
+    with pytest.raises(
+        DuplicateNameError,
+        match=r"'mlx-backend' and plugin 'other-allocator'|"
+        r"'other-allocator' and plugin 'mlx-backend'",
+    ):
         registry.state_allocators()
 
 

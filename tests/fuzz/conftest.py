@@ -29,6 +29,4 @@ def fuzz_registry() -> Registry:
     """A fresh registry with exactly :data:`FUZZ_PLUGINS`."""
     import importlib
 
-    return load_registry(
-        entry_points=False, plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS]
-    )
+    return load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS])

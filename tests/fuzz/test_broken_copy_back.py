@@ -34,10 +34,12 @@ def test_fuzzer_catches_an_engine_path_that_skips_a_copy_back(monkeypatch: pytes
         return dataclasses.replace(cls, aliased=True, reason=None, marked=False), None
 
     monkeypatch.setattr(lift, "_classify", everything_aliased)
-    monkeypatch.setattr(compile_module, "check_aliasing",
-                        lambda program, engine, engines_built=True: engine_aliasing(program, engine))
-    config = FuzzConfig(programs=BUDGET, seed=0, jobs=1, entry_points=False, plugins=ENGINE_PLUGINS,
-                        runtime_every=1000, shrink=False)
+    monkeypatch.setattr(
+        compile_module, "check_aliasing", lambda program, engine, engines_built=True: engine_aliasing(program, engine)
+    )
+    config = FuzzConfig(
+        programs=BUDGET, seed=0, jobs=1, entry_points=False, plugins=ENGINE_PLUGINS, runtime_every=1000, shrink=False
+    )
     report = run_fuzz(config)
     assert report.failures, f"skipped copy-back not caught in {BUDGET} programs: {summary(report)}"
     (failure,) = report.failures
@@ -46,7 +48,6 @@ def test_fuzzer_catches_an_engine_path_that_skips_a_copy_back(monkeypatch: pytes
     assert failure.source is not None
     # With the real path back, the same reproducer passes every target of the engine.
     monkeypatch.undo()
-    registry = load_registry(entry_points=False,
-                             plugins=[importlib.import_module(m) for m in ENGINE_PLUGINS])
+    registry = load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in ENGINE_PLUGINS])
     report_back = check_source(failure.source, engine_targets(registry, registry_runtime(registry)), registry)
     assert report_back.targets == ["kv-alias-pybind", "kv-alias-stock"]

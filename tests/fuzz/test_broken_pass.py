@@ -26,8 +26,9 @@ def test_fuzzer_catches_early_write_back_that_ignores_readers_through_views(
     import writeback_passes.early_write_back as early
 
     monkeypatch.setattr(early, "_BECOMES_VIEW", frozenset())
-    config = FuzzConfig(programs=BUDGET, seed=0, jobs=1, entry_points=False,
-                        plugins=FUZZ_PLUGINS, runtime="", shrink=False)
+    config = FuzzConfig(
+        programs=BUDGET, seed=0, jobs=1, entry_points=False, plugins=FUZZ_PLUGINS, runtime="", shrink=False
+    )
     report = run_fuzz(config)
     assert report.failures, f"broken rule not caught in {BUDGET} programs: {summary(report)}"
     (failure,) = report.failures
@@ -36,6 +37,5 @@ def test_fuzzer_catches_early_write_back_that_ignores_readers_through_views(
     assert failure.source is not None and ".view(-1)" in failure.source
     # With the real rule back, the same reproducer passes: the broken rule was the cause.
     monkeypatch.undo()
-    registry = load_registry(entry_points=False,
-                             plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS])
+    registry = load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in FUZZ_PLUGINS])
     check_source(failure.source, [StockTarget()], registry)

@@ -7,9 +7,7 @@ from writeback_core.cli import main
 
 
 def test_fuzz_command_is_added_through_writeback_cli_commands_and_reports() -> None:
-    result = CliRunner().invoke(
-        main, ["fuzz", "--programs", "3", "--seed", "7", "--jobs", "1", "--runtime", ""]
-    )
+    result = CliRunner().invoke(main, ["fuzz", "--programs", "3", "--seed", "7", "--jobs", "1", "--runtime", ""])
     assert result.exit_code == 0, result.output
     assert "3 programs passed" in result.output
     assert "0 mismatches" in result.output

@@ -14,8 +14,9 @@ REFUSING = (*FUZZ_PLUGINS, "tests.fuzz.refusing_engine")
 
 
 def test_program_an_engine_refuses_through_writeback_lower_for_engine_is_counted_as_skipped() -> None:
-    config = FuzzConfig(programs=3, seed=5, jobs=1, entry_points=False, plugins=REFUSING,
-                        runtime_every=1000, shrink=False)
+    config = FuzzConfig(
+        programs=3, seed=5, jobs=1, entry_points=False, plugins=REFUSING, runtime_every=1000, shrink=False
+    )
     report = run_fuzz(config)
     lines = "\n".join(summary(report))
     assert not report.failures, lines
@@ -26,20 +27,29 @@ def test_program_an_engine_refuses_through_writeback_lower_for_engine_is_counted
 
 
 def test_engines_need_a_runtime_and_the_summary_says_so() -> None:
-    config = FuzzConfig(programs=1, seed=5, jobs=1, entry_points=False, plugins=REFUSING, runtime="",
-                        shrink=False)
+    config = FuzzConfig(programs=1, seed=5, jobs=1, entry_points=False, plugins=REFUSING, runtime="", shrink=False)
     report = run_fuzz(config)
     assert report.programs == 1 and not report.target_skips
     assert any("engine targets not run" in line for line in summary(report))
 
 
 def test_fuzz_command_selects_engines_and_refuses_contradictory_flags() -> None:
-    result = CliRunner().invoke(
-        main, ["fuzz", "--programs", "1", "--jobs", "1", "--engine", "x", "--no-engines"]
-    )
+    result = CliRunner().invoke(main, ["fuzz", "--programs", "1", "--jobs", "1", "--engine", "x", "--no-engines"])
     assert result.exit_code == 2 and "--no-engines" in result.output
     result = CliRunner().invoke(
-        main, ["fuzz", "--programs", "1", "--seed", "5", "--jobs", "1", "--runtime-every", "1000",
-               "--engine", "no-such-engine"]
+        main,
+        [
+            "fuzz",
+            "--programs",
+            "1",
+            "--seed",
+            "5",
+            "--jobs",
+            "1",
+            "--runtime-every",
+            "1000",
+            "--engine",
+            "no-such-engine",
+        ],
     )
     assert result.exit_code == 2 and "no plugin offers engine(s) ['no-such-engine']" in result.output

@@ -42,8 +42,7 @@ def _counter_spec() -> ProgramSpec:
         statements=(
             Read("t0", "s0", "clone"),
             Write("s0", "add", Source("x", (2,), 0.5, offset=0)),
-            Write("s1", "index_copy", Source("state", (1, 2), 2.0, offset=0, ref="s0"), dim=0,
-                  index=None),
+            Write("s1", "index_copy", Source("state", (1, 2), 2.0, offset=0, ref="s0"), dim=0, index=None),
         ),
         outputs=("t0", "s1"),
         has_x=True,
@@ -73,16 +72,14 @@ def test_source_is_a_module_that_runs_like_hand_worked_values() -> None:
 def test_functional_index_copy_leaves_its_state_unchanged_eagerly() -> None:
     """``Derive`` is a read: the generator's ground truth for "not state" must hold."""
     write = Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None)
-    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),), statements=(Derive("t0", write),),
-                       outputs=("t0",))
+    spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),), statements=(Derive("t0", write),), outputs=("t0",))
     first, *_ = eager_run(build(spec), calls=3)
     initial = ((torch.arange(12.0) % 5 - 2) * 0.5).reshape(4, 3)
     torch.testing.assert_close(first.state["s0"], initial)
     assert not torch.equal(first.outputs[0], initial)
 
 
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_generated_programs_run_eagerly_three_times(spec: ProgramSpec) -> None:
     """Every drawn program is valid eager PyTorch, but for one refusal the oracle rejects
@@ -146,17 +143,16 @@ def test_generator_draws_every_write_form_and_input_free_programs() -> None:
 
     # A fixed seed: whether 300 draws cover every form is a matter of chance, not of the code.
     @seed(31337)
-    @settings(max_examples=300, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(programs())
     def collect(spec: ProgramSpec) -> None:
         seen.update(s.how for s in spec.statements if isinstance(s, Write))
         flags["no_input"] |= not spec.has_x and not spec.inputs
         flags["caller_state"] |= bool(spec.inputs)
         flags["cache"] |= any(len(s.shape) == 4 for s in spec.states)
-        flags["view_read"] |= any(isinstance(s, Read) and s.how in ("view", "transpose", "slice",
-                                                                     "select")
-                                  for s in spec.statements)
+        flags["view_read"] |= any(
+            isinstance(s, Read) and s.how in ("view", "transpose", "slice", "select") for s in spec.statements
+        )
 
     collect()
     assert seen == set(ALL_WRITES)
@@ -164,8 +160,7 @@ def test_generator_draws_every_write_form_and_input_free_programs() -> None:
 
 
 def test_strategy_restricts_write_forms() -> None:
-    @settings(max_examples=40, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(programs(writes=("index_copy",), no_input_chance=False), st.just(None))
     def only_index_copy(spec: ProgramSpec, _: None) -> None:
         assert {s.how for s in spec.statements if isinstance(s, Write)} <= {"index_copy"}

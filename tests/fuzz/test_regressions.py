@@ -21,7 +21,6 @@ BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
 )
 
 
-
 def _buffer_planned(lowered: Lowered, planned: bool) -> bool:
     graph = lowered.program(planned).exported_program().graph
     (placeholder,) = [n for n in graph.nodes if n.name == "b_s0"]

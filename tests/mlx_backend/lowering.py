@@ -53,15 +53,19 @@ class Lowered:
     def graph_targets(self) -> list[str]:
         """The ``call_function`` targets of the final top-level graph, by name."""
         graph = self.program.exported_program().graph
-        return [getattr(n.target, "__name__", str(n.target)) for n in graph.nodes
-                if n.op == "call_function"]
+        return [getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"]
 
     def write_backs(self) -> list[str]:
         """Placeholders still written back by a ``copy_`` in the final top-level graph."""
         graph = self.program.exported_program().graph
-        return [n.args[0].name for n in graph.nodes
-                if n.op == "call_function" and "copy_" in str(n.target)
-                and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
+        return [
+            n.args[0].name
+            for n in graph.nodes
+            if n.op == "call_function"
+            and "copy_" in str(n.target)
+            and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op == "placeholder"
+        ]
 
     def delegated_ops(self) -> set[str]:
         """The ops inside every MLX delegate of the program (``aten.mm.default`` style)."""
@@ -71,8 +75,7 @@ class Lowered:
         found = set()
         for module in self.program.exported_program().graph_module.children():
             if isinstance(module, LoweredBackendModule):
-                found |= {op_key(n.target) for n in module.original_module.graph.nodes
-                          if n.op == "call_function"}
+                found |= {op_key(n.target) for n in module.original_module.graph.nodes if n.op == "call_function"}
         return found
 
     def only_delegate_runs(self) -> bool:
@@ -111,9 +114,7 @@ def lower_mlx(
     reg = registry_ if registry_ is not None else registry()
     partitioner = MLXPartitioner(reg, own_buffers=own_buffers)
     program = export_module(module, args)
-    config = ExecutorchBackendConfig(
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs)
-    )
+    config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         edge = to_edge_transform_and_lower(program, partitioner=[partitioner])

@@ -128,8 +128,9 @@ def test_zero_dim_index_copy_is_not_delegated_as_index_copy_and_matches_eager(
     torch.testing.assert_close(out[0], module(*args))
 
 
-@pytest.mark.parametrize("module", [SnapshotBeforeMutation(), SnapshotViewBeforeMutation()],
-                         ids=["snapshot", "snapshot_view"])
+@pytest.mark.parametrize(
+    "module", [SnapshotBeforeMutation(), SnapshotViewBeforeMutation()], ids=["snapshot", "snapshot_view"]
+)
 def test_snapshot_before_mutation(module: torch.nn.Module) -> None:
     cache = torch.tensor([1.0, 2.0, 3.0, 4.0])
     indices = torch.tensor([1, 3], dtype=torch.int64)
@@ -163,7 +164,11 @@ class TwoCaches(torch.nn.Module):
     """K and V caches mutated by one delegate."""
 
     def forward(
-        self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+        self,
+        pos: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
         vc: torch.Tensor,
     ) -> torch.Tensor:
         kc.index_copy_(0, pos, k)
@@ -177,19 +182,17 @@ class DeclineV:
     writeback_name = "decline-vc"
 
     @hookimpl
-    def writeback_accepts_in_place(
-        self, backend: str, partition: PartitionView, mutation: Mutation
-    ) -> bool | None:
+    def writeback_accepts_in_place(self, backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
         return False if mutation.target == "vc" else None
 
 
 def test_backend_declining_one_mutation_keeps_that_copy_and_drops_the_other() -> None:
-    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
-            torch.zeros(4, 3))
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
 
     class Slice(torch.nn.Module):
-        def forward(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
-                    vc: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+        ) -> torch.Tensor:
             kc.index_copy_(0, pos, k)
             vc.copy_(vc * 0.5 + v)  # a full overwrite: the MLX backend declines it
             return kc.sum() + vc.sum()
@@ -213,8 +216,7 @@ def test_backend_declining_one_mutation_keeps_that_copy_and_drops_the_other() ->
 
 def test_two_inputs_written_in_place_by_one_delegate() -> None:
     module = TwoCaches()
-    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
-            torch.zeros(4, 3))
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
     lowered = lower_mlx(module, args)
     assert lowered.write_backs() == []
     method = lowered.method()
@@ -234,8 +236,7 @@ def test_declining_plugin_conflicts_with_mlx_and_core_names_both() -> None:
     from writeback_core import InPlaceConflictError
 
     module = TwoCaches()
-    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3),
-            torch.zeros(4, 3))
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
     with pytest.raises(InPlaceConflictError, match=r"mlx-backend.*decline-vc"):
         lower_mlx(module, args, registry_=registry(DeclineV()))
 
@@ -277,8 +278,7 @@ def test_allocator_cache_is_read_without_copy_and_updated_in_place() -> None:
 class OnlyWrites(torch.nn.Module):
     """A delegate whose only outputs are the two cache writes."""
 
-    def forward(self, pos: torch.Tensor, k: torch.Tensor, kc: torch.Tensor,
-                vc: torch.Tensor) -> None:
+    def forward(self, pos: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
         kc.index_copy_(0, pos, k)
         vc.index_copy_(0, pos, k * 2.0)
 
@@ -301,16 +301,16 @@ def test_delegate_that_only_writes_state_drops_every_write_back_and_stays_in_the
 
 
 class TwoIndexedCaches(torch.nn.Module):
-    def forward(self, pk: torch.Tensor, pv: torch.Tensor, k: torch.Tensor, kc: torch.Tensor,
-                vc: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pk: torch.Tensor, pv: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+    ) -> torch.Tensor:
         kc.index_copy_(0, pk, k)
         vc.index_copy_(0, pv, k * 2.0)
         return kc.sum() + vc.sum()
 
 
 def test_bad_index_in_a_later_write_leaves_every_cache_unchanged() -> None:
-    args = (torch.tensor([0]), torch.tensor([1]), torch.ones(1, 3), torch.zeros(4, 3),
-            torch.zeros(4, 3))
+    args = (torch.tensor([0]), torch.tensor([1]), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
     # Unplanned inputs: the delegate writes the caller's tensors directly.
     lowered = lower_mlx(TwoIndexedCaches(), args, planned_inputs=False)
     assert lowered.write_backs() == []
@@ -334,7 +334,6 @@ def test_dropped_write_back_reserves_no_memory_for_the_unused_delegate_output() 
     assert sum(dropped.metadata.memory_planned_buffers) < mib + 64 * 1024
 
 
-
 class ViewReadAfterWrite(torch.nn.Module):
     """A view of the cache taken before the write, read after it: like eager, it sees the write."""
 
@@ -355,7 +354,7 @@ def _shared_cache_case(module: torch.nn.Module) -> None:
     cache.copy_(start)
     outs = lowered.method().execute([cache, idx, update])
     expected, after = _eager(module, start, idx, update)
-    torch.testing.assert_close(list(outs[-len(expected):]), expected)
+    torch.testing.assert_close(list(outs[-len(expected) :]), expected)
     torch.testing.assert_close(cache, after[0])  # row 2 is [100, 100]
     assert 4 * 2 * 4 not in lowered.delegate().copied_input_bytes
 

@@ -151,8 +151,11 @@ def test_index_select_out_of_range_raises_naming_the_index_and_returns_nothing()
     module = Op(lambda a, i: a.index_select(0, i) * 1.0)
     args = (torch.randn(4, 3), torch.tensor([1, 2]))
     method = lower_mlx(module, args).method()
-    with pytest.raises(DelegateError, match=r"index_select: index 4 at position 1 is out of range for dimension 0 "
-                                            r"of size 4"):
+    with pytest.raises(
+        DelegateError,
+        match=r"index_select: index 4 at position 1 is out of range for dimension 0 "
+        r"of size 4",
+    ):
         method.execute([args[0], torch.tensor([0, 4])])
     # The method still works after the refused call.
     (out,) = method.execute(list(args))

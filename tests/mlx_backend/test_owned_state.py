@@ -28,8 +28,9 @@ class RowCache(torch.nn.Module):
 def _lowered_blob(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> bytes:
     lowered = lower_mlx(module, args)
     assert lowered.only_delegate_runs()
-    modules = [m for m in lowered.program.exported_program().graph_module.children()
-               if isinstance(m, LoweredBackendModule)]
+    modules = [
+        m for m in lowered.program.exported_program().graph_module.children() if isinstance(m, LoweredBackendModule)
+    ]
     assert len(modules) == 1
     return bytes(modules[0].processed_bytes)
 
@@ -52,8 +53,7 @@ def test_owned_buffer_is_updated_by_donation_without_a_second_buffer() -> None:
         with torch.no_grad():
             expected = eager(pos, row)
         torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(torch.from_numpy(np.array(handle.state[state_name])),
-                                   eager.cache)
+        torch.testing.assert_close(torch.from_numpy(np.array(handle.state[state_name])), eager.cache)
     assert list(delegate.copied_input_bytes) == [8, width * 4] * 4
     assert delegate.copied_input_bytes_total == (8 + width * 4) * 4
 

@@ -14,8 +14,10 @@ from tests.mlx_backend.lowering import export_module, registry
 
 
 def test_importing_the_plugin_does_not_import_mlx() -> None:
-    code = ("import sys, writeback_mlx_backend, writeback_mlx_backend.plugin; "
-            "sys.exit(1 if 'mlx.core' in sys.modules else 0)")
+    code = (
+        "import sys, writeback_mlx_backend, writeback_mlx_backend.plugin; "
+        "sys.exit(1 if 'mlx.core' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -33,8 +35,7 @@ def test_writeback_runtime_delegates_offers_the_mlx_delegate() -> None:
 
 
 class Writes(torch.nn.Module):
-    def forward(self, idx: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                c: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         a.index_copy_(0, idx, torch.ones(1, 2))
         b[:, 1:2] = 5.0
         c.copy_(c * 2.0)
@@ -50,8 +51,7 @@ def test_writeback_accepts_in_place_answers_per_mutation() -> None:
     graph = program.graph_module.graph
     everything = PartitionView("mlx", frozenset(n.name for n in graph.nodes), graph)
     nothing = PartitionView("mlx", frozenset(), graph)
-    answers = {t: mlx_plugin.writeback_accepts_in_place("mlx", everything, m)
-               for t, m in mutations.items()}
+    answers = {t: mlx_plugin.writeback_accepts_in_place("mlx", everything, m) for t, m in mutations.items()}
     assert answers == {"a": True, "b": True, "c": False}
     assert mlx_plugin.writeback_accepts_in_place("mlx", nothing, mutations["a"]) is False
     assert mlx_plugin.writeback_accepts_in_place("tensorrt", everything, mutations["a"]) is None

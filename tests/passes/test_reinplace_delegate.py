@@ -25,9 +25,7 @@ from writeback_passes import (
 
 
 class TwoCaches(torch.nn.Module):
-    def forward(
-        self, pos: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, pos: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         kc.index_copy_(0, pos, k)
         vc.index_copy_(0, pos, k * 2.0)
         return kc.sum() + vc.sum()
@@ -44,9 +42,7 @@ class DeclineAll:
     writeback_name = "decline-all"
 
     @hookimpl
-    def writeback_accepts_in_place(
-        self, backend: str, partition: PartitionView, mutation: Mutation
-    ) -> bool | None:
+    def writeback_accepts_in_place(self, backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
         return False if backend == "mlx" else None
 
 
@@ -78,8 +74,7 @@ def _run(plugins: list[object] | None, edit: Edit | None = None) -> tuple[Reinpl
 
 def _write_backs(manager: Any) -> set[str]:
     graph = manager.exported_program().graph
-    return {n.args[0].name for n in graph.nodes
-            if n.op == "call_function" and "copy_" in str(n.target)}
+    return {n.args[0].name for n in graph.nodes if n.op == "call_function" and "copy_" in str(n.target)}
 
 
 def _call(gm: torch.fx.GraphModule) -> torch.fx.Node:
@@ -166,9 +161,7 @@ def test_pass_is_registered_through_writeback_program_passes(stage: str) -> None
 
     registry = load_registry(entry_points=False, plugins=[passes_plugin])
     names = [p.name for p in registry.program_passes(stage)]
-    assert names.index("reinplace_delegate_input_mutations") < names.index(
-        "insert_write_back_early"
-    )
+    assert names.index("reinplace_delegate_input_mutations") < names.index("insert_write_back_early")
 
 
 class OnlyStateWrites(torch.nn.Module):
@@ -192,8 +185,7 @@ def _example_registry() -> Any:
     import writeback_passes.plugin as passes_plugin
     import writeback_pybind_runtime.plugin as pybind_plugin
 
-    return load_registry(entry_points=False,
-                         plugins=[passes_plugin, pybind_plugin, example_plugin])
+    return load_registry(entry_points=False, plugins=[passes_plugin, pybind_plugin, example_plugin])
 
 
 def _lower_to_example(registry: Any, planned: bool) -> Any:
@@ -207,8 +199,9 @@ def _lower_to_example(registry: Any, planned: bool) -> Any:
         warnings.simplefilter("ignore")
         program = torch.export.export(module, args, strict=False)
         edge = to_edge_transform_and_lower(program, partitioner=[ExamplePartitioner(registry)])
-        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(
-            alloc_graph_input=planned, alloc_graph_output=planned))
+        config = ExecutorchBackendConfig(
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned, alloc_graph_output=planned)
+        )
         return to_executorch(edge, config, registry=registry)
 
 

@@ -32,9 +32,7 @@ def to_pte(
         warnings.simplefilter("ignore", FutureWarning)
         program = torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes)
     config = ExecutorchBackendConfig(
-        memory_planning_pass=MemoryPlanningPass(
-            alloc_graph_input=planned_inputs, alloc_graph_output=planned_outputs
-        )
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs, alloc_graph_output=planned_outputs)
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

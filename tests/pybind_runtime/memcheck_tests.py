@@ -39,8 +39,7 @@ from tests.pybind_runtime import (
     test_set_output,
 )
 
-MODULES = (test_set_output, test_python_delegates, test_input_mutations, test_review_hazards,
-           test_runtime_basics)
+MODULES = (test_set_output, test_python_delegates, test_input_mutations, test_review_hazards, test_runtime_basics)
 
 
 def _key(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -61,8 +60,9 @@ def _calls(module: Any) -> list[tuple[str, Any, list[dict[str, Any]]]]:
                 continue
             names = [n.strip() for n in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])]
             values = mark.args[1]
-            cases = [dict(c, **dict(zip(names, v if len(names) > 1 else (v,), strict=True)))
-                     for c in cases for v in values]
+            cases = [
+                dict(c, **dict(zip(names, v if len(names) > 1 else (v,), strict=True))) for c in cases for v in values
+            ]
         found.append((name, fn, cases))
     return found
 

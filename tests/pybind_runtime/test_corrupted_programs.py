@@ -25,11 +25,17 @@ class Small(torch.nn.Module):
 def test_500_corrupted_pte_files_error_without_crash(lower: Lower, tmp_path: Path) -> None:
     pte = tmp_path / "small.pte"
     pte.write_bytes(lower(Small(), (torch.ones(4, 4), torch.ones(4, 4)), planned_outputs=False))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
     done = subprocess.run(
         [sys.executable, "-m", "pybind_runtime.corrupt_worker", str(pte), "1234", "500"],
-        capture_output=True, text=True, encoding="utf-8", errors="replace", env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=env,
+        timeout=600,
         check=False,
     )
     assert done.returncode == 0, f"worker crashed (exit {done.returncode}):\n{done.stderr[-3000:]}"

@@ -47,8 +47,9 @@ STEPS = [torch.full((2, 3), float(k + 1)) for k in range(3)]
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned_copied_back", "unplanned_in_place"])
 def test_mutated_input_lands_in_callers_tensor(lower: Lower, load: Load, planned: bool) -> None:
-    method = load(lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=planned,
-                        planned_outputs=planned))
+    method = load(
+        lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=planned, planned_outputs=planned)
+    )
     cache = torch.zeros(2, 3)
     for k, x in enumerate(STEPS):
         new_cache, total = method([x, cache])
@@ -60,8 +61,9 @@ def test_mutated_input_lands_in_callers_tensor(lower: Lower, load: Load, planned
 
 def test_unplanned_mutated_input_is_written_in_place_without_copy(lower: Lower, load: Load) -> None:
     """The output that is the mutated input aliases the caller's storage (clone_outputs=False)."""
-    method = load(lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=False,
-                        planned_outputs=False))
+    method = load(
+        lower(Accumulate(), (torch.ones(2, 3), torch.zeros(2, 3)), planned_inputs=False, planned_outputs=False)
+    )
     assert method.metadata.outputs[0].is_input == 1
     cache = torch.zeros(2, 3)
     outputs = method([torch.ones(2, 3), cache], clone_outputs=False)

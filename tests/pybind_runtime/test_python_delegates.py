@@ -53,8 +53,9 @@ def test_delegate_gets_zero_copy_views_inputs_then_outputs(lower: Lower) -> None
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + x
 
-    pte = lower(Double(), (torch.randn(4),), partitioners=[DoublerPartitioner()],
-                planned_inputs=False, planned_outputs=False)
+    pte = lower(
+        Double(), (torch.randn(4),), partitioners=[DoublerPartitioner()], planned_inputs=False, planned_outputs=False
+    )
     method = _runtime_with(Recording()).load_program(pte).load_method("forward")
     x = torch.arange(4.0)
     out = torch.empty(4)

@@ -63,8 +63,7 @@ def test_runtime_does_not_retain_previous_inputs_or_outputs(returns_input: Metho
 
 def test_failed_set_inputs_then_full_set_binds_the_new_cache(lower: Lower, load: Load) -> None:
     """After a failed set_inputs, the output that is the mutated input is the *new* cache."""
-    method = load(lower(Accumulate(), (torch.zeros(2), torch.zeros(2)), planned_inputs=False,
-                        planned_outputs=False))
+    method = load(lower(Accumulate(), (torch.zeros(2), torch.zeros(2)), planned_inputs=False, planned_outputs=False))
     old_cache, new_cache = torch.zeros(2), torch.zeros(2)
     method([torch.ones(2), old_cache])
     with pytest.raises(ValueError, match=r"input 1"):
@@ -91,8 +90,7 @@ def test_overlapping_bindings_do_not_write_the_same_memory(lower: Lower, load: L
 
 def test_binding_before_the_first_call_does_not_depend_on_call_order(lower: Lower, load: Load) -> None:
     """Upstream could only find outputs that are inputs after the first set_inputs."""
-    method = load(lower(Accumulate(), (torch.zeros(2), torch.zeros(2)), planned_inputs=False,
-                        planned_outputs=False))
+    method = load(lower(Accumulate(), (torch.zeros(2), torch.zeros(2)), planned_inputs=False, planned_outputs=False))
     assert [o.is_input for o in method.metadata.outputs] == [1, None]
     with pytest.raises(ValueError, match=r"is input 1"):
         method.set_output(torch.zeros(2), 0)

@@ -153,6 +153,7 @@ def test_failed_set_inputs_refuses_execute_until_a_full_set(two: Method) -> None
 
 # --- rejections: ValueError naming expected and actual, nothing changed -------------------
 
+
 def _assert_unchanged(two: Method) -> None:
     assert not any(o.bound for o in two.metadata.outputs)
     out = two([X])
@@ -232,8 +233,9 @@ def test_output_returned_at_two_indices_is_rejected(lower: Lower, load: Load) ->
 
 def test_binding_the_output_that_is_a_mutated_input_is_refused_never_redirected(lower: Lower, load: Load) -> None:
     """Refused before any call too: the program says output 0 is input 1, no call order needed."""
-    method = load(lower(Accumulate(), (torch.zeros(2, 3), torch.zeros(2, 3)), planned_inputs=False,
-                        planned_outputs=False))
+    method = load(
+        lower(Accumulate(), (torch.zeros(2, 3), torch.zeros(2, 3)), planned_inputs=False, planned_outputs=False)
+    )
     decoy = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"output 0 .*is input 1"):
         method.set_output(decoy, 0)
@@ -265,11 +267,13 @@ def test_bound_tensor_resized_by_caller_is_rechecked_each_call(two: Method) -> N
 
 # --- outputs fed back as inputs ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
 def test_uncloned_output_fed_back_as_next_input(lower: Lower, load: Load, planned: bool) -> None:
     model = Recurrent().eval()
-    method = load(lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=planned,
-                        planned_outputs=planned))
+    method = load(
+        lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=planned, planned_outputs=planned)
+    )
     h, eager_h = torch.ones(1, 4), torch.ones(1, 4)
     for step in range(6):
         x = torch.full((4, 4), 0.1 * step)
@@ -280,8 +284,9 @@ def test_uncloned_output_fed_back_as_next_input(lower: Lower, load: Load, planne
 
 
 def test_bound_output_fed_back_as_input_is_refused(lower: Lower, load: Load) -> None:
-    method = load(lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=False,
-                        planned_outputs=False))
+    method = load(
+        lower(Recurrent(), (torch.zeros(4, 4), torch.zeros(1, 4)), planned_inputs=False, planned_outputs=False)
+    )
     state = torch.zeros(1, 4)
     method.set_output(state, 0)
     with pytest.raises(ValueError, match=r"shares memory with input 1"):

@@ -73,8 +73,9 @@ def decoder_steps(draw: st.DrawFn) -> ProgramSpec:
         outputs.append(read(cache, draw(st.sampled_from(("sum", "compute")))))
         if draw(st.integers(0, 3)) == 0:
             outputs.append(cache.name)
-    return ProgramSpec(states=tuple(caches), statements=tuple(statements), outputs=tuple(outputs),
-                       has_x=True, has_pos=True)
+    return ProgramSpec(
+        states=tuple(caches), statements=tuple(statements), outputs=tuple(outputs), has_x=True, has_pos=True
+    )
 
 
 @pytest.mark.parametrize("mode_name", ["PREDICT", "KEEP_ALL"])
@@ -98,8 +99,9 @@ def test_decoder_step_programs_match_eager_through_the_engines_in_place_writes(
     checked: list[int] = []
 
     @seed(8086)
-    @settings(max_examples=EXAMPLES, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, database=None, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck)
+    )
     @given(decoder_steps())
     def check(spec: ProgramSpec) -> None:
         report = check_program(spec, targets, registry)

@@ -63,9 +63,7 @@ def test_writeback_lower_for_engine_lowers_kv_alias_with_the_cache_aliased_and_t
     engine = registry_engines(registry)["kv-alias"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UninitializedCopyBackWarning)  # s1 is read first; tested on its own
-        edge = registry.hook.writeback_lower_for_engine(
-            engine=engine, program=export_built(build(ALIASED_AND_COPIED))
-        )
+        edge = registry.hook.writeback_lower_for_engine(engine=engine, program=export_built(build(ALIASED_AND_COPIED)))
     assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s0"}
     mutated = {
         str(s.target) for s in edge.exported_program().graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"
@@ -119,8 +117,9 @@ class _ReturnsCache(torch.nn.Module):
 def test_cache_returned_beside_another_output_still_matches_eager() -> None:
     """The returned-only rule also takes a write whose engine call has another output; copied
     back, it is slower than aliasing but right: every step against eager."""
-    (cls,) = lift_mutated_buffers(export(_ReturnsCache(), (torch.ones(1, 2, 1, 4), torch.tensor([1]))),
-                                  KVAliasEngine()).buffers
+    (cls,) = lift_mutated_buffers(
+        export(_ReturnsCache(), (torch.ones(1, 2, 1, 4), torch.tensor([1]))), KVAliasEngine()
+    ).buffers
     assert cls.reason == RETURNED_ONLY_WRITE
     compiled = run_against_eager(_ReturnsCache, lambda s: (torch.full((1, 2, 1, 4), float(s + 1)), torch.tensor([s])))
     assert compiled.copy_back == ["cache"]
@@ -207,7 +206,7 @@ def test_cache_written_in_place_read_and_returned_is_returned_as_its_buffer(regi
 # decomposes the program again with every write-back applied before it returns, so the view
 # showed the buffer's new value: -1 where eager returns -0.5, -2 where eager returns -1. Fixed
 # in lift.py (_detached): such a value is cloned where it is computed.
-COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER = '''import torch
+COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER = """import torch
 
 
 class FuzzModule(torch.nn.Module):
@@ -223,9 +222,9 @@ class FuzzModule(torch.nn.Module):
         self.s0.copy_(t0)
         self.s1.add_((t0.reshape(-1)[0:2].reshape((1, 1, 2, 1))))
         return (t2, t1,)
-'''
+"""
 
-COPY_OF_A_BUFFER_WRITTEN_LATER = '''import torch
+COPY_OF_A_BUFFER_WRITTEN_LATER = """import torch
 
 
 class FuzzModule(torch.nn.Module):
@@ -240,11 +239,11 @@ class FuzzModule(torch.nn.Module):
         self.s0.add_((self.s0.reshape(-1)[0:4].reshape((2, 1, 2, 1))))
         self.s0.copy_((self.s0.reshape(-1)[0:4].reshape((2, 1, 2, 1))))
         return (self.s1,)
-'''
+"""
 
 # The same view, where the written buffer is a cache with a one-slot write: the engine
 # declines to alias it (its old value is read through the output), so it is copied back too.
-VIEW_OF_AN_ALIASED_CACHE = '''import torch
+VIEW_OF_AN_ALIASED_CACHE = """import torch
 
 
 class FuzzModule(torch.nn.Module):
@@ -259,15 +258,21 @@ class FuzzModule(torch.nn.Module):
         self.s0.copy_(self.s1)
         self.s1.index_copy_(2, self.pos, torch.full((1, 1, 1, 1), 7.0))
         return (t0, self.s1 * 2)
-'''
+"""
 
 
-@pytest.mark.parametrize("source", [COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER, COPY_OF_A_BUFFER_WRITTEN_LATER,
-                                    VIEW_OF_AN_ALIASED_CACHE],
-                         ids=["copy-from-view", "copy-then-write", "view-of-aliased-cache"])
+@pytest.mark.parametrize(
+    "source",
+    [COPY_FROM_A_VIEW_OF_A_WRITTEN_BUFFER, COPY_OF_A_BUFFER_WRITTEN_LATER, VIEW_OF_AN_ALIASED_CACHE],
+    ids=["copy-from-view", "copy-then-write", "view-of-aliased-cache"],
+)
 def test_output_that_views_a_buffer_written_in_the_same_call_keeps_the_old_values(
-    registry: Registry, source: str,
+    registry: Registry,
+    source: str,
 ) -> None:
-    report = check_source(source + "\n\ndef step_inputs(step):\n    return ()\n\n\ndef make_state():\n    return ()\n",
-                          targets=_targets(registry), registry=registry)  # type: ignore[arg-type]
+    report = check_source(
+        source + "\n\ndef step_inputs(step):\n    return ()\n\n\ndef make_state():\n    return ()\n",
+        targets=_targets(registry),
+        registry=registry,
+    )  # type: ignore[arg-type]
     assert report.targets == ["kv-alias-pybind", "kv-alias-stock"] and not report.skipped

@@ -126,5 +126,3 @@ class ExampleRuntimeDelegate:
 
     def destroy(self, handle: dict[str, Any]) -> None:
         return None
-
-

@@ -225,9 +225,7 @@ class AliasAnalysis:
             for writer, targets in self._writes.items():
                 for root in {self._find(t) for t in targets}:
                     index.setdefault(root, []).append(writer)
-            self._writers = {
-                root: tuple(sorted(ws, key=self._order.__getitem__)) for root, ws in index.items()
-            }
+            self._writers = {root: tuple(sorted(ws, key=self._order.__getitem__)) for root, ws in index.items()}
         return self._writers.get(self._find(node), ())
 
     def position(self, node: torch.fx.Node) -> int:

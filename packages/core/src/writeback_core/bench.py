@@ -114,15 +114,19 @@ def _update_case(cfg: DecoderConfig, caller_cache: bool, write: bool) -> ModelCa
     def inputs(step: int) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(1000 + step)
         shape = (1, cfg.heads, 1, cfg.head_dim)
-        return (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
-                torch.tensor([step % cfg.max_seq]))
+        return (
+            torch.randn(shape, generator=gen),
+            torch.randn(shape, generator=gen),
+            torch.tensor([step % cfg.max_seq]),
+        )
 
     return ModelCase(
         name=f"cache-{'update' if write else 'idle'}",
         description="one slot of K and V written" if write else "no write",
         build=lambda: CacheUpdate(cfg, caller_cache, write),
         step_inputs=inputs,
-        make_state=(lambda: (torch.zeros(cfg.cache_shape), torch.zeros(cfg.cache_shape))) if caller_cache
+        make_state=(lambda: (torch.zeros(cfg.cache_shape), torch.zeros(cfg.cache_shape)))
+        if caller_cache
         else (lambda: ()),
     )
 
@@ -204,8 +208,8 @@ def _slice_copy_call(cfg: DecoderConfig) -> Call:
         k, v, pos = update.step_inputs(step)
         p = int(pos)
         start = time.perf_counter()
-        caches[0][:, :, p:p + 1].copy_(k)
-        caches[1][:, :, p:p + 1].copy_(v)
+        caches[0][:, :, p : p + 1].copy_(k)
+        caches[1][:, :, p : p + 1].copy_(v)
         return time.perf_counter() - start, []
 
     return call
@@ -343,8 +347,13 @@ class BenchResult:
     repeats: int
 
 
-def run_bench(registry: Registry, sizes: Sequence[float], repeats: int, backend: str | None = None,
-              progress: Progress | None = None) -> BenchResult:
+def run_bench(
+    registry: Registry,
+    sizes: Sequence[float],
+    repeats: int,
+    backend: str | None = None,
+    progress: Progress | None = None,
+) -> BenchResult:
     """Measure every size (see the module docstring). Never raises for a failing pipeline."""
     try:
         pipeline: Pipeline | None = assemble(registry, backend)
@@ -389,23 +398,41 @@ def _cell(size: SizeResult, pipeline: str, kind: str) -> str:
 
 def _tables(result: BenchResult) -> list[Table]:
     step = Table(title=f"decode step, median of {result.repeats} interleaved calls")
-    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "stock / writeback",
-                  "writeback / eager"):
+    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "stock / writeback", "writeback / eager"):
         step.add_column(title, justify="right")
-    update = Table(title=f"state update: median(update-only call) - median(idle call), "
-                         f"{UPDATE_CALLS_PER_ROUND * result.repeats} calls each")
-    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "slice copy_ (floor)", "stock / writeback",
-                  "writeback / slice copy_", "writeback update, idle calls"):
+    update = Table(
+        title=f"state update: median(update-only call) - median(idle call), "
+        f"{UPDATE_CALLS_PER_ROUND * result.repeats} calls each"
+    )
+    for title in (
+        "K+V cache",
+        STOCK,
+        REINPLACE,
+        WRITEBACK,
+        "slice copy_ (floor)",
+        "stock / writeback",
+        "writeback / slice copy_",
+        "writeback update, idle calls",
+    ):
         update.add_column(title, justify="right")
     for size in result.sizes:
         label = f"{size.mib:g} MiB"
         wb = size.median(WRITEBACK, "step")
-        step.add_row(label, *(_cell(size, p, "step") for p in PIPELINES), _ms(size.median(EAGER, "step")),
-                     _ratio(size.median(STOCK, "step"), wb), _ratio(wb, size.median(EAGER, "step")))
-        update.add_row(label, *(_cell(size, p, "update") for p in PIPELINES), _ms(size.update(SLICE_COPY)),
-                       _ratio(size.update(STOCK), size.update(WRITEBACK)),
-                       _ratio(size.update(WRITEBACK), size.update(SLICE_COPY)),
-                       f"{_ms(size.median(WRITEBACK, 'update'))}, {_ms(size.median(WRITEBACK, 'idle'))}")
+        step.add_row(
+            label,
+            *(_cell(size, p, "step") for p in PIPELINES),
+            _ms(size.median(EAGER, "step")),
+            _ratio(size.median(STOCK, "step"), wb),
+            _ratio(wb, size.median(EAGER, "step")),
+        )
+        update.add_row(
+            label,
+            *(_cell(size, p, "update") for p in PIPELINES),
+            _ms(size.update(SLICE_COPY)),
+            _ratio(size.update(STOCK), size.update(WRITEBACK)),
+            _ratio(size.update(WRITEBACK), size.update(SLICE_COPY)),
+            f"{_ms(size.median(WRITEBACK, 'update'))}, {_ms(size.median(WRITEBACK, 'idle'))}",
+        )
     return [step, update]
 
 
@@ -498,19 +525,36 @@ def _sizes(text: str) -> list[float]:
 
 
 @click.command("bench")
-@click.option("--sizes", default="1,2,4,8,16,32,64,128", show_default=True,
-              help="K+V cache sizes in MiB, comma-separated.")
-@click.option("--repeats", default=15, show_default=True, type=click.IntRange(min=1),
-              help="Timed calls of each pipeline per size (interleaved).")
+@click.option(
+    "--sizes", default="1,2,4,8,16,32,64,128", show_default=True, help="K+V cache sizes in MiB, comma-separated."
+)
+@click.option(
+    "--repeats",
+    default=15,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Timed calls of each pipeline per size (interleaved).",
+)
 @click.option("--backend", default=None, help="The writeback pipeline's backend. Default: mlx when installed.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG plot here (needs matplotlib).")
-@click.option("--torch-threads", default=1, show_default=True, type=click.IntRange(min=1),
-              help="PyTorch intra-op threads (the eager floor). On a loaded 2-core machine a second thread "
-                   "makes eager wait at barriers for a descheduled thread: 1 gives a steadier floor.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG plot here (needs matplotlib).",
+)
+@click.option(
+    "--torch-threads",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="PyTorch intra-op threads (the eager floor). On a loaded 2-core machine a second thread "
+    "makes eager wait at barriers for a descheduled thread: 1 gives a steadier floor.",
+)
 @click.pass_context
-def bench_command(ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None,
-                  torch_threads: int) -> None:
+def bench_command(
+    ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None, torch_threads: int
+) -> None:
     """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
     at each cache size; print medians, ratios and floors (eager, raw slice copy_)."""
     registry = ctx.find_object(Registry)

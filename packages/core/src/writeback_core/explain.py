@@ -59,8 +59,7 @@ def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]
         et = to_edge(program).to_executorch()
     ep = et.exported_program()
     by_placeholder = write_back_positions(ep.graph_module.graph)
-    return {m.target: by_placeholder[m.placeholder] for m in find_mutations(ep)
-            if m.placeholder in by_placeholder}
+    return {m.target: by_placeholder[m.placeholder] for m in find_mutations(ep) if m.placeholder in by_placeholder}
 
 
 def format_bytes(n: int | None) -> str:
@@ -82,9 +81,7 @@ def explain_rows(program: ExportedProgram) -> list[ExplainRow]:
     stock = stock_positions(program)
     for mutation in find_mutations(decomposed):
         where = stock.get(mutation.target)
-        placed = (
-            f"node {where[0]}/{where[2]} (value ready at {where[1]})" if where else "none"
-        )
+        placed = f"node {where[0]}/{where[2]} (value ready at {where[1]})" if where else "none"
         rows.append(
             ExplainRow(
                 mutation,

@@ -48,9 +48,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
 
 
 @hookspec
-def writeback_accepts_in_place(
-    backend: str, partition: PartitionView, mutation: Mutation
-) -> bool | None:
+def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
     """Called per mutation that a partition of ``backend`` touches, while partitioning.
 
     Every plugin is asked (this is not ``firstresult``); core gathers the answers,
@@ -106,9 +104,7 @@ def writeback_engines() -> Sequence[AliasingEngine]:
 
 
 @hookspec(firstresult=True)
-def writeback_lower_for_engine(
-    engine: AliasingEngine, program: ExportedProgram
-) -> EdgeProgramManager | str | None:
+def writeback_lower_for_engine(engine: AliasingEngine, program: ExportedProgram) -> EdgeProgramManager | str | None:
     """Called when a pipeline lowers a program to an engine that aliases only some writes
     (the fuzz oracle's engine targets do, once per program and engine).
 
@@ -143,9 +139,7 @@ def writeback_models() -> dict[str, ModelCase]:
 
 
 @hookspec
-def writeback_explain_columns(
-    program: ExportedProgram, mutation: Mutation
-) -> dict[str, str] | None:
+def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """Called by ``writeback explain`` once per mutation row.
 
     :param program: the exported (aten) program being explained.
@@ -163,7 +157,6 @@ def writeback_cli_commands(group: click.Group) -> None:
     :return: ``None``; plugins add commands to ``group`` and any result is ignored.
     """
     raise NotImplementedError
-
 
 
 @hookspec(firstresult=True)

@@ -33,20 +33,13 @@ def _from_file(spec: str) -> ModelCase:
     made: Any = factory()
     if isinstance(made, ModelCase):
         return made
-    if (
-        isinstance(made, tuple)
-        and len(made) == 2
-        and isinstance(made[0], nn.Module)
-        and isinstance(made[1], tuple)
-    ):
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], tuple):
         module_obj, args = made
         return ModelCase(
             name=spec,
             description=f"{factory_name} from {path.name}",
             build=lambda: module_obj,
-            step_inputs=lambda step: tuple(
-                a.clone() if isinstance(a, torch.Tensor) else a for a in args
-            ),
+            step_inputs=lambda step: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
         )
     raise ValueError(
         f"model {spec!r}: {factory_name}() returned {type(made).__name__}; return a "
@@ -61,6 +54,5 @@ def resolve_model(name: str, models: dict[str, ModelCase]) -> ModelCase:
     if ":" in name and name.rpartition(":")[0].endswith(".py"):
         return _from_file(name)
     raise ValueError(
-        f"unknown model {name!r}; built-in models: {', '.join(sorted(models))}; "
-        "or pass path/to/file.py:factory"
+        f"unknown model {name!r}; built-in models: {', '.join(sorted(models))}; or pass path/to/file.py:factory"
     )

@@ -240,12 +240,7 @@ def _slice_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
     common = {"op": op_name(node.target), "node": node.name, "dim": dim, "source": source}
     if isinstance(size, int):
         start, end = _normalize_range(start, end, size)
-    if (
-        isinstance(size, int)
-        and start == 0
-        and end == size
-        and step == 1
-    ):
+    if isinstance(size, int) and start == 0 and end == size and step == 1:
         return WriteShape(WriteKind.FULL, start=0, end=size, step=1, **common)  # type: ignore[arg-type]
     return WriteShape(WriteKind.SLICE_SCATTER, start=start, end=end, step=step, **common)  # type: ignore[arg-type]
 
@@ -301,11 +296,7 @@ def _index_put_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
     if not accumulate and len(present) == 1 and present[0] == len(indices) - 1:
         only = indices[present[0]]
         val = only.meta.get("val") if isinstance(only, torch.fx.Node) else None
-        if (
-            isinstance(val, torch.Tensor)
-            and val.dim() == 1
-            and val.dtype in (torch.int64, torch.int32)
-        ):
+        if isinstance(val, torch.Tensor) and val.dim() == 1 and val.dtype in (torch.int64, torch.int32):
             return WriteShape(WriteKind.INDEX_COPY, dim=present[0], index=names[-1], **common)  # type: ignore[arg-type]
     return WriteShape(WriteKind.INDEX_PUT, indices=names, accumulate=accumulate, **common)  # type: ignore[arg-type]
 
@@ -468,9 +459,7 @@ def find_mutations(ep: ExportedProgram) -> list[Mutation]:
                 write=classify_write(value, placeholder),
                 shape=shape,
                 dtype=dtype,
-                user_input_index=user_inputs.get(placeholder.name)
-                if kind is MutationKind.USER_INPUT
-                else None,
+                user_input_index=user_inputs.get(placeholder.name) if kind is MutationKind.USER_INPUT else None,
             )
         )
     return found

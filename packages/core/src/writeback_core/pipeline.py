@@ -124,9 +124,7 @@ def assemble(registry: Registry, backend: str | None = None, runtime: str | None
         )
     runtimes = registry.runtimes()
     if not runtimes:
-        raise PipelineError(
-            "no plugin offers a runtime (hook writeback_runtimes); install writeback-pybind-runtime"
-        )
+        raise PipelineError("no plugin offers a runtime (hook writeback_runtimes); install writeback-pybind-runtime")
     if runtime is None:
         chosen = runtimes.get("pybind") or runtimes[sorted(runtimes)[0]]
     elif runtime in runtimes:
@@ -275,8 +273,7 @@ class Session:
         # Keep the inputs alive until the next call: a runtime may hold their pointers.
         self._inputs = inputs
         copied = _delegate_copies(self.pipeline.delegates) - before
-        user = [o.clone() if isinstance(o, torch.Tensor) else o
-                for o in outputs[self.lowered.user_input_mutations:]]
+        user = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[self.lowered.user_input_mutations :]]
         return StepResult(step, seconds, user, self.lowered.copied_per_call + copied, copied)
 
 
@@ -332,8 +329,9 @@ def _close(actual: Any, expected: Any) -> bool:
     return bool(torch.allclose(actual.to(expected.dtype), expected, rtol=RTOL, atol=ATOL))
 
 
-def compare(result: StepResult, eager_outputs: Sequence[Any], state: Sequence[torch.Tensor],
-            eager_state: Sequence[torch.Tensor]) -> StepCheck:
+def compare(
+    result: StepResult, eager_outputs: Sequence[Any], state: Sequence[torch.Tensor], eager_state: Sequence[torch.Tensor]
+) -> StepCheck:
     """Compare one step's outputs and state with eager's (``rtol``/``atol`` = :data:`RTOL`/:data:`ATOL`)."""
     problems: list[str] = []
     if len(result.outputs) != len(eager_outputs):

@@ -144,9 +144,7 @@ class Registry:
     def _unique(self, hook_name: str, key: str, what: str) -> dict[str, tuple[str, Any]]:
         found: dict[str, tuple[str, Any]] = {}
         for plugin, items in self._per_plugin(hook_name):
-            entries = items.items() if isinstance(items, dict) else (
-                (getattr(item, key), item) for item in items or ()
-            )
+            entries = items.items() if isinstance(items, dict) else ((getattr(item, key), item) for item in items or ())
             for name, item in entries:
                 if name in found:
                     raise DuplicateNameError(
@@ -184,13 +182,10 @@ class Registry:
 
     def program_passes(self, stage: Stage) -> list[ProgramPass]:
         """Every pass for ``stage``, ordered by ``(order, name)``."""
-        passes = [p for _, ps in self._per_plugin("writeback_program_passes", stage=stage)
-                  for p in ps or ()]
+        passes = [p for _, ps in self._per_plugin("writeback_program_passes", stage=stage) for p in ps or ()]
         return sorted((p for p in passes if p.stage == stage), key=lambda p: (p.order, p.name))
 
-    def decide_in_place(
-        self, backend: str, partition: PartitionView, mutation: Mutation
-    ) -> InPlaceDecision:
+    def decide_in_place(self, backend: str, partition: PartitionView, mutation: Mutation) -> InPlaceDecision:
         """Ask every plugin whether ``backend`` writes ``mutation`` in place, and decide.
 
         Raises :class:`InPlaceConflictError` naming both sides when plugins disagree.

@@ -84,8 +84,13 @@ def run_model(
     eager = Eager(case)
     done: list[tuple[StepResult, StepCheck]] = []
     progress = Progress(
-        TextColumn("[bold]decode"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=True, disable=console is None,
+        TextColumn("[bold]decode"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=console is None,
     )
     with progress:
         task = progress.add_task("decode", total=steps)
@@ -124,8 +129,15 @@ def _summary(report: RunReport) -> str:
 
 def _table(report: RunReport) -> Table:
     table = Table(title=f"writeback run {report.lowered.case.name}: {len(report.steps)} steps vs eager")
-    titles = ("step", "latency ms", "state write-back", "copied into delegate", "max abs err (out)",
-              "max abs err (state)", "match")
+    titles = (
+        "step",
+        "latency ms",
+        "state write-back",
+        "copied into delegate",
+        "max abs err (out)",
+        "max abs err (state)",
+        "match",
+    )
     for title in titles:
         table.add_column(title, justify="right")
     for result, check in report.steps:
@@ -144,16 +156,34 @@ def _table(report: RunReport) -> Table:
 @click.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps to run.")
-@click.option("--backend", default=None,
-              help="A backend plugins offer (see `writeback plugins`), or 'none'. Default: mlx when installed.")
+@click.option(
+    "--backend",
+    default=None,
+    help="A backend plugins offer (see `writeback plugins`), or 'none'. Default: mlx when installed.",
+)
 @click.option("--runtime", "runtime_name", default=None, help="A runtime plugins offer. Default: pybind.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Where to write the .pte. Default: a temporary directory.")
-@click.option("--cache-mib", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="For the built-in decoders: size the K+V cache to this many MiB.")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the .pte. Default: a temporary directory.",
+)
+@click.option(
+    "--cache-mib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="For the built-in decoders: size the K+V cache to this many MiB.",
+)
 @click.pass_context
-def run_command(ctx: click.Context, model: str, steps: int, backend: str | None, runtime_name: str | None,
-                output: Path | None, cache_mib: float | None) -> None:
+def run_command(
+    ctx: click.Context,
+    model: str,
+    steps: int,
+    backend: str | None,
+    runtime_name: str | None,
+    output: Path | None,
+    cache_mib: float | None,
+) -> None:
     """Lower MODEL (default: decoder-caller-cache; a built-in name or path/to/file.py:factory)
     through the installed backend and passes, run it STEPS times with its state bound in place,
     and check every step against eager PyTorch."""

@@ -58,15 +58,23 @@ class DecoderConfig:
         return (1, self.heads, self.max_seq, self.head_dim)
 
     @classmethod
-    def for_cache_bytes(cls, nbytes: int, heads: int = 8, head_dim: int = 64,
-                        window: int | None = None) -> DecoderConfig:
+    def for_cache_bytes(
+        cls, nbytes: int, heads: int = 8, head_dim: int = 64, window: int | None = None
+    ) -> DecoderConfig:
         """A one-layer config whose K and V caches (fp32) hold ``nbytes`` together.
 
         ``window`` is clipped to the cache's length.
         """
         max_seq = max(8, nbytes // (2 * heads * head_dim * 4))
-        return cls(vocab=64, dim=heads * head_dim, heads=heads, max_seq=max_seq, layers=1,
-                   hidden=2 * heads * head_dim, window=None if window is None else min(window, max_seq))
+        return cls(
+            vocab=64,
+            dim=heads * head_dim,
+            heads=heads,
+            max_seq=max_seq,
+            layers=1,
+            hidden=2 * heads * head_dim,
+            window=None if window is None else min(window, max_seq),
+        )
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -166,9 +174,7 @@ class _DecoderBody(nn.Module):
                 if isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
 
-    def run(
-        self, tokens: torch.Tensor, input_pos: torch.Tensor, caches: list[torch.Tensor]
-    ) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             x = block(x, input_pos, caches[2 * i], caches[2 * i + 1])
@@ -286,8 +292,7 @@ class ModelCase:
 def _token_inputs(cfg: DecoderConfig) -> Callable[[int], tuple[torch.Tensor, ...]]:
     def inputs(step: int) -> tuple[torch.Tensor, ...]:
         token = (7 * step + 3) % cfg.vocab
-        return (torch.tensor([[token]], dtype=torch.int64),
-                torch.tensor([step % cfg.max_seq], dtype=torch.int64))
+        return (torch.tensor([[token]], dtype=torch.int64), torch.tensor([step % cfg.max_seq], dtype=torch.int64))
 
     return inputs
 

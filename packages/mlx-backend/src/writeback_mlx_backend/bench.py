@@ -55,8 +55,9 @@ class WindowDecodeStep(nn.Module):
     with caller caches; the caches are ``[1, heads, max_seq, head_dim]``.
     """
 
-    def __init__(self, max_seq: int, caller_cache: bool, heads: int = 8, head_dim: int = 64,
-                 window: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, max_seq: int, caller_cache: bool, heads: int = 8, head_dim: int = 64, window: int = 64, seed: int = 0
+    ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.window = heads, head_dim, window
         self.max_seq = max_seq
@@ -178,15 +179,15 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     passes = [adapt(p.run) for p in registry.program_passes("before_memory_planning")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        edge = to_edge_transform_and_lower(
-            _export(module, args), partitioner=[MLXPartitioner(registry)]
-        )
+        edge = to_edge_transform_and_lower(_export(module, args), partitioner=[MLXPartitioner(registry)])
         program = edge.to_executorch(ExecutorchBackendConfig(passes=passes))
     gm = program.exported_program().graph_module
     calls = [n for n in gm.graph.nodes if n.target is executorch_call_delegate]
-    others = [n for n in gm.graph.nodes
-              if n.op == "call_function" and n.target not in (executorch_call_delegate,
-                                                              operator.getitem)]
+    others = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target not in (executorch_call_delegate, operator.getitem)
+    ]
     if len(calls) != 1 or others:
         raise RuntimeError(f"the step did not lower whole to MLX: {[str(n) for n in others]}")
     lowered = getattr(gm, str(calls[0].args[0].target))
@@ -194,8 +195,7 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     specs = {spec.key: spec.value for spec in lowered.compile_specs}
     handle = delegate.init(bytes(lowered.processed_bytes), specs)
     vals = calls[0].meta["val"]
-    outputs = [torch.empty(v.shape, dtype=v.dtype) for v in (vals if isinstance(vals, (list, tuple))
-                                                             else [vals])]
+    outputs = [torch.empty(v.shape, dtype=v.dtype) for v in (vals if isinstance(vals, (list, tuple)) else [vals])]
     return _Direct(delegate, handle, [a.name for a in calls[0].args[1:]], outputs)
 
 
@@ -216,8 +216,7 @@ def _mlx(max_seq: int, caller: str | None) -> Runner:
         x, pos = _inputs(step, dim, module.window)
         by_name = {"x": x, "pos": pos, **{f"caches_{i}": c for i, c in enumerate(caches)}}
         args = [by_name[name] for name in direct.arg_names]
-        outputs = [args[in_place[j]] if j in in_place else t
-                   for j, t in enumerate(direct.outputs)]
+        outputs = [args[in_place[j]] if j in in_place else t for j, t in enumerate(direct.outputs)]
         direct.delegate.execute(direct.handle, [*args, *outputs])
 
     return run
@@ -257,8 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_table(rows, columns))
     first, last = rows[0][1], rows[-1][1]
     ratios = [b / a for a, b in zip(first, last, strict=True)]
-    print(f"ratio {rows[-1][0]}/{rows[0][0]}: "
-          + "  ".join(f"{c}={r:.2f}" for c, r in zip(columns, ratios, strict=True)))
+    print(
+        f"ratio {rows[-1][0]}/{rows[0][0]}: " + "  ".join(f"{c}={r:.2f}" for c, r in zip(columns, ratios, strict=True))
+    )
     return 0
 
 

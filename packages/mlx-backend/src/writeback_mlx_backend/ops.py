@@ -238,8 +238,13 @@ def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
         slot = int(index.item())
         if 0 <= slot < size:
             return (*_prefix(dim), slice(slot, slot + 1))
-    idx = _in_range(index, "index_copy", dim, size,
-                    "negative indices are rejected, not wrapped (as ATen does). Pass indices in [0, size).")
+    idx = _in_range(
+        index,
+        "index_copy",
+        dim,
+        size,
+        "negative indices are rejected, not wrapped (as ATen does). Pass indices in [0, size).",
+    )
     return (*_prefix(dim), idx)
 
 
@@ -276,10 +281,7 @@ def _index_put_key(dest: Any, indices: Sequence[Any]) -> tuple[Any, ...]:
         bad = np.flatnonzero(((idx < -size) | (idx >= size)).reshape(-1))
         if bad.size:
             value = int(idx.reshape(-1)[int(bad[0])])
-            raise IndexError(
-                f"index_put: index {value} is out of range for dimension {position} of "
-                f"size {size}"
-            )
+            raise IndexError(f"index_put: index {value} is out of range for dimension {position} of size {size}")
         key.append(np.where(idx < 0, idx + size, idx))
     return tuple(key)
 
@@ -294,9 +296,7 @@ def _index_put_run(dest: Any, indices: Sequence[Any], values: Any, accumulate: b
     return out
 
 
-def _index_put_region(
-    dest: Any, indices: Sequence[Any], values: Any, accumulate: bool = False
-) -> Region:
+def _index_put_region(dest: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Region:
     key = _index_put_key(dest, indices)
     return Region(key, np.asarray(values), accumulate)
 
@@ -314,9 +314,7 @@ def _slice_key(rank: int, size: int, dim: int, start: Any, end: Any, step: Any) 
     return (*_prefix(dim), slice(_clamp(start), _clamp(end), step if step is not None else 1))
 
 
-def _slice_scatter_run(
-    dest: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1
-) -> Any:
+def _slice_scatter_run(dest: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1) -> Any:
     out = mx.array(dest)
     out[_slice_key(dest.ndim, 0, dim, start, end, step)] = src
     return out
@@ -472,16 +470,23 @@ def _div(a: Any, b: Any, rounding_mode: Any = None) -> Any:
     return mx.trunc(out) if rounding_mode == "trunc" else out
 
 
-def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-          is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
+def _sdpa(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> Any:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ mx.swapaxes(k, -1, -2)) * scale
     if is_causal:
         rows, cols = scores.shape[-2], scores.shape[-1]
         scores = mx.where(mx.tril(mx.ones((rows, cols), dtype=mx.bool_)), scores, -math.inf)
     if attn_mask is not None:
-        scores = mx.where(attn_mask, scores, -math.inf) if attn_mask.dtype == mx.bool_ \
-            else scores + attn_mask
+        scores = mx.where(attn_mask, scores, -math.inf) if attn_mask.dtype == mx.bool_ else scores + attn_mask
     return mx.softmax(scores, axis=-1, precise=True) @ v
 
 
@@ -531,12 +536,18 @@ OPS: dict[str, OpHandler] = {
     "aten.minimum.default": _binary_handler(mx.minimum),
     "aten.mean.dim": OpHandler(_ok, _mean),
     "aten.sum.dim_IntList": OpHandler(_ok, _sum),
-    "aten.amax.default": OpHandler(_ok, lambda x, dim, keepdim=False: mx.max(
-        x, axis=[_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
-    "aten.any.dim": OpHandler(_literal_ints_check(1), lambda x, dim, keepdim=False: mx.any(
-        x, axis=_dim(dim, x.ndim), keepdims=keepdim)),
-    "aten.any.dims": OpHandler(_ok, lambda x, dim=None, keepdim=False: mx.any(
-        x, axis=None if dim is None else [_dim(d, x.ndim) for d in dim], keepdims=keepdim)),
+    "aten.amax.default": OpHandler(
+        _ok, lambda x, dim, keepdim=False: mx.max(x, axis=[_dim(d, x.ndim) for d in dim], keepdims=keepdim)
+    ),
+    "aten.any.dim": OpHandler(
+        _literal_ints_check(1), lambda x, dim, keepdim=False: mx.any(x, axis=_dim(dim, x.ndim), keepdims=keepdim)
+    ),
+    "aten.any.dims": OpHandler(
+        _ok,
+        lambda x, dim=None, keepdim=False: mx.any(
+            x, axis=None if dim is None else [_dim(d, x.ndim) for d in dim], keepdims=keepdim
+        ),
+    ),
     "aten.clamp.default": OpHandler(_ok, _clamp_values),
     "aten.clamp_min.default": OpHandler(_ok, lambda x, lo: mx.maximum(x, lo)),
     "aten.clamp_max.default": OpHandler(_ok, lambda x, hi: mx.minimum(x, hi)),
@@ -597,12 +608,8 @@ OPS: dict[str, OpHandler] = {
     "aten.index_copy.default": OpHandler(
         _one_index_check("destination"), _index_copy_run, _index_copy_region, _index_copy_validate
     ),
-    "aten.index_put.default": OpHandler(
-        _index_put_check, _index_put_run, _index_put_region, _index_put_validate
-    ),
-    "aten.slice_scatter.default": OpHandler(
-        _literal_ints_check(2, 3, 4, 5), _slice_scatter_run, _slice_scatter_region
-    ),
+    "aten.index_put.default": OpHandler(_index_put_check, _index_put_run, _index_put_region, _index_put_validate),
+    "aten.slice_scatter.default": OpHandler(_literal_ints_check(2, 3, 4, 5), _slice_scatter_run, _slice_scatter_region),
     **{
         f"aten.{name}.{overload}": _binary_handler(fn)
         for name, fn in _COMPARE.items()

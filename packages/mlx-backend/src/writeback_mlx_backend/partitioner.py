@@ -33,9 +33,7 @@ _KEEP = (torch.ops.aten.index_copy.default,)
 
 
 class _Support(OperatorSupportBase):
-    def is_node_supported(
-        self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node
-    ) -> bool:
+    def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node) -> bool:
         return node.op == "call_function" and unsupported_reason(node) is None
 
 
@@ -61,16 +59,12 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
         """Keep ``index_copy`` whole where the delegate can run it; others decompose."""
-        return list(_KEEP), lambda node: node.target not in _KEEP or (
-            unsupported_reason(node) is None
-        )
+        return list(_KEEP), lambda node: node.target not in _KEEP or (unsupported_reason(node) is None)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         """Tag supported nodes, owned buffers and constants; annotate in-place writes."""
         gm = exported_program.graph_module
-        partitions = CapabilityBasedPartitioner(
-            gm, _Support(), allows_single_node_partition=True
-        ).propose_partitions()
+        partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
         tags: dict[str, DelegationSpec] = {}
         views: list[PartitionView] = []
         for partition in partitions:
@@ -78,9 +72,7 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
             for node in partition.nodes:
                 node.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
-            views.append(
-                PartitionView(BACKEND_NAME, frozenset(n.name for n in partition.nodes), gm.graph)
-            )
+            views.append(PartitionView(BACKEND_NAME, frozenset(n.name for n in partition.nodes), gm.graph))
         if self.own_buffers:
             tag_mutated_buffer(exported_program)
             _keep_returned_buffers_outside(exported_program)
@@ -96,9 +88,7 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         for view in views:
             touched = [m for m in mutations if view.contains(m.write.node or m.value)]
             if touched:
-                self.decisions += self.registry.annotate_in_place(
-                    graph, BACKEND_NAME, view, touched
-                )
+                self.decisions += self.registry.annotate_in_place(graph, BACKEND_NAME, view, touched)
 
 
 def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
@@ -110,11 +100,7 @@ def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
     """
     sig = program.graph_signature
     names = Counter(s.arg.name for s in sig.output_specs if hasattr(s.arg, "name"))
-    returned = {
-        s.target
-        for s in sig.output_specs
-        if s.kind is OutputKind.BUFFER_MUTATION and names[s.arg.name] > 1
-    }
+    returned = {s.target for s in sig.output_specs if s.kind is OutputKind.BUFFER_MUTATION and names[s.arg.name] > 1}
     for node in program.graph_module.graph.nodes:
         if node.op == "placeholder" and sig.inputs_to_buffers.get(node.name) in returned:
             node.meta.pop("delegation_tag", None)

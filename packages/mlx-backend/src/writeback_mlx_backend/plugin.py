@@ -50,9 +50,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
 
 
 @hookimpl
-def writeback_accepts_in_place(
-    backend: str, partition: PartitionView, mutation: Mutation
-) -> bool | None:
+def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
     if backend != BACKEND_NAME:
         return None
     write = mutation.write

@@ -137,10 +137,7 @@ def _same_meta(a: Any, b: Any) -> bool:
     va = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
     vb = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
     return (
-        isinstance(va, torch.Tensor)
-        and isinstance(vb, torch.Tensor)
-        and va.shape == vb.shape
-        and va.dtype == vb.dtype
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
     )
 
 
@@ -157,9 +154,7 @@ def _add_outputs(program: ExportedProgram, result: DelegateProgram, node: torch.
         if write is not None:
             dest = write.args[0]
             assert isinstance(dest, torch.fx.Node)
-            result.in_place.append(
-                InPlaceCandidate(len(result.outputs), result.inputs.index(dest.name), write.name)
-            )
+            result.in_place.append(InPlaceCandidate(len(result.outputs), result.inputs.index(dest.name), write.name))
         result.outputs.append(_encode(value))
 
 
@@ -190,8 +185,6 @@ class WritebackMLXBackend(BackendDetails):  # type: ignore[misc]  # executorch i
     """ExecuTorch ``BackendDetails`` of the MLX delegate (the class name is the backend id)."""
 
     @staticmethod
-    def preprocess(
-        edge_program: ExportedProgram, compile_specs: list[CompileSpec]
-    ) -> PreprocessResult:
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         """Serialize the delegated subgraph, weights and initial state into one blob."""
         return PreprocessResult(processed_bytes=build_program(edge_program).to_bytes())

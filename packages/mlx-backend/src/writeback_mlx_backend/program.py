@@ -51,9 +51,7 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return _TORCH_DTYPES[name]
     except KeyError:
-        raise ValueError(
-            f"dtype {name!r} in an MLX delegate blob is not one of {sorted(_TORCH_DTYPES)}"
-        ) from None
+        raise ValueError(f"dtype {name!r} in an MLX delegate blob is not one of {sorted(_TORCH_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -66,13 +64,13 @@ class TensorRecord:
     shape: tuple[int, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                "shape": list(self.shape)}
+        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> TensorRecord:
-        return cls(int(record["offset"]), int(record["nbytes"]), str(record["dtype"]),
-                   tuple(int(s) for s in record["shape"]))
+        return cls(
+            int(record["offset"]), int(record["nbytes"]), str(record["dtype"]), tuple(int(s) for s in record["shape"])
+        )
 
 
 @dataclass(frozen=True)
@@ -160,8 +158,7 @@ class DelegateProgram:
         """Append ``tensor``'s bytes to the data section (64-byte aligned) and describe them."""
         pad = (-len(self.data)) % 64
         raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        record = TensorRecord(len(self.data) + pad, len(raw), dtype_name(tensor.dtype),
-                              tuple(tensor.shape))
+        record = TensorRecord(len(self.data) + pad, len(raw), dtype_name(tensor.dtype), tuple(tensor.shape))
         self.data += b"\x00" * pad
         self.data += raw
         return record
@@ -169,6 +166,7 @@ class DelegateProgram:
     def array(self, record: TensorRecord) -> np.ndarray:
         """A numpy view of a record's bytes (read only)."""
         np_dtype = torch.empty((), dtype=torch_dtype(record.dtype)).numpy().dtype
-        flat = np.frombuffer(memoryview(self.data), dtype=np_dtype, count=record.nbytes // np_dtype.itemsize,
-                             offset=record.offset)
+        flat = np.frombuffer(
+            memoryview(self.data), dtype=np_dtype, count=record.nbytes // np_dtype.itemsize, offset=record.offset
+        )
         return flat.reshape(record.shape)

@@ -158,8 +158,7 @@ def _resolve_known(value: Any, env: Mapping[str, Any]) -> Any:
     return value
 
 
-def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate],
-                    env: Mapping[str, Any]) -> None:
+def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate], env: Mapping[str, Any]) -> None:
     """Check the indices of every in-place write whose indices are already known.
 
     Runs before anything is written, so a bad index in a later write cannot leave
@@ -189,8 +188,7 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
         return []
     forced = []
     for entry in json.loads(bytes(raw)):
-        match = [c for c in program.in_place
-                 if c.output == entry["output"] and c.input == entry["input"]]
+        match = [c for c in program.in_place if c.output == entry["output"] and c.input == entry["input"]]
         if not match:
             raise ValueError(
                 f"the program asks the MLX delegate to write output {entry['output']} into "
@@ -228,9 +226,7 @@ def _fold_aliases(steps: Sequence[_Step]) -> tuple[list[_Step], dict[str, str]]:
     return kept, renames
 
 
-def _memory_plan(
-    program: DelegateProgram, steps: Sequence[_Step], last_use: Mapping[str, int]
-) -> dict[str, list[str]]:
+def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Mapping[str, int]) -> dict[str, list[str]]:
     """For each in-place candidate, the values an in-place write by it may change, decided once.
 
     An MLX value can share or read a user input's memory only if it depends on
@@ -254,7 +250,8 @@ def _memory_plan(
     for candidate in program.in_place:
         position = defined_at[candidate.node]
         watch[candidate.node] = [
-            name for name, at in defined_at.items()
+            name
+            for name, at in defined_at.items()
             if at < position and last_use.get(name, -1) > position and candidate.input in reaches[name]
         ]
     return watch
@@ -299,8 +296,7 @@ class MLXDelegate:
                     "handler for; lower the model again with this writeback-mlx-backend"
                 )
             dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
-            steps.append(_Step(node["name"], handler, _decode(node["args"]),
-                               _decode(node["kwargs"]), dtype))
+            steps.append(_Step(node["name"], handler, _decode(node["args"]), _decode(node["kwargs"]), dtype))
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
@@ -319,8 +315,19 @@ class MLXDelegate:
         state = {k: mx.array(program.array(r)) for k, r in program.state.items()}
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
-        return _Handle(program, steps, constants, state, outputs, last_use, dies_at,
-                       list(program.in_place), _forced(program, compile_specs), watch, state_updates)
+        return _Handle(
+            program,
+            steps,
+            constants,
+            state,
+            outputs,
+            last_use,
+            dies_at,
+            list(program.in_place),
+            _forced(program, compile_specs),
+            watch,
+            state_updates,
+        )
 
     def destroy(self, handle: _Handle) -> None:
         """Drop the handle's MLX arrays."""
@@ -391,7 +398,8 @@ class MLXDelegate:
         shared_spans = [_tensor_span(inputs[i]) for i, is_shared in shared.items() if is_shared]
         maybe_shared = any(
             _overlaps(_tensor_span(tensor), span)
-            for index, tensor in enumerate(outputs) if isinstance(tensor, torch.Tensor) and index not in done
+            for index, tensor in enumerate(outputs)
+            if isinstance(tensor, torch.Tensor) and index not in done
             for span in shared_spans
         )
         self._write_outputs(results, outputs, done, maybe_shared)
@@ -432,9 +440,11 @@ class MLXDelegate:
         # Only values depending on the destination can (see _memory_plan), unless two
         # inputs share one allocation.
         names = handle.watch[step.name] if exact else list(env)
-        live = [n for n in names
-                if isinstance(env.get(n), mx.array) and handle.last_use.get(n, -1) > position
-                and n not in handle.constants]
+        live = [
+            n
+            for n in names
+            if isinstance(env.get(n), mx.array) and handle.last_use.get(n, -1) > position and n not in handle.constants
+        ]
         if live:
             mx.eval(*[env[n] for n in live])
             target = _span(dest)
@@ -489,7 +499,6 @@ class MLXDelegate:
         targets = [spans[i] for i in pending]
         for index, value in enumerate(results):
             if isinstance(value, mx.array) and any(
-                _overlaps(_span(value), t) for j, t in zip(pending, targets, strict=True)
-                if j != index
+                _overlaps(_span(value), t) for j, t in zip(pending, targets, strict=True) if j != index
             ):
                 results[index] = _snapshot(value)

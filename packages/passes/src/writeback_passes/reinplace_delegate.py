@@ -86,9 +86,7 @@ def _write_backs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [
         n
         for n in graph.nodes
-        if _is_packet(n, "copy_")
-        and isinstance(n.args[0], torch.fx.Node)
-        and n.args[0].op == "placeholder"
+        if _is_packet(n, "copy_") and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"
     ]
 
 
@@ -127,11 +125,7 @@ def _aliases(placeholder: torch.fx.Node) -> set[torch.fx.Node]:
 def _peel_copies(value: object, placeholder: torch.fx.Node) -> tuple[object, list[torch.fx.Node]]:
     """Follow functional ``aten.copy(placeholder, x)`` nodes down to the value written."""
     chain: list[torch.fx.Node] = []
-    while (
-        isinstance(value, torch.fx.Node)
-        and _is_packet(value, "copy")
-        and value.args[0] is placeholder
-    ):
+    while isinstance(value, torch.fx.Node) and _is_packet(value, "copy") and value.args[0] is placeholder:
         chain.append(value)
         value = value.args[1]
     return value, chain
@@ -163,19 +157,24 @@ def _check(
     args = list(call.args[1:])
     if args.count(placeholder) != 1:
         return f"{placeholder.name!r} is passed to the delegate {args.count(placeholder)} times"
-    twice = [a.name for a in args if isinstance(a, torch.fx.Node) and a in aliases
-             and a is not placeholder]
+    twice = [a.name for a in args if isinstance(a, torch.fx.Node) and a in aliases and a is not placeholder]
     if twice:
-        return (f"an alias of {placeholder.name!r} ({', '.join(twice)}) is also passed to the "
-                "delegate; writing in place would change that argument while it is read")
+        return (
+            f"an alias of {placeholder.name!r} ({', '.join(twice)}) is also passed to the "
+            "delegate; writing in place would change that argument while it is read"
+        )
     if not copy.users and not _other_results_used(call, value):
-        return (f"the write-back of {placeholder.name!r} is the delegate's last used result "
-                "and the program does not return it: nothing would keep the delegate call")
+        return (
+            f"the write-back of {placeholder.name!r} is the delegate's last used result "
+            "and the program does not return it: nothing would keep the delegate call"
+        )
     returned = copy.graph.output_node().all_input_nodes
     if not user_input and any(n in returned for n in (value, *skip)):
-        return (f"the program also returns the new value of buffer {placeholder.name!r}: "
-                "returning the buffer itself would make it a graph output, which unplanned "
-                "outputs leave without a planned slot (exir then emits it as constant data)")
+        return (
+            f"the program also returns the new value of buffer {placeholder.name!r}: "
+            "returning the buffer itself would make it a graph output, which unplanned "
+            "outputs leave without a planned slot (exir then emits it as constant data)"
+        )
     position = {n: i for i, n in enumerate(graph_nodes)}
     ignored = set(skip) | {copy} | {u for u in call.users if u.target is operator.getitem}
     for node in graph_nodes[position[call] + 1 : position[copy]]:
@@ -183,8 +182,10 @@ def _check(
             continue
         read = [a.name for a in node.all_input_nodes if a in aliases]
         if read:
-            return (f"{node.name!r} reads {', '.join(read)} between the delegate and the "
-                    "write-back; it expects the old value")
+            return (
+                f"{node.name!r} reads {', '.join(read)} between the delegate and the "
+                "write-back; it expects the old value"
+            )
     return None
 
 
@@ -322,8 +323,7 @@ def reinplace_delegate_input_mutations(
         value, chain = _peel_copies(copy.args[1], placeholder)
         found = _delegate_output(value)
         if found is None:
-            report.kept.append(KeptWriteBack(placeholder.name, "the value written back is not "
-                                             "a delegate output"))
+            report.kept.append(KeptWriteBack(placeholder.name, "the value written back is not a delegate output"))
             continue
         call, output = found
         assert isinstance(value, torch.fx.Node)

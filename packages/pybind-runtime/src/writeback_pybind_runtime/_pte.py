@@ -227,9 +227,7 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
     plan = _find_plan(reader, method)
     values = reader.tables(plan, _PLAN_VALUES)
     kinds = [reader.scalar(v, _UNION_TYPE, "<B") for v in values]
-    operators = [
-        (reader.string(op, 0), reader.string(op, 1)) for op in reader.tables(plan, _PLAN_OPERATORS)
-    ]
+    operators = [(reader.string(op, 0), reader.string(op, 1)) for op in reader.tables(plan, _PLAN_OPERATORS)]
     _, n_delegates = reader.vector(plan, _PLAN_DELEGATES)
     for k, (name, _overload) in enumerate(operators):
         if not name:
@@ -250,8 +248,10 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
     exempt = set(inputs) | set(outputs) | _view_results(reader, plan, operators)
     for index, value in enumerate(values):
         if kinds[index] == _TENSOR and index not in exempt and _lacks_storage(reader, value):
-            raise ValueError(f"method {method!r}: value {index} is a tensor with no storage (not "
-                             "constant, not memory planned, not an input or output)")
+            raise ValueError(
+                f"method {method!r}: value {index} is a tensor with no storage (not "
+                "constant, not memory planned, not an input or output)"
+            )
     for c, chain in enumerate(reader.tables(plan, _PLAN_CHAINS)):
         instructions = reader.tables(chain, _CHAIN_INSTRUCTIONS)
         for n, instruction in enumerate(instructions):
@@ -260,8 +260,7 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
             pos = reader.field(instruction, _UNION_VALUE)
             if kind not in _CHECKS or pos is None:
                 raise ValueError(f"method {method!r}: {where} has unknown kind {kind}")
-            context = _Context(method, where, check_value, kinds, operators, n_delegates,
-                               len(instructions))
+            context = _Context(method, where, check_value, kinds, operators, n_delegates, len(instructions))
             _CHECKS[kind](reader, reader.indirect(pos), context)
 
 
@@ -317,8 +316,9 @@ class _Context:
 def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
     op_index = reader.scalar(call, 0)
     if not 0 <= op_index < len(ctx.operators):
-        raise ValueError(f"method {ctx.method!r}: {ctx.where} calls operator {op_index}, "
-                         f"but it has {len(ctx.operators)}")
+        raise ValueError(
+            f"method {ctx.method!r}: {ctx.where} calls operator {op_index}, but it has {len(ctx.operators)}"
+        )
     args = reader.ints(call, 1)
     for a in args:
         ctx.check_value(a, ctx.where)
@@ -327,20 +327,23 @@ def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
     if signature is None:
         return
     if len(args) != len(signature):
-        raise ValueError(f"method {ctx.method!r}: {ctx.where} passes {len(args)} arguments to "
-                         f"{name}.{overload}, whose schema takes {len(signature)}")
+        raise ValueError(
+            f"method {ctx.method!r}: {ctx.where} passes {len(args)} arguments to "
+            f"{name}.{overload}, whose schema takes {len(signature)}"
+        )
     for k, (a, type_name) in enumerate(zip(args, signature, strict=True)):
         accepted = _accepted(type_name)
         if accepted is not None and ctx.kinds[a] not in accepted:
-            raise ValueError(f"method {ctx.method!r}: {ctx.where} passes value {a} of kind "
-                             f"{ctx.kinds[a]} as argument {k} ({type_name}) of {name}.{overload}")
+            raise ValueError(
+                f"method {ctx.method!r}: {ctx.where} passes value {a} of kind "
+                f"{ctx.kinds[a]} as argument {k} ({type_name}) of {name}.{overload}"
+            )
 
 
 def _check_delegate_call(reader: _Reader, call: int, ctx: _Context) -> None:
     index = reader.scalar(call, 0)
     if not 0 <= index < ctx.n_delegates:
-        raise ValueError(f"method {ctx.method!r}: {ctx.where} calls delegate {index}, "
-                         f"but it has {ctx.n_delegates}")
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} calls delegate {index}, but it has {ctx.n_delegates}")
     for a in reader.ints(call, 1):
         ctx.check_value(a, ctx.where)
 
@@ -354,8 +357,9 @@ def _check_jump_false_call(reader: _Reader, call: int, ctx: _Context) -> None:
     ctx.check_value(reader.scalar(call, 0), ctx.where)
     destination = reader.scalar(call, 1)
     if not 0 <= destination <= ctx.n_instructions:
-        raise ValueError(f"method {ctx.method!r}: {ctx.where} jumps to instruction {destination} "
-                         f"of {ctx.n_instructions}")
+        raise ValueError(
+            f"method {ctx.method!r}: {ctx.where} jumps to instruction {destination} of {ctx.n_instructions}"
+        )
 
 
 def _check_free_call(reader: _Reader, call: int, ctx: _Context) -> None:

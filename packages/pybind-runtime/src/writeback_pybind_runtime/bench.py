@@ -36,8 +36,7 @@ class _Mlp(torch.nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.weights = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(dim, dim, generator=generator) / dim**0.5)
-            for _ in range(layers)
+            torch.nn.Parameter(torch.randn(dim, dim, generator=generator) / dim**0.5) for _ in range(layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,9 +53,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], planned_inputs: bool
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(module, args, strict=False)
-        config = ExecutorchBackendConfig(
-            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs)
-        )
+        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs))
         return bytes(to_edge(program).to_executorch(config).buffer)
 
 
@@ -133,29 +130,42 @@ def _bench_decoder(calls: int, cache_mib: float) -> list[str]:
     pointers = [c.data_ptr() for c in caches[2]]
     # clone_outputs=False: the mutated cache also comes back as an output, and
     # cloning it would be a copy this runtime does not have to make.
-    stock_ms, planned_ms, in_place_ms = _interleaved(calls, [
-        lambda: stock.execute([*inputs, *caches[0]]),
-        lambda: ours_planned([*inputs, *caches[1]], clone_outputs=False),
-        lambda: ours_in_place([*inputs, *caches[2]], clone_outputs=False),
-    ])
+    stock_ms, planned_ms, in_place_ms = _interleaved(
+        calls,
+        [
+            lambda: stock.execute([*inputs, *caches[0]]),
+            lambda: ours_planned([*inputs, *caches[1]], clone_outputs=False),
+            lambda: ours_in_place([*inputs, *caches[2]], clone_outputs=False),
+        ],
+    )
     outputs = ours_in_place([*inputs, *caches[2]], clone_outputs=False)
     in_place = all(o.data_ptr() == p for o, p in zip(outputs, pointers, strict=False))
     updated = bool(caches[2][0].abs().sum() > 0) and bool(caches[1][0].abs().sum() > 0)
     label = f"decoder-caller-cache {cache_mib:g} MiB"
     return [
-        _row(label, "stock (cache copied in, not updated)", stock_ms, stock_ms,
-             f"caller cache updated: {bool(caches[0][0].abs().sum() > 0)}"),
-        _row(label, "writeback planned (copied back)", planned_ms, stock_ms,
-             f"caller cache updated: {updated}"),
-        _row(label, "writeback alloc_graph_input=False", in_place_ms, stock_ms,
-             f"cache outputs alias the caller's tensors (no copy): {in_place}"),
+        _row(
+            label,
+            "stock (cache copied in, not updated)",
+            stock_ms,
+            stock_ms,
+            f"caller cache updated: {bool(caches[0][0].abs().sum() > 0)}",
+        ),
+        _row(label, "writeback planned (copied back)", planned_ms, stock_ms, f"caller cache updated: {updated}"),
+        _row(
+            label,
+            "writeback alloc_graph_input=False",
+            in_place_ms,
+            stock_ms,
+            f"cache outputs alias the caller's tensors (no copy): {in_place}",
+        ),
     ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run both benchmarks and print a table of medians and ratios to stock."""
-    parser = argparse.ArgumentParser(prog="python -m writeback_pybind_runtime.bench",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m writeback_pybind_runtime.bench", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--calls", type=int, default=50, help="timed calls per runtime")
     parser.add_argument("--cache-mib", type=float, default=8.0, help="K+V cache size of the decoder")
     args = parser.parse_args(argv)

@@ -15,28 +15,60 @@ __all__ = ["fuzz_command"]
 
 
 @click.command("fuzz")
-@click.option("--programs", "n_programs", type=click.IntRange(min=1), default=100,
-              show_default=True, help="How many generated programs to check.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Hypothesis seed (job j uses seed + j).")
-@click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Worker processes (default: one per core, at most 2).")
-@click.option("--runtime", default=None,
-              help="A runtime a plugin offers (writeback_runtimes; default: the first "
-                   "offered); '' for stock executorch.runtime only.")
-@click.option("--runtime-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Run the runtime targets on every n-th program only.")
-@click.option("--calls", type=click.IntRange(min=3), default=3, show_default=True,
-              help="Calls per program (state must be carried at least twice).")
-@click.option("--backend", "backends", multiple=True,
-              help="Also lower every program with this backend (repeatable) and check it "
-                   "against eager and its in-place answers (the contract suite).")
-@click.option("--engine", "engines", multiple=True,
-              help="Run every program through this aliasing engine's copy-back path "
-                   "(writeback_engines; repeatable; default: every engine offered).")
+@click.option(
+    "--programs",
+    "n_programs",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="How many generated programs to check.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed (job j uses seed + j).")
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: one per core, at most 2)."
+)
+@click.option(
+    "--runtime",
+    default=None,
+    help="A runtime a plugin offers (writeback_runtimes; default: the first "
+    "offered); '' for stock executorch.runtime only.",
+)
+@click.option(
+    "--runtime-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run the runtime targets on every n-th program only.",
+)
+@click.option(
+    "--calls",
+    type=click.IntRange(min=3),
+    default=3,
+    show_default=True,
+    help="Calls per program (state must be carried at least twice).",
+)
+@click.option(
+    "--backend",
+    "backends",
+    multiple=True,
+    help="Also lower every program with this backend (repeatable) and check it "
+    "against eager and its in-place answers (the contract suite).",
+)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    help="Run every program through this aliasing engine's copy-back path "
+    "(writeback_engines; repeatable; default: every engine offered).",
+)
 @click.option("--no-engines", is_flag=True, help="Run no engine's copy-back path.")
-@click.option("--engine-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Run the engine targets on every n-th program only.")
+@click.option(
+    "--engine-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run the engine targets on every n-th program only.",
+)
 @click.option("--no-shrink", is_flag=True, help="Report the first failing program as drawn.")
 def fuzz_command(
     n_programs: int,
@@ -67,9 +99,7 @@ def fuzz_command(
     try:
         import hypothesis  # noqa: F401 - only to fail early with a clear message
     except ImportError as error:
-        raise click.UsageError(
-            "writeback fuzz needs hypothesis: install writeback-core[testing]"
-        ) from error
+        raise click.UsageError("writeback fuzz needs hypothesis: install writeback-core[testing]") from error
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -92,8 +122,9 @@ def fuzz_command(
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     console = Console(stderr=True)
-    with Progress("fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        "fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
+    ) as bar:
         task = bar.add_task("fuzz", total=n_programs)
         report = run_fuzz(config, progress=lambda n: bar.advance(task, n))
     for line in summary(report):

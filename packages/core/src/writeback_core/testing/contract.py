@@ -169,8 +169,9 @@ def check_backend_contract(
     if runtime is None:
         runtime = registry_runtime(registry)
         if runtime is None:
-            raise LookupError("no plugin offers a runtime (writeback_runtimes); install "
-                              "writeback-pybind-runtime or pass runtime=")
+            raise LookupError(
+                "no plugin offers a runtime (writeback_runtimes); install writeback-pybind-runtime or pass runtime="
+            )
     edge = _partitioned_edge(built, registry, backend)
     report = ContractReport(backend)
     report.decisions = in_place_decisions(edge.exported_program())
@@ -205,9 +206,13 @@ def check_backend_contract(
         for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
             diff = compare_observations(want, got)
             if diff is not None:
-                raise ProgramMismatch(built.source, runner.name, call, diff[0],
-                                      f"{diff[1]}\ndecisions: accepted {report.accepted}, "
-                                      f"declined {report.declined}")
+                raise ProgramMismatch(
+                    built.source,
+                    runner.name,
+                    call,
+                    diff[0],
+                    f"{diff[1]}\ndecisions: accepted {report.accepted}, declined {report.declined}",
+                )
         report.targets.append(runner.name)
     return report
 

@@ -130,8 +130,7 @@ class EngineTarget:
             program = export_built(lowered.built)
         except Exception as error:
             raise LoweringError(
-                f"export failed: {type(error).__name__}: {error}\n--- program ---\n"
-                f"{lowered.built.source}",
+                f"export failed: {type(error).__name__}: {error}\n--- program ---\n{lowered.built.source}",
                 upstream=True,
             ) from error
         with warnings.catch_warnings():
@@ -139,9 +138,7 @@ class EngineTarget:
             # oracle serializes every buffer's initial value itself).
             warnings.simplefilter("ignore", UserWarning)
             warnings.simplefilter("ignore", FutureWarning)
-            result = self.registry.hook.writeback_lower_for_engine(
-                engine=engines[self.engine], program=program
-            )
+            result = self.registry.hook.writeback_lower_for_engine(engine=engines[self.engine], program=program)
         if result is None:
             raise LookupError(
                 f"engine {self.engine!r} is offered, but no plugin lowers for it "
@@ -154,8 +151,7 @@ class EngineTarget:
         return derived
 
 
-def engine_targets(registry: Registry, runtime: Any,
-                   engines: tuple[str, ...] | None = None) -> list[EngineTarget]:
+def engine_targets(registry: Registry, runtime: Any, engines: tuple[str, ...] | None = None) -> list[EngineTarget]:
     """Two targets per engine (``<engine>-<runtime>`` and ``<engine>-stock``).
 
     :param registry: offers the engines, their lowering and delegates.
@@ -170,8 +166,6 @@ def engine_targets(registry: Registry, runtime: Any,
     label = getattr(getattr(runtime, "spec", None), "name", "runtime")
     targets = []
     for name in names:
-        targets.append(EngineTarget(f"{name}-{label}", name, registry, runtime,
-                                    verdicts=ENGINE_VERDICTS))
-        targets.append(EngineTarget(f"{name}-stock", name, registry, runtime, stock=True,
-                                    verdicts=ENGINE_VERDICTS))
+        targets.append(EngineTarget(f"{name}-{label}", name, registry, runtime, verdicts=ENGINE_VERDICTS))
+        targets.append(EngineTarget(f"{name}-stock", name, registry, runtime, stock=True, verdicts=ENGINE_VERDICTS))
     return targets

@@ -25,7 +25,6 @@ from typing import Any
 __all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "check_config", "run_fuzz"]
 
 
-
 @dataclass(frozen=True)
 class FuzzConfig:
     """What to fuzz and with what; plain data, so worker processes can receive it.
@@ -124,14 +123,11 @@ def _engine_targets(config: FuzzConfig, registry: Any, runtime: Any) -> tuple[li
     if not registry_engines(registry):
         return [], None if config.engines is None else "no plugin offers an engine"
     if runtime is None:
-        return [], ("no runtime to load the engines' delegates (runtime='' or none offered); "
-                    "engine targets not run")
+        return [], ("no runtime to load the engines' delegates (runtime='' or none offered); engine targets not run")
     return engine_targets(registry, runtime, config.engines), None
 
 
-def _run_share(
-    config: FuzzConfig, job: int, count: int, progress: Callable[[int], None]
-) -> FuzzReport:
+def _run_share(config: FuzzConfig, job: int, count: int, progress: Callable[[int], None]) -> FuzzReport:
     """One hypothesis loop over ``count`` programs with seed ``config.seed + job``."""
     import warnings
 
@@ -152,8 +148,7 @@ def _run_share(
 
     # torch's pytree deprecation, raised while exir deep-copies programs (the root pytest
     # configuration filters the same one); it would print once per program.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
-                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     registry = _registry(config)
     runtime = _runtime(config, registry)
     stock: list[Target] = [StockTarget()]
@@ -165,8 +160,14 @@ def _run_share(
     phases = [Phase.generate, Phase.shrink] if config.shrink else [Phase.generate]
 
     @seed(config.seed + job)
-    @settings(max_examples=count, deadline=None, database=None, phases=phases,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @given(programs(**dict(config.strategy)))
     def fuzz_one(spec: Any) -> None:
         counter["n"] += 1
@@ -178,8 +179,7 @@ def _run_share(
         try:
             result = check_program(spec, targets, registry, calls=config.calls)
             for backend in config.backends:
-                checked = check_backend_contract(registry, backend, spec, runtime,
-                                                 calls=config.calls)
+                checked = check_backend_contract(registry, backend, spec, runtime, calls=config.calls)
                 result.targets.extend(checked.targets)
         except ProgramMismatch as error:
             if error.upstream and error.target == "stock":
@@ -230,8 +230,7 @@ def _run_share(
     except TargetError as error:
         report.failures.append(FuzzFailure("error", error.target, str(error)))
     except Exception as error:
-        report.failures.append(FuzzFailure("error", None, "".join(
-            traceback.format_exception(error))))
+        report.failures.append(FuzzFailure("error", None, "".join(traceback.format_exception(error))))
     return report
 
 
@@ -338,8 +337,10 @@ def summary(report: FuzzReport) -> Sequence[str]:
         by_target: dict[str, int] = {}
         for (target, _), count in report.target_skips.items():
             by_target[target] = by_target.get(target, 0) + count
-        lines.append("skipped by a target (the program cannot take that path; not a pass): "
-                     + ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items())))
+        lines.append(
+            "skipped by a target (the program cannot take that path; not a pass): "
+            + ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items()))
+        )
         for (target, reason), count in sorted(report.target_skips.items()):
             lines.append(f"  {target} x{count}: {reason}")
     if report.failures:

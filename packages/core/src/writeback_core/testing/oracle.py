@@ -116,15 +116,15 @@ class TargetError(RuntimeError):
     on the program lowered without writeback's passes too.
     """
 
-    def __init__(self, target: str, error: BaseException, source: str,
-                 upstream: bool | None) -> None:
+    def __init__(self, target: str, error: BaseException, source: str, upstream: bool | None) -> None:
         self.target = target
         self.upstream = upstream
-        verdict = {None: "not checked without writeback's passes",
-                   True: "fails without writeback's passes too (upstream)",
-                   False: "runs without writeback's passes: a writeback bug"}[upstream]
-        super().__init__(f"{target}: {type(error).__name__}: {error} ({verdict})\n"
-                         f"--- reproducer ---\n{source}")
+        verdict = {
+            None: "not checked without writeback's passes",
+            True: "fails without writeback's passes too (upstream)",
+            False: "runs without writeback's passes: a writeback bug",
+        }[upstream]
+        super().__init__(f"{target}: {type(error).__name__}: {error} ({verdict})\n--- reproducer ---\n{source}")
 
 
 class TargetSkipped(Exception):
@@ -220,8 +220,7 @@ class Lowered:
                 warnings.simplefilter("ignore", FutureWarning)  # torch's pytree, deep-copied
                 edge = copy.deepcopy(self.edge())
             try:
-                program = lower_program(edge, self.built.spec, self.registry, planned,
-                                        self.with_passes)
+                program = lower_program(edge, self.built.spec, self.registry, planned, self.with_passes)
             except LoweringError as error:
                 raise LoweringError(
                     f"{error}\n--- program ---\n{self.built.source}",
@@ -283,8 +282,7 @@ def _to_edge(built: Built) -> Any:
             return to_edge(program)
     except Exception as error:
         raise LoweringError(
-            f"export/to_edge failed: {type(error).__name__}: {error}\n--- program ---\n"
-            f"{built.source}",
+            f"export/to_edge failed: {type(error).__name__}: {error}\n--- program ---\n{built.source}",
             upstream=True,
         ) from error
 
@@ -314,23 +312,18 @@ def lower_program(
     config = ExecutorchBackendConfig(
         emit_mutable_buffer_names=True,
         passes=[InitializedMutableBufferPass(names)],
-        memory_planning_pass=MemoryPlanningPass(
-            alloc_graph_input=planned, alloc_graph_output=planned
-        ),
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned, alloc_graph_output=planned),
     )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             program = None
             if with_passes and registry is not None:
-                program = registry.hook.writeback_to_executorch(
-                    edge_manager=edge, config=config, registry=registry
-                )
+                program = registry.hook.writeback_to_executorch(edge_manager=edge, config=config, registry=registry)
             return program if program is not None else edge.to_executorch(config)
     except Exception as error:
         raise LoweringError(
-            f"to_executorch (planned={planned}, passes={with_passes}) failed: "
-            f"{type(error).__name__}: {error}"
+            f"to_executorch (planned={planned}, passes={with_passes}) failed: {type(error).__name__}: {error}"
         ) from error
 
 
@@ -338,8 +331,7 @@ def _layout(program: ExportedProgram, spec: ProgramSpec) -> _Layout:
     signature = program.graph_signature
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind is InputKind.USER_INPUT]
     n_step = len(user_inputs) - len(spec.inputs)
-    by_placeholder = {name: spec.inputs[i - n_step].name
-                      for i, name in enumerate(user_inputs) if i >= n_step}
+    by_placeholder = {name: spec.inputs[i - n_step].name for i, name in enumerate(user_inputs) if i >= n_step}
     mutated_inputs: list[str] = []
     mutated_buffers: list[str] = []
     n_outputs = 0
@@ -388,8 +380,9 @@ def eager_reference(built: Built, calls: int = DEFAULT_CALLS) -> list[Observatio
     try:
         return eager_run(built, calls)
     except Exception as error:
-        raise InvalidProgram(f"eager PyTorch fails: {type(error).__name__}: {error}\n"
-                             f"--- program ---\n{built.source}") from error
+        raise InvalidProgram(
+            f"eager PyTorch fails: {type(error).__name__}: {error}\n--- program ---\n{built.source}"
+        ) from error
 
 
 class Target(Protocol):
@@ -524,8 +517,7 @@ def _differs(expected: torch.Tensor, got: Any) -> str | None:
     if not isinstance(got, torch.Tensor):
         return f"expected a tensor, got {type(got).__name__}: {got!r}"
     if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
-        return (f"expected {expected.dtype} {tuple(expected.shape)}, "
-                f"got {got.dtype} {tuple(got.shape)}")
+        return f"expected {expected.dtype} {tuple(expected.shape)}, got {got.dtype} {tuple(got.shape)}"
     try:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, equal_nan=True)
     except AssertionError as error:
@@ -608,8 +600,9 @@ def check_program(
             diff = compare_observations(want, got)
             if diff is not None:
                 upstream = _triage(built, target, call, calls) if triage else None
-                raise ProgramMismatch(built.source, target.name, call, diff[0], diff[1], upstream,
-                                      getattr(target, "verdicts", None))
+                raise ProgramMismatch(
+                    built.source, target.name, call, diff[0], diff[1], upstream, getattr(target, "verdicts", None)
+                )
         report.targets.append(target.name)
     report.lowering_seconds = lowered.seconds
     return report
@@ -645,16 +638,20 @@ def built_from_case(case: Any) -> Built:
 
     module = case.build()
     buffers = tuple(State(name, "buffer", tuple(b.shape)) for name, b in module.named_buffers())
-    inputs = tuple(State(f"state{i}", "input", tuple(t.shape))
-                   for i, t in enumerate(case.make_state()))
-    spec = ProgramSpec(states=buffers + inputs, statements=(), outputs=(),
-                       has_x=True, has_pos=True)
-    return Built(spec, f"# zoo model {case.name!r}: writeback_core.zoo.builtin_models()"
-                 f"[{case.name!r}]\n", case.build, case.step_inputs, case.make_state)
+    inputs = tuple(State(f"state{i}", "input", tuple(t.shape)) for i, t in enumerate(case.make_state()))
+    spec = ProgramSpec(states=buffers + inputs, statements=(), outputs=(), has_x=True, has_pos=True)
+    return Built(
+        spec,
+        f"# zoo model {case.name!r}: writeback_core.zoo.builtin_models()[{case.name!r}]\n",
+        case.build,
+        case.step_inputs,
+        case.make_state,
+    )
 
 
-def check_source(source: str, targets: Sequence[Target] | None = None,
-                 registry: Registry | None = None, calls: int = DEFAULT_CALLS) -> OracleReport:
+def check_source(
+    source: str, targets: Sequence[Target] | None = None, registry: Registry | None = None, calls: int = DEFAULT_CALLS
+) -> OracleReport:
     """Run the oracle on a reproducer's source (as a :class:`ProgramMismatch` prints it)."""
     from types import ModuleType
 
@@ -669,6 +666,7 @@ def check_source(source: str, targets: Sequence[Target] | None = None,
     state = module.__dict__["make_state"]()
     inputs = tuple(State(f"s{len(buffers) + i}", "input", tuple(t.shape)) for i, t in enumerate(state))
     spec = dataclasses.replace(spec, states=buffers + inputs)
-    built = Built(spec, source, module.__dict__["FuzzModule"], module.__dict__["step_inputs"],
-                  module.__dict__["make_state"])
+    built = Built(
+        spec, source, module.__dict__["FuzzModule"], module.__dict__["step_inputs"], module.__dict__["make_state"]
+    )
     return check_program(built, targets, registry, calls)

@@ -31,8 +31,10 @@ class OverlappingWrite(RuntimeError):
 
 def _offsets(tensor: torch.Tensor) -> torch.Tensor:
     """The storage offset (in elements) of every element of ``tensor``, in its shape."""
-    extent = tensor.storage_offset() + 1 + sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    extent = (
+        tensor.storage_offset()
+        + 1
+        + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     )
     flat = torch.arange(int(extent))
     return flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())

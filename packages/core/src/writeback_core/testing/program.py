@@ -290,10 +290,7 @@ def _write_slice(r: _Renderer, w: Write) -> str:
 def _write_index_put(r: _Renderer, w: Write) -> str:
     state = r.kinds[w.state]
     index = _index_tensor(w.indices)
-    return (
-        f"{r.ref(w.state)}.index_put_(({index},), {r.source(w.source, state.dtype)}, "
-        f"accumulate={w.accumulate})"
-    )
+    return f"{r.ref(w.state)}.index_put_(({index},), {r.source(w.source, state.dtype)}, accumulate={w.accumulate})"
 
 
 def _write_method(method: str) -> Callable[[_Renderer, Write], str]:
@@ -330,10 +327,7 @@ def _write_flat_add(r: _Renderer, w: Write) -> str:
 def _write_transposed_row(r: _Renderer, w: Write) -> str:
     state = r.kinds[w.state]
     last = len(state.shape) - 1
-    return (
-        f"{r.ref(w.state)}.transpose(0, {last})[{w.index}].copy_("
-        f"{r.source(w.source, state.dtype)})"
-    )
+    return f"{r.ref(w.state)}.transpose(0, {last})[{w.index}].copy_({r.source(w.source, state.dtype)})"
 
 
 # Every write form, keyed by ``Write.how``.
@@ -362,8 +356,7 @@ _READS: dict[str, Callable[[_Renderer, Read], str]] = {
     "view": lambda r, rd: f"{r.ref(rd.state)}.view(-1)",
     "transpose": lambda r, rd: f"{r.ref(rd.state)}.transpose(0, {len(r.kinds[rd.state].shape) - 1})",
     "slice": lambda r, rd: (
-        f"{r.ref(rd.state)}"
-        f"{_slice_text(len(r.kinds[rd.state].shape), rd.dim, f'{rd.start}:{rd.stop}')}"
+        f"{r.ref(rd.state)}{_slice_text(len(r.kinds[rd.state].shape), rd.dim, f'{rd.start}:{rd.stop}')}"
     ),
     "select": lambda r, rd: f"{r.ref(rd.state)}.select({rd.dim}, {rd.index})",
     "compute": lambda r, rd: f"({_float(r, rd.state)} * {_num(rd.scale)} + 1.0)",
@@ -392,8 +385,7 @@ def _render_derive(r: _Renderer, d: Derive) -> str:
     w = d.write
     state = r.kinds[w.state]
     index = _index_expr(r, w, state.shape[w.dim])
-    return (f"{d.result} = {r.ref(w.state)}.index_copy({w.dim}, {index}, "
-            f"{r.source(w.source, state.dtype)})")
+    return f"{d.result} = {r.ref(w.state)}.index_copy({w.dim}, {index}, {r.source(w.source, state.dtype)})"
 
 
 def _render_temp_write(r: _Renderer, t: TempWrite) -> str:
@@ -453,9 +445,7 @@ def render_source(spec: ProgramSpec) -> str:
     lines += ["def step_inputs(step):"]
     step_values = []
     if spec.has_x:
-        step_values.append(
-            f"torch.randn({X_LEN}, generator=torch.Generator().manual_seed(1000 + step))"
-        )
+        step_values.append(f"torch.randn({X_LEN}, generator=torch.Generator().manual_seed(1000 + step))")
     if spec.has_pos:
         step_values.append("torch.tensor([3 * step + 1])")
     lines.append(f"    return ({''.join(v + ', ' for v in step_values)})")

@@ -107,8 +107,7 @@ class _Scope:
     keep: list[str] = field(default_factory=list)  # temps that must be outputs (else dead)
 
     def writable(self) -> list[State]:
-        return sorted((s for s in self.states.values() if s.name not in self.no_write),
-                      key=lambda s: s.name)
+        return sorted((s for s in self.states.values() if s.name not in self.no_write), key=lambda s: s.name)
 
     def new_temp(self, shape: tuple[int, ...], dtype: DType, view_of: str | None) -> str:
         name = f"t{len(self.temps)}"
@@ -158,7 +157,7 @@ def _source(draw: st.DrawFn, scope: _Scope, shape: tuple[int, ...]) -> Source:
 
 
 def _with(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
-    return (*shape[:dim], size, *shape[dim + 1:])
+    return (*shape[:dim], size, *shape[dim + 1 :])
 
 
 def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
@@ -173,9 +172,7 @@ def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
     # A cache is written along its sequence dim half the time: the write an engine aliases.
     dim = 2 if rank == 4 and draw(st.booleans()) else draw(st.integers(0, rank - 1))
     if how == "index_copy":
-        index = None if scope.has_pos and draw(st.booleans()) else draw(
-            st.integers(0, shape[dim] - 1)
-        )
+        index = None if scope.has_pos and draw(st.booleans()) else draw(st.integers(0, shape[dim] - 1))
         src = draw(_source(scope, _with(shape, dim, 1)))
         return Write(state.name, how, src, dim=dim, index=index)
     if how in ("slice", "flat_add"):
@@ -210,9 +207,7 @@ def _slice(draw: st.DrawFn, size: int) -> tuple[int | None, int | None, int]:
     first = draw(st.integers(0, size - 1))
     last = draw(st.integers(first, size - 1))
     start: int | None = draw(st.sampled_from((first, first - size, None if first == 0 else first)))
-    stop: int | None = draw(
-        st.sampled_from((last + 1, last + 1 - size if last + 1 < size else None, None))
-    )
+    stop: int | None = draw(st.sampled_from((last + 1, last + 1 - size if last + 1 < size else None, None)))
     if stop is None and last + 1 != size:
         stop = last + 1
     return start, stop, step
@@ -268,8 +263,7 @@ def _statement(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Statemen
         choices.append("derive")
     if scope.temps:
         choices.append("combine")
-    floats = [t for t in scope.temps if t.dtype == "float32" and t.shape
-              and t.view_of not in scope.no_write]
+    floats = [t for t in scope.temps if t.dtype == "float32" and t.shape and t.view_of not in scope.no_write]
     if floats:
         choices.append("temp_write")
     choice = draw(st.sampled_from(choices))
@@ -310,8 +304,7 @@ def _early_value_block(draw: st.DrawFn, scope: _Scope) -> list[Statement]:
     early = Compute(scope.new_temp(state.shape, "float32", None), source)
     view = draw(_read(scope, state=state, hows=("view", "view", "transpose", "slice", "select")))
     first, second = (early, view) if draw(st.booleans()) else (view, early)
-    reader = Combine(scope.new_temp(_shape_of(scope, view.result), "float32", None),
-                     view.result, early.result)
+    reader = Combine(scope.new_temp(_shape_of(scope, view.result), "float32", None), view.result, early.result)
     write = Write(state.name, "copy", Source("whole", state.shape, ref=early.result))
     scope.keep.append(reader.result)  # an unused read is dead code: no hazard left
     return [first, second, reader, write]
@@ -384,8 +377,7 @@ def programs(
         statements.insert(draw(st.integers(0, len(statements) - 1)), statements.pop(0))
     names = [t.name for t in scope.temps] + (list(states) if state_outputs else [])
     if not names:
-        statements.append(Read(scope.new_temp(first_state.shape, "float32",
-                                              None), first_state.name, "clone"))
+        statements.append(Read(scope.new_temp(first_state.shape, "float32", None), first_state.name, "clone"))
         names = [scope.temps[-1].name]
     outputs = scope.keep + draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))
     return ProgramSpec(
