@@ -8,13 +8,14 @@
 // alias the runtime's memory and hold a reference to its owner.
 //
 // The Python layer (_runtime.py) owns policy that needs the program file: it
-// reads from the .pte which output is which input (_pte.py) and passes that in.
+// reads from the .pte which output is which input and which inputs the method
+// writes (_pte.py) and passes that in. It reads the program's own copy of the
+// bytes (NativeProgram's buffer), so a file is read once and never mapped.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <executorch/extension/data_loader/buffer_data_loader.h>
-#include <executorch/extension/data_loader/mmap_data_loader.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/core/hierarchical_allocator.h>
@@ -24,7 +25,13 @@
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -42,7 +49,6 @@ using executorch::aten::Tensor;
 using executorch::aten::TensorImpl;
 using executorch::extension::BufferDataLoader;
 using executorch::extension::MallocMemoryAllocator;
-using executorch::extension::MmapDataLoader;
 
 // ---------------------------------------------------------------------------
 // DLPack (v0.8 ABI, the legacy "dltensor" capsule every array library speaks).
@@ -213,7 +219,8 @@ PyObject* g_program_error = nullptr;
 struct Block {
   void* data = nullptr;
   size_t nbytes = 0;
-  explicit Block(size_t n) : nbytes(n) {
+  // `zeroed = false` for a block the caller fills whole at once (program bytes).
+  explicit Block(size_t n, bool zeroed = true) : nbytes(n) {
     // 64-byte alignment: ExecuTorch kernels and delegates may vectorize.
     size_t padded = ((std::max<size_t>(n, 1) + 63) / 64) * 64;
     data = std::aligned_alloc(64, padded);
@@ -223,7 +230,7 @@ struct Block {
     // Zeroed once at load, as the stock bindings' arenas are: a mutated buffer
     // that exir serialized without its initial value (only shape and dtype)
     // starts at zeros, which is what programs read before their first write.
-    std::memset(data, 0, padded);
+    std::memset(zeroed ? data : static_cast<char*>(data) + n, 0, zeroed ? padded : padded - n);
   }
   ~Block() { std::free(data); }
   Block(const Block&) = delete;
@@ -271,6 +278,7 @@ struct TorchDlpack {
   py::object from_dlpack;
   py::object to_dlpack;  // None when unavailable: then `__dlpack__()` is used
   py::object tensor_type;
+  py::object is_grad_enabled;
 };
 
 const TorchDlpack& torch_dlpack() {
@@ -288,6 +296,7 @@ const TorchDlpack& torch_dlpack() {
       out->to_dlpack = c.attr("_to_dlpack");
     }
     out->tensor_type = torch.attr("Tensor");
+    out->is_grad_enabled = torch.attr("is_grad_enabled");
     return out;
   }();
   return *fns;
@@ -351,6 +360,11 @@ struct Imported {
   bool contiguous = true;
   bool cpu = true;
   int32_t device_type = kDLCPU;
+  // torch tensors only (other DLPack producers cannot free memory they export).
+  bool torch_tensor = false;
+  bool requires_grad = false;
+  size_t storage_nbytes = 0;  // what the tensor's storage holds now
+  size_t storage_needed = 0;  // its storage offset plus the bytes its shape spans
 };
 
 bool has_dlpack(py::handle obj) { return py::hasattr(obj, "__dlpack__"); }
@@ -364,14 +378,16 @@ Imported import_tensor(py::handle obj, const std::string& what) {
   Imported in;
   in.owner = py::reinterpret_borrow<py::object>(obj);
   py::object source = in.owner;
+  const TorchDlpack& torch = torch_dlpack();
+  in.torch_tensor = py::isinstance(source, torch.tensor_type);
   // torch refuses to export a tensor that requires grad; its detached alias
   // shares the same storage, so writes still land in the caller's tensor.
   if (py::hasattr(source, "requires_grad") && py::bool_(source.attr("requires_grad"))) {
+    in.requires_grad = true;
     source = source.attr("detach")();
   }
   try {
-    const TorchDlpack& torch = torch_dlpack();
-    if (!torch.to_dlpack.is_none() && py::isinstance(source, torch.tensor_type)) {
+    if (!torch.to_dlpack.is_none() && in.torch_tensor) {
       in.capsule = torch.to_dlpack(source);
     } else {
       in.capsule = source.attr("__dlpack__")();
@@ -413,8 +429,57 @@ Imported import_tensor(py::handle obj, const std::string& what) {
     }
     expected *= t.shape[d];
   }
-  in.nbytes = numel * (in.row ? in.row->dl.bits / 8 : 0);
+  const size_t itemsize = in.row ? in.row->dl.bits / 8 : 0;
+  in.nbytes = numel * itemsize;
+  if (in.torch_tensor) {
+    // A tensor keeps its shape when its storage is freed or shrunk
+    // (untyped_storage().resize_), so what the shape spans is checked against
+    // what the storage holds; DLPack carries no storage size.
+    size_t span = 0;
+    if (numel > 0) {
+      span = 1;
+      for (int32_t d = 0; d < t.ndim; ++d) {
+        span += static_cast<size_t>(t.shape[d] - 1) * static_cast<size_t>(in.strides[d]);
+      }
+    }
+    in.storage_nbytes = source.attr("untyped_storage")().attr("nbytes")().cast<size_t>();
+    in.storage_needed = (source.attr("storage_offset")().cast<size_t>() + span) * itemsize;
+  }
   return in;
+}
+
+// Raises ValueError when `in`'s storage no longer holds what its shape spans:
+// reading or writing it would touch freed memory. `remedy` says what to do.
+void check_storage(const Imported& in, const std::string& what, const std::string& remedy) {
+  if (!in.torch_tensor || in.storage_nbytes >= in.storage_needed) {
+    return;
+  }
+  raise_value_error(what + ": the tensor (shape " + join(in.sizes) + ", " +
+                    (in.row ? dtype_name(in.type) : std::string("?")) + ") needs " +
+                    std::to_string(in.storage_needed) + " bytes of storage but its storage holds " +
+                    std::to_string(in.storage_nbytes) +
+                    " (freed or shrunk, e.g. by untyped_storage().resize_()); nothing was run or "
+                    "written; " + remedy);
+}
+
+// Raises ValueError when the method would write a tensor that requires grad
+// while grad mode is on: eager PyTorch refuses an in-place op on a leaf that
+// requires grad and an out= argument that requires grad, and this runtime
+// records no autograd history, so a write into a non-leaf would leave its
+// gradient silently wrong. Under torch.no_grad() eager allows both, and so
+// does this runtime.
+void check_not_grad_write(const Imported& in, const std::string& what, const std::string& how) {
+  if (!in.requires_grad || !py::bool_(torch_dlpack().is_grad_enabled())) {
+    return;
+  }
+  bool leaf = py::bool_(in.owner.attr("is_leaf"));
+  raise_value_error(what + " " + how + ", but the tensor " +
+                    (leaf ? "is a leaf that requires grad (eager PyTorch refuses it: \"a leaf "
+                            "Variable that requires grad is being used in an in-place operation\")"
+                          : "requires grad, and this runtime records no autograd history, so its "
+                            "gradient would be silently wrong") +
+                    "; nothing was run or written; pass tensor.detach() (it shares the memory), or "
+                    "call under torch.no_grad() as eager PyTorch requires");
 }
 
 bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
@@ -632,11 +697,67 @@ py::object evalue_to_py(const etr::EValue& value, bool views, const std::string&
 // ---------------------------------------------------------------------------
 // Programs.
 
+// A program owns its bytes: loaded from a file, they are read into memory
+// once, so nothing the file goes through afterwards (truncated, rewritten,
+// deleted) reaches the program. A mapped file would be read lazily, and a
+// truncation kills the process with SIGBUS at the next page touched (private
+// mappings too). The Python layer reads the plan from the same bytes
+// (NativeProgram's buffer protocol).
 struct ProgramState {
-  std::unique_ptr<Block> buffer;  // the bytes, when loaded from memory
+  std::unique_ptr<Block> buffer;
   std::unique_ptr<etr::DataLoader> loader;
   std::unique_ptr<etr::Program> program;
 };
+
+[[noreturn]] void raise_program_error(const std::string& message) {
+  PyErr_SetString(g_program_error, message.c_str());
+  throw py::error_already_set();
+}
+
+// Reads the whole file at `path` into an aligned block (the GIL released).
+std::unique_ptr<Block> read_file(const std::string& path) {
+  std::string failure;
+  std::unique_ptr<Block> block;
+  {
+    py::gil_scoped_release release;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat info {};
+    if (fd < 0 || ::fstat(fd, &info) != 0) {
+      failure = std::strerror(errno);
+    } else if (!S_ISREG(info.st_mode)) {
+      failure = "not a regular file";
+    } else {
+      size_t size = static_cast<size_t>(info.st_size);
+      try {
+        block = std::make_unique<Block>(size, /*zeroed=*/false);
+      } catch (std::bad_alloc&) {
+        failure = "cannot allocate " + std::to_string(size) + " bytes to read it into";
+      }
+      size_t done = 0;
+      while (block && done < size) {
+        ssize_t got = ::read(fd, static_cast<char*>(block->data) + done, size - done);
+        if (got < 0 && errno == EINTR) {
+          continue;
+        }
+        if (got <= 0) {
+          failure = got < 0 ? std::string(std::strerror(errno))
+                            : "the file shrank from " + std::to_string(size) + " to " +
+                                  std::to_string(done) + " bytes while being read";
+          block.reset();
+          break;
+        }
+        done += static_cast<size_t>(got);
+      }
+    }
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+  if (!block) {
+    raise_program_error("cannot open program file '" + path + "': " + failure);
+  }
+  return block;
+}
 
 class NativeProgram {
  public:
@@ -646,22 +767,26 @@ class NativeProgram {
     auto state = std::make_shared<ProgramState>();
     // Copied into an aligned block: the runtime views constant data in place
     // and expects the alignment the file was written with.
-    state->buffer = std::make_unique<Block>(size);
-    std::memcpy(state->buffer->data, info.ptr, size);
-    state->loader = std::make_unique<BufferDataLoader>(state->buffer->data, size);
+    state->buffer = std::make_unique<Block>(size, /*zeroed=*/false);
+    {
+      py::gil_scoped_release release;
+      std::memcpy(state->buffer->data, info.ptr, size);
+    }
     return NativeProgram(std::move(state), verification, "the program bytes");
   }
 
   static NativeProgram from_path(const std::string& path, int verification) {
     auto state = std::make_shared<ProgramState>();
-    auto loader = MmapDataLoader::from(path.c_str(), MmapDataLoader::MlockConfig::NoMlock);
-    if (!loader.ok()) {
-      PyErr_SetString(g_program_error,
-                      ("cannot open program file '" + path + "': " + describe(loader.error())).c_str());
-      throw py::error_already_set();
-    }
-    state->loader = std::make_unique<MmapDataLoader>(std::move(loader.get()));
+    state->buffer = read_file(path);
     return NativeProgram(std::move(state), verification, "'" + path + "'");
+  }
+
+  // The program's bytes, read-only, for the Python layer's plan reader; a
+  // memoryview of them keeps this program alive.
+  py::buffer_info bytes() const {
+    return py::buffer_info(state_->buffer->data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(state_->buffer->nbytes)}, {1},
+                           /*readonly=*/true);
   }
 
   std::vector<std::string> method_names() const {
@@ -680,6 +805,7 @@ class NativeProgram {
  private:
   NativeProgram(std::shared_ptr<ProgramState> state, int verification, const std::string& what)
       : state_(std::move(state)) {
+    state_->loader = std::make_unique<BufferDataLoader>(state_->buffer->data, state_->buffer->nbytes);
     auto mode = verification == 0 ? etr::Program::Verification::Minimal
                                   : etr::Program::Verification::InternalConsistency;
     auto program = etr::Program::load(state_->loader.get(), mode);
@@ -714,6 +840,7 @@ struct InputSlot {
   std::vector<int32_t> sizes;
   size_t nbytes = 0;
   std::vector<int> as_outputs;  // outputs that are this input's value
+  bool written = false;         // the method may write this input's memory
 };
 
 struct OutputSlot {
@@ -741,13 +868,39 @@ struct InstalledInput {
   py::object capsule;
   void* data = nullptr;
   size_t nbytes = 0;
+  bool torch_tensor = false;
+};
+
+// Marks a method busy for the length of one call into it. ExecuTorch's Method
+// is single-threaded, and execute() releases the GIL, so a second thread (or a
+// Python delegate re-entering) would otherwise run it concurrently: outputs of
+// one call handed to another, arenas overwritten mid-kernel, crashes.
+class BusyGuard {
+ public:
+  BusyGuard(std::atomic<bool>& busy, const std::string& name) : busy_(busy) {
+    bool idle = false;
+    if (!busy_.compare_exchange_strong(idle, true, std::memory_order_acquire)) {
+      throw std::runtime_error(
+          "method '" + name + "' refused this call: it is in use by another call (another "
+          "thread is running it, or a delegate called back into it); nothing was changed. One "
+          "Method serves one call at a time: load one Method per thread (Program.load_method), "
+          "which run concurrently, or serialize the calls with a lock");
+    }
+  }
+  ~BusyGuard() { busy_.store(false, std::memory_order_release); }
+  BusyGuard(const BusyGuard&) = delete;
+  BusyGuard& operator=(const BusyGuard&) = delete;
+
+ private:
+  std::atomic<bool>& busy_;
 };
 
 class NativeMethod {
  public:
   NativeMethod(const NativeProgram& program, const std::string& name,
                const std::vector<int>& output_is_input,
-               const std::vector<std::vector<int>>& output_repeats)
+               const std::vector<std::vector<int>>& output_repeats,
+               const std::vector<bool>& input_written)
       : program_(program.state()), name_(name) {
     const etr::Program& prog = *program_->program;
     auto meta = prog.method_meta(name.c_str());
@@ -793,9 +946,15 @@ class NativeMethod {
                         " outputs for method '" + name + "' but the runtime has " +
                         std::to_string(n_out));
     }
+    if (input_written.size() != n_in) {
+      raise_value_error("the program lists " + std::to_string(input_written.size()) +
+                        " inputs for method '" + name + "' but the runtime has " +
+                        std::to_string(n_in));
+    }
     inputs_.resize(n_in);
     for (size_t j = 0; j < n_in; ++j) {
       InputSlot& slot = inputs_[j];
+      slot.written = input_written[j];
       slot.tag = checked(meta->input_tag(j), "input", j);
       if (slot.tag == etr::Tag::Tensor) {
         auto info = checked(meta->input_tensor_meta(j), "input", j);
@@ -857,6 +1016,43 @@ class NativeMethod {
   const std::string& name() const { return name_; }
 
   void set_inputs(py::sequence values) {
+    BusyGuard busy(busy_, name_);
+    install_inputs(values);
+  }
+
+  void execute() {
+    BusyGuard busy(busy_, name_);
+    run(/*inputs_checked=*/false);
+  }
+
+  py::list get_outputs(bool clone_outputs) {
+    BusyGuard busy(busy_, name_);
+    return collect_outputs(clone_outputs);
+  }
+
+  // set_inputs (when `values` is not None), execute and get_outputs as one
+  // call, so no other call can slip in between them.
+  py::list call(py::object values, bool clone_outputs) {
+    BusyGuard busy(busy_, name_);
+    bool fresh = !values.is_none();
+    if (fresh) {
+      if (!PySequence_Check(values.ptr())) {
+        throw py::type_error("method '" + name_ + "' takes its inputs as a list or tuple, got " +
+                             std::string(py::str(py::type::handle_of(values).attr("__name__"))));
+      }
+      install_inputs(py::reinterpret_borrow<py::sequence>(values));
+    }
+    run(/*inputs_checked=*/fresh);
+    return collect_outputs(clone_outputs);
+  }
+
+  void set_output(py::object tensor, int64_t index) {
+    BusyGuard busy(busy_, name_);
+    bind_output(tensor, index);
+  }
+
+ private:
+  void install_inputs(py::sequence values) {
     const size_t n_in = inputs_.size();
     if (static_cast<size_t>(py::len(values)) != n_in) {
       raise_value_error("method '" + name_ + "' takes " + std::to_string(n_in) + " inputs, got " +
@@ -873,11 +1069,16 @@ class NativeMethod {
     ready_ = true;
   }
 
-  void execute() {
+  // `inputs_checked`: the inputs were installed (and checked) by this same
+  // call, with no Python code run since.
+  void run(bool inputs_checked) {
     executed_ = false;
     if (!inputs_.empty() && !ready_) {
       throw py::value_error("method '" + name_ + "': its inputs have not been set; call "
                             "set_inputs() (a failed set_inputs() leaves them unset)");
+    }
+    if (!inputs_checked) {
+      check_inputs_for_call();
     }
     check_bindings_for_call();
     clear_pending();
@@ -893,7 +1094,7 @@ class NativeMethod {
     executed_ = true;
   }
 
-  py::list get_outputs(bool clone_outputs) {
+  py::list collect_outputs(bool clone_outputs) {
     if (!executed_) {
       throw py::value_error("method '" + name_ + "' has no outputs: the last execute() failed or "
                             "none has run yet");
@@ -905,13 +1106,7 @@ class NativeMethod {
     return out;
   }
 
-  py::list call(py::sequence values, bool clone_outputs) {
-    set_inputs(values);
-    execute();
-    return get_outputs(clone_outputs);
-  }
-
-  void set_output(py::object tensor, int64_t index) {
+  void bind_output(py::object tensor, int64_t index) {
     if (index < 0 || index >= static_cast<int64_t>(outputs_.size())) {
       throw py::index_error("method '" + name_ + "' has " + std::to_string(outputs_.size()) +
                             " outputs; output " + std::to_string(index) + " does not exist");
@@ -924,7 +1119,8 @@ class NativeMethod {
     }
     check_bindable(i);
     Imported in = import_tensor(tensor, "the tensor bound to output " + std::to_string(i));
-    check_binding_tensor(i, in);
+    check_binding_tensor(i, in, "cannot bind " + output_label(i),
+                         "bind a tensor whose storage holds its shape");
     point_output_at(i, in.data, in.nbytes);
     slot.storage.reset();
     slot.bound = in.owner;
@@ -933,6 +1129,7 @@ class NativeMethod {
     slot.bound_nbytes = in.nbytes;
   }
 
+ public:
   py::dict metadata() const {
     auto meta = method_->method_meta();
     py::dict out;
@@ -1052,9 +1249,13 @@ class NativeMethod {
 
   // The checks on what the caller can change: the tensor itself and what
   // else is bound or passed in. Leaves nothing changed when it raises.
-  void check_binding_tensor(size_t i, const Imported& in) const {
+  // `action` opens the storage and grad errors ("cannot bind output 1 ...").
+  void check_binding_tensor(size_t i, const Imported& in, const std::string& action,
+                            const std::string& remedy) const {
     const OutputSlot& slot = outputs_[i];
     std::string label = output_label(i);
+    check_storage(in, action, remedy);
+    check_not_grad_write(in, action + ":", "the method writes into the tensor");
     if (!in.cpu) {
       raise_value_error("cannot bind " + label + ": expected a CPU tensor, got a tensor on DLPack "
                         "device type " + std::to_string(in.device_type));
@@ -1101,6 +1302,28 @@ class NativeMethod {
     slot.bound_nbytes = 0;
   }
 
+  // Per execute() after a separate set_inputs(): the caller may have freed or
+  // moved an input's storage, or made it require grad, since.
+  void check_inputs_for_call() {
+    for (size_t j = 0; j < inputs_.size(); ++j) {
+      const InstalledInput& installed = installed_[j];
+      if (inputs_[j].tag != etr::Tag::Tensor || !installed.torch_tensor) {
+        continue;
+      }
+      std::string label = "input " + std::to_string(j) + " of method '" + name_ + "'";
+      Imported now = import_tensor(installed.owner, label);
+      check_storage(now, label, "pass tensors whose storage holds them to set_inputs() again");
+      if (now.data != installed.data) {
+        raise_value_error(label + ": the tensor's memory moved since set_inputs() (its storage was "
+                          "resized or replaced); nothing was run or written; call set_inputs() "
+                          "again");
+      }
+      if (inputs_[j].written) {
+        check_not_grad_write(now, label, "is written by the method (it mutates it in place)");
+      }
+    }
+  }
+
   // Per call: a bound tensor may have been resized or swapped by the caller
   // (resize_, set_), and inputs change every call.
   void check_bindings_for_call() {
@@ -1108,7 +1331,10 @@ class NativeMethod {
       OutputSlot& slot = outputs_[i];
       if (slot.bound_data != nullptr) {
         Imported in = import_tensor(slot.bound, "the tensor bound to output " + std::to_string(i));
-        check_binding_tensor(i, in);
+        std::string index = std::to_string(i);
+        check_binding_tensor(i, in, "cannot write " + output_label(i) + " into its bound tensor",
+                             "bind a tensor that holds it with set_output(tensor, " + index +
+                                 "), or unbind it with set_output(None, " + index + ")");
         if (in.data != slot.bound_data || in.nbytes != slot.bound_nbytes) {
           point_output_at(i, in.data, in.nbytes);
           slot.bound_capsule = in.capsule;
@@ -1139,6 +1365,10 @@ class NativeMethod {
     switch (slot.tag) {
       case etr::Tag::Tensor: {
         Imported in = import_tensor(value, label);
+        check_storage(in, label, "pass a tensor whose storage holds its shape");
+        if (slot.written) {
+          check_not_grad_write(in, label, "is written by the method (it mutates it in place)");
+        }
         if (!in.cpu) {
           raise_value_error(label + ": expected a CPU tensor, got a tensor on DLPack device type " +
                             std::to_string(in.device_type));
@@ -1192,6 +1422,7 @@ class NativeMethod {
         installed.capsule = in.capsule;
         installed.data = in.data;
         installed.nbytes = in.nbytes;
+        installed.torch_tensor = in.torch_tensor;
         return;
       }
       case etr::Tag::Int:
@@ -1296,6 +1527,7 @@ class NativeMethod {
   std::vector<InstalledInput> installed_;
   bool ready_ = false;
   bool executed_ = false;
+  std::atomic<bool> busy_{false};
 };
 
 }  // namespace
@@ -1312,20 +1544,22 @@ PYBIND11_MODULE(_native, m) {
     g_program_error = program_error.inc_ref().ptr();
   }, "Set the exception classes raised for delegate failures and unloadable programs.");
 
-  py::class_<NativeProgram>(m, "NativeProgram")
+  py::class_<NativeProgram>(m, "NativeProgram", py::buffer_protocol())
+      .def_buffer(&NativeProgram::bytes)
       .def_static("from_bytes", &NativeProgram::from_bytes, py::arg("data"), py::arg("verification"))
       .def_static("from_path", &NativeProgram::from_path, py::arg("path"), py::arg("verification"))
       .def_property_readonly("method_names", &NativeProgram::method_names);
 
   py::class_<NativeMethod>(m, "NativeMethod")
       .def(py::init<const NativeProgram&, const std::string&, const std::vector<int>&,
-                    const std::vector<std::vector<int>>&>(),
-           py::arg("program"), py::arg("name"), py::arg("output_is_input"), py::arg("output_repeats"))
+                    const std::vector<std::vector<int>>&, const std::vector<bool>&>(),
+           py::arg("program"), py::arg("name"), py::arg("output_is_input"), py::arg("output_repeats"),
+           py::arg("input_written"))
       .def_property_readonly("name", &NativeMethod::name)
       .def("set_inputs", &NativeMethod::set_inputs, py::arg("inputs"))
       .def("execute", &NativeMethod::execute)
       .def("get_outputs", &NativeMethod::get_outputs, py::arg("clone_outputs") = true)
-      .def("call", &NativeMethod::call, py::arg("inputs"), py::arg("clone_outputs") = true)
+      .def("call", &NativeMethod::call, py::arg("inputs").none(true), py::arg("clone_outputs") = true)
       .def("set_output", &NativeMethod::set_output, py::arg("tensor"), py::arg("index"))
       .def("metadata", &NativeMethod::metadata);
 

@@ -15,8 +15,9 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
-__all__ = ["PlanIO", "plan_io", "program_prefix_size", "validate_plan"]
+__all__ = ["PlanIO", "plan_io", "program_prefix_size", "validate_plan", "written_inputs"]
 
 # Field numbers in executorch's schema/program.fbs (Program and ExecutionPlan tables).
 _PROGRAM_EXECUTION_PLAN = 1
@@ -198,18 +199,44 @@ def _accepted(type_name: str) -> frozenset[int] | None:
 
 
 @cache
-def _signature(name: str, overload: str) -> tuple[str, ...] | None:
-    """The argument then return types of operator ``name.overload`` from torch, or ``None``
-    when torch does not know it (then only index ranges are checked)."""
+def _schema(name: str, overload: str) -> Any:
+    """torch's ``FunctionSchema`` of operator ``name.overload``, or ``None`` when torch
+    does not know it."""
     import torch
 
     namespace, _, op = name.partition("::")
     try:
         packet = getattr(getattr(torch.ops, namespace), op)
-        schema = getattr(packet, overload or "default")._schema
+        return getattr(packet, overload or "default")._schema
     except (AttributeError, RuntimeError):
         return None
+
+
+@cache
+def _signature(name: str, overload: str) -> tuple[str, ...] | None:
+    """The argument then return types of operator ``name.overload`` from torch, or ``None``
+    when torch does not know it (then only index ranges are checked)."""
+    schema = _schema(name, overload)
+    if schema is None:
+        return None
     return tuple(str(a.type) for a in schema.arguments) + tuple(str(r.type) for r in schema.returns)
+
+
+@cache
+def _written_positions(name: str, overload: str) -> frozenset[int] | None:
+    """Which kernel-call arguments operator ``name.overload`` writes: those its schema
+    marks written (``Tensor(a!)``) and its returns (a kernel call lists its returns
+    after its arguments), except returns that alias an argument without writing it.
+    ``None`` when torch does not know the operator."""
+    schema = _schema(name, overload)
+    if schema is None:
+        return None
+    n = len(schema.arguments)
+    written = {k for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    for r, returned in enumerate(schema.returns):
+        if returned.alias_info is None or returned.alias_info.is_write:
+            written.add(n + r)
+    return frozenset(written)
 
 
 def validate_plan(data: bytes | memoryview, method: str) -> None:
@@ -265,6 +292,79 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
 
 
 _VIEW_OPERATORS = frozenset({"executorch_prim::et_view"})
+
+
+def written_inputs(data: bytes | memoryview, method: str) -> tuple[bool, ...]:
+    """For each input of ``method``, whether the method may write its memory.
+
+    1. A value a view operator (``et_view``) makes from an input's memory is
+       that input's memory too (transitively).
+    2. A kernel call writes the arguments :func:`_written_positions` names; a
+       move writes its destination.
+    3. A delegate call, or a kernel of an operator torch does not know, may write
+       any argument; that counts for an input the method also returns (a mutated
+       input is returned: that is how exir and writeback's in-place delegates
+       express the mutation), not for one it only reads.
+
+    An input only read, or returned as is and never written, is not written
+    (``forward(x): return x, x + 1`` writes nothing; ``cache.add_(x)`` writes
+    ``cache`` through ``aten::copy_``).
+
+    :raises ValueError: the data is not a program, or it has no such method.
+    """
+    reader = _Reader(data)
+    plan = _find_plan(reader, method)
+    inputs, outputs = reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS)
+    operators = [(reader.string(op, 0), reader.string(op, 1)) for op in reader.tables(plan, _PLAN_OPERATORS)]
+    calls: list[tuple[int, int]] = []
+    for chain in reader.tables(plan, _PLAN_CHAINS):
+        for instruction in reader.tables(chain, _CHAIN_INSTRUCTIONS):
+            pos = reader.field(instruction, _UNION_VALUE)
+            if pos is not None:
+                calls.append((reader.scalar(instruction, _UNION_TYPE, "<B"), reader.indirect(pos)))
+
+    def operator_of(call: int) -> tuple[str, str]:
+        op = reader.scalar(call, 0)
+        return operators[op] if 0 <= op < len(operators) else ("", "")
+
+    memory_of: dict[int, set[int]] = {}
+    for j, value in enumerate(inputs):
+        memory_of.setdefault(value, set()).add(j)
+    views: list[tuple[int, int]] = []
+    for kind, call in calls:
+        args = reader.ints(call, 1) if kind == _KERNEL_CALL else ()
+        if len(args) >= 2 and operator_of(call)[0] in _VIEW_OPERATORS:
+            views.append((args[0], args[-1]))
+    changed = True
+    while changed:
+        changed = False
+        for source, view in views:
+            new = memory_of.get(source, set()) - memory_of.get(view, set())
+            if new:
+                memory_of.setdefault(view, set()).update(new)
+                changed = True
+
+    returned = {j for j, value in enumerate(inputs) if value in set(outputs)}
+    written: set[int] = set()
+    for kind, call in calls:
+        if kind == _MOVE_CALL:
+            written |= memory_of.get(reader.scalar(call, 1), set())
+            continue
+        if kind not in (_KERNEL_CALL, _DELEGATE_CALL):
+            continue
+        positions: frozenset[int] | None = None
+        if kind == _KERNEL_CALL:
+            name, overload = operator_of(call)
+            if name in _VIEW_OPERATORS:
+                continue
+            positions = _written_positions(name, overload)
+        for k, value in enumerate(reader.ints(call, 1)):
+            touched = memory_of.get(value, set())
+            if positions is None:
+                written |= touched & returned
+            elif k in positions:
+                written |= touched
+    return tuple(j in written for j in range(len(inputs)))
 
 
 def _view_results(reader: _Reader, plan: int, operators: list[tuple[str, str]]) -> set[int]:

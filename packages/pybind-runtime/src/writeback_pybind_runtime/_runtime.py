@@ -13,6 +13,13 @@ Contracts that differ from stock ``executorch.runtime`` 1.5.1 (each has a test):
   storage; ``set_output(None, index)`` unbinds it.
 - Python delegates from the ``writeback_runtime_delegates`` hook run as
   ExecuTorch backends; their exceptions come back as :class:`DelegateError`.
+- A ``Method`` refuses a second concurrent call with ``RuntimeError``; separate
+  methods run concurrently.
+- A program loaded from a path owns a copy of the file's bytes: changing or
+  truncating the file afterwards does not reach it.
+- Before a call runs, every tensor it reads or writes in caller memory must
+  still have the storage its shape needs, and a tensor it writes must not
+  require grad while grad mode is on; otherwise ``ValueError``, nothing run.
 """
 
 from __future__ import annotations
@@ -106,8 +113,15 @@ def _value(raw: Mapping[str, Any]) -> ValueMetadata:
 class Method:
     """One loaded method: its own planned memory, inputs and output bindings.
 
-    Not thread-safe: one caller at a time per ``Method`` (load the method twice
-    for two threads).
+    Threads: one call at a time per ``Method``. ``set_inputs``, ``execute``,
+    ``get_outputs``, ``__call__`` and ``set_output`` each mark the method busy
+    while they run (``execute`` runs with the GIL released); a call that finds it
+    busy (another thread, or a delegate calling back into it) raises
+    ``RuntimeError`` and changes nothing. Separate ``Method`` objects, of one
+    :class:`Program` or several, run concurrently from several threads: load one
+    per thread. ``set_inputs`` then ``execute`` then ``get_outputs`` from two
+    threads on one method can still interleave between the calls; ``__call__``
+    and ``execute(inputs)`` do all three as one call.
     """
 
     def __init__(self, native_method: Any) -> None:
@@ -133,9 +147,12 @@ class Method:
         """Install every input (tensors, ints, floats, bools), all or nothing.
 
         A tensor is used in place when the input is not memory planned; it is
-        kept alive until the next successful call. On error (``ValueError`` or
-        ``TypeError`` naming the input, expected and actual) the method refuses
-        to execute until a full set is installed.
+        kept alive until the next successful call. An input the method writes
+        (mutates) must not be a tensor that requires grad while grad mode is on
+        (eager PyTorch refuses in-place writes to such a leaf): pass
+        ``tensor.detach()`` or call under ``torch.no_grad()``. On error
+        (``ValueError`` or ``TypeError`` naming the input, expected and actual)
+        the method refuses to execute until a full set is installed.
         """
         self._native.set_inputs(inputs)
 
@@ -143,13 +160,13 @@ class Method:
         """Run once (installing ``inputs`` first if given) and return the outputs.
 
         Mutated inputs land in the caller's tensors. Raises ``ValueError`` if
-        inputs were never set, :class:`DelegateError` if a Python delegate
-        raised, ``RuntimeError`` for any other runtime failure.
+        inputs were never set, if an input or bound output tensor's storage no
+        longer holds its shape, or if a tensor the method writes requires grad
+        in grad mode (nothing run); :class:`DelegateError` if a Python delegate
+        raised; ``RuntimeError`` if the method is busy, or for any other
+        runtime failure.
         """
-        if inputs is not None:
-            self._native.set_inputs(inputs)
-        self._native.execute()
-        return list(self._native.get_outputs(clone_outputs))
+        return list(self._native.call(inputs, clone_outputs))
 
     def get_outputs(self, clone_outputs: bool = True) -> list[Any]:
         """The outputs of the last call.
@@ -172,8 +189,10 @@ class Method:
         or unbind it with ``None`` (the runtime gives it storage again).
 
         The tensor must be a contiguous CPU tensor of the output's dtype, at
-        least as large as the output's largest shape, sharing memory with no
-        other bound output and no input. The output must not be memory planned,
+        least as large as the output's largest shape, whose storage holds it,
+        sharing memory with no other bound output and no input, and not
+        requiring grad while grad mode is on (eager PyTorch refuses ``out=``
+        tensors that require grad). The output must not be memory planned,
         returned at more than one index, or be an input. Raises ``ValueError``
         naming expected and actual, changing nothing; ``IndexError`` for an
         index out of range. Tensors already returned uncloned stay valid.
@@ -182,11 +201,19 @@ class Method:
 
 
 class Program:
-    """A loaded program. ``load_method`` returns a fresh :class:`Method` each call."""
+    """A loaded program. ``load_method`` returns a fresh :class:`Method` each call.
 
-    def __init__(self, native_program: Any, plan_source: bytes | memoryview) -> None:
+    It owns its bytes (a file is read in whole at load), so it never depends on
+    the file afterwards.
+    """
+
+    def __init__(self, native_program: Any) -> None:
         self._native = native_program
-        self._plan_source = plan_source
+        # The plan is read from the program's own bytes (no copy): the
+        # flatbuffer prefix, not the constant segments after it.
+        data = memoryview(native_program)
+        size = _pte.program_prefix_size(bytes(data[:32]))
+        self._plan_source = data if size is None else data[:size]
 
     @property
     def method_names(self) -> set[str]:
@@ -197,23 +224,16 @@ class Program:
         try:
             io = _pte.plan_io(self._plan_source, name)
             _pte.validate_plan(self._plan_source, name)
+            written = list(_pte.written_inputs(self._plan_source, name))
         except ValueError as error:
             raise ProgramError(f"cannot load method {name!r}: {error}") from error
         repeats = [list(r) for r in io.output_repeats()]
         is_input = [-1 if j is None else j for j in io.output_is_input()]
-        return Method(native().NativeMethod(self._native, name, is_input, repeats))
+        return Method(native().NativeMethod(self._native, name, is_input, repeats, written))
 
     def metadata(self, name: str) -> MethodMetadata:
         """The metadata of method ``name`` (loads it)."""
         return self.load_method(name).metadata
-
-
-def _read_plan_prefix(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        head = handle.read(32)
-        size = _pte.program_prefix_size(head)
-        handle.seek(0)
-        return handle.read() if size is None else handle.read(size)
 
 
 class Runtime:
@@ -271,6 +291,9 @@ class Runtime:
     ) -> Program:
         """Load a program from a ``.pte`` path or its bytes.
 
+        Either way the program keeps its own copy of the bytes: a file is read
+        once, in whole, and may then change or disappear.
+
         :param verification: :class:`Verification` (or a same-named member of
             executorch's ``Verification``); ``InternalConsistency`` checks the
             whole flatbuffer, so a corrupted file fails here, not later.
@@ -280,13 +303,9 @@ class Runtime:
             self.register_delegates()
         mode = Verification[getattr(verification, "name", str(verification))]
         if isinstance(data, (str, os.PathLike)):
-            path = os.fspath(data)
-            program = native().NativeProgram.from_path(path, int(mode))
-            return Program(program, _read_plan_prefix(path))
+            return Program(native().NativeProgram.from_path(os.fspath(data), int(mode)))
         if isinstance(data, (bytes, bytearray, memoryview)):
-            raw = bytes(data)
-            program = native().NativeProgram.from_bytes(raw, int(mode))
-            # Keep only the flatbuffer (the plan), not the constant segments after it.
-            size = _pte.program_prefix_size(raw[:32])
-            return Program(program, raw if size is None else raw[:size])
+            view = memoryview(data)
+            source = view if view.c_contiguous else view.tobytes()
+            return Program(native().NativeProgram.from_bytes(source, int(mode)))
         raise TypeError(f"load_program takes a path or bytes, got {type(data).__name__}")

@@ -1,0 +1,189 @@
+"""Runs what can crash the process (threads racing on one method, a program whose
+file is truncated under it) away from pytest, and prints one JSON line.
+
+``python -m pybind_runtime.isolated_worker MODE PTE [PTE ...]`` with ``PYTHONPATH``
+holding ``tests/``. A crash (SIGSEGV, SIGBUS) kills this process, which the
+calling test sees as a negative exit code instead of losing pytest.
+
+Modes:
+
+- ``shared-method``: four threads call one ``Method`` of each PTE; prints the
+  count of each outcome: ``correct``, ``busy`` (the RuntimeError a busy method
+  raises), ``wrong`` (a value that differs from eager) and ``other`` (any other
+  exception), and the first messages of the last two.
+- ``separate-methods``: four threads each load their own ``Method`` of one
+  ``Program`` per PTE and call it; prints the same counts.
+- ``truncate``: loads the PTE from its path, truncates the file to 0 bytes, then
+  loads the method and calls it; rewrites the file with other bytes and calls
+  again; prints whether every output matched eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from writeback_core.registry import load_registry
+from writeback_pybind_runtime import Method, Program, Runtime
+
+THREADS = 4
+CALLS = 30
+
+
+class StatefulMLP(torch.nn.Module):
+    """``state += x``, then a few 64x64 layers over it: long enough per call for
+    threads to overlap, with weights in the program's constant segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(7)
+        self.weight = torch.nn.Parameter(torch.randn(64, 64, generator=generator) / 8)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        state.add_(x)
+        y = state
+        for _ in range(6):
+            y = torch.tanh(y @ self.weight)
+        return y.sum(1)
+
+
+EXAMPLE = (torch.zeros(16, 64), torch.zeros(16, 64))
+
+
+def _eager_step(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = StatefulMLP()(x, state)
+    return out
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.messages: list[str] = []
+
+    def add(self, outcome: str, message: str | None = None) -> None:
+        with self.lock:
+            self.counts[outcome] += 1
+            if message is not None and len(self.messages) < 5:
+                self.messages.append(message)
+
+
+def _worker(source: Method | Program, seed: int, tally: _Tally, start: threading.Barrier) -> None:
+    """Calls ``source`` (a method, or a program to load this thread's own method of)
+    CALLS times with this thread's own input and state, checking each result and the
+    state against eager. A busy refusal changes nothing, so the eager state advances
+    only on calls that ran."""
+    method = source if isinstance(source, Method) else source.load_method("forward")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+    state = torch.zeros(16, 64)
+    expected_state = torch.zeros(16, 64)
+    start.wait()
+    for k in range(CALLS):
+        try:
+            out = method([x, state])[1] if k % 2 else method.execute([x, state])[1]
+        except RuntimeError as error:
+            if "in use by another call" in str(error):
+                tally.add("busy")
+            else:
+                tally.add("other", f"{type(error).__name__}: {error}")
+            continue
+        except Exception as error:  # anything else is a failure the test reports
+            tally.add("other", f"{type(error).__name__}: {error}")
+            continue
+        expected = _eager_step(x, expected_state)
+        if torch.allclose(out, expected, rtol=1e-4, atol=1e-5) and torch.allclose(state, expected_state):
+            tally.add("correct")
+        else:
+            diff = (out - expected).abs().max().item()
+            tally.add("wrong", f"thread {seed} call {k}: output off by {diff}")
+            state.copy_(expected_state)  # resynchronise, so one wrong call counts once
+
+
+def _run_threads(source: Method | Program, tally: _Tally) -> None:
+    start = threading.Barrier(THREADS)
+    threads = [threading.Thread(target=_worker, args=(source, t + 1, tally, start)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def shared_method(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    tally = _Tally()
+    for path in paths:
+        _run_threads(runtime.load_program(path).load_method("forward"), tally)
+    return {"counts": dict(tally.counts), "messages": tally.messages}
+
+
+def separate_methods(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    tally = _Tally()
+    for path in paths:
+        # Each thread loads its own method, concurrently with the others' calls.
+        _run_threads(runtime.load_program(path), tally)
+    return {"counts": dict(tally.counts), "messages": tally.messages}
+
+
+def truncate(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    results = []
+    for path in paths:
+        size = os.path.getsize(path)
+        program = runtime.load_program(path)
+        os.truncate(path, 0)
+        method = program.load_method("forward")
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+        state, expected_state = torch.zeros(16, 64), torch.zeros(16, 64)
+        matched = []
+        for step in range(2):
+            if step == 1:
+                with open(path, "wb") as handle:
+                    handle.write(b"\xff" * size)  # other bytes of the same size
+            out = method([x, state])[1]
+            expected = _eager_step(x, expected_state)
+            matched.append(
+                bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-5) and torch.equal(state, expected_state))
+            )
+        results.append(matched)
+    return {"matched": results}
+
+
+def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
+    """Run this module's ``mode`` on ``paths`` in a fresh interpreter and return its
+    JSON; fails the calling test if the interpreter died."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pybind_runtime.isolated_worker", mode, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"worker died (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+MODES = {"shared-method": shared_method, "separate-methods": separate_methods, "truncate": truncate}
+
+
+def main(argv: list[str]) -> int:
+    mode, paths = argv[0], argv[1:]
+    runtime = Runtime(load_registry(entry_points=False))
+    print(json.dumps(MODES[mode](runtime, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
