@@ -18,7 +18,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core import meta
 from writeback_core._ops import packet_name
 
-from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key
+from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones
 from writeback_trt_copyback.derive import engine_write, resolve_bounds
 from writeback_trt_copyback.engine import BACKEND_ID, KVAliasEngine, op_excluded
@@ -62,7 +62,8 @@ class _Support(OperatorSupportBase):
             key = op_key(node.target)
         except TypeError:
             return False
-        return not op_excluded(key, self.engine.excluded_ops)
+        # The runtime delegate runs only the ops of its allow-list (views under their own names).
+        return _VIEW_OF_COPY.get(key, key) in ops() and not op_excluded(key, self.engine.excluded_ops)
 
 
 class KVAliasPartitioner(Partitioner):  # type: ignore[misc]  # exir's base is untyped

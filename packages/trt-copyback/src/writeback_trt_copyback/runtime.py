@@ -7,36 +7,159 @@ inputs, then the outputs, already allocated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from writeback_core.blob import BlobError, BlobReader, Kind, check_call
 
-from writeback_trt_copyback._blob import Blob, decode_arg, decode_tensor, resolve_op
+from writeback_trt_copyback._blob import DELEGATE, UPDATES, Blob, Ref, compile_arg, decode_tensor, ops, resolve
 from writeback_trt_copyback.engine import BACKEND_ID
 
 __all__ = ["KVAliasRuntimeDelegate"]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """``name = op(*args, **kwargs)``, arguments compiled (``_blob.Ref`` leaves)."""
+
+    name: str
+    op: Callable[..., Any]
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Update:
+    """Write ``src`` into delegate input ``input`` in place, only the slots it covers."""
+
+    name: str
+    input: int
+    kind: str
+    src: Any
+    dim: int = 0
+    start: int = 0
+    length: int = 0
+    index: Any = None
+
+
 @dataclass
 class _Plan:
     blob: Blob
-    ops: dict[str, Any]
+    steps: list[_Call | _Update]
+    outputs: list[Any]
     constants: dict[str, torch.Tensor]
     skipped_outputs: frozenset[int]
 
 
-def _update(step: dict[str, Any], cache: torch.Tensor, env: dict[str, Any]) -> None:
-    """Write one accepted cache update into ``cache`` in place (only the slots it covers)."""
-    kind = step["update"]
-    src = decode_arg(step["src"], env)
+def _tensor_ref(value: Any, defined: set[str], field: str) -> Ref:
+    """An update's source or index: always a reference to a value of the partition."""
+    found = compile_arg(value, defined, field)
+    if not isinstance(found, Ref):
+        raise BlobError(DELEGATE, field, value, 'expected a reference {"$ref": name}')
+    return found
+
+
+def _compile_update(step: dict[str, Any], where: str, n_inputs: int, defined: set[str]) -> _Update:
+    read = BlobReader(DELEGATE)
+    kind = read.lookup({k: k for k in UPDATES}, step["update"], f"{where}.update", "update")
+    keys = {
+        "slice": ("name", "input", "update", "dim", "start", "length", "src"),
+        "index_put": ("name", "input", "update", "indices", "src"),
+        "index_copy": ("name", "input", "update", "dim", "index", "src"),
+    }[kind]
+    read.record(step, where, keys=keys)
+    src = _tensor_ref(step["src"], defined, f"{where}.src")
+    position = read.integer(step["input"], f"{where}.input", 0, n_inputs)
     if kind == "slice":
-        cache.narrow(step["dim"], step["start"], step["length"]).copy_(src)
-    elif kind == "index_put":
-        torch.ops.aten.index_put_.default(cache, decode_arg(step["indices"], env), src)
+        return _Update(
+            step["name"],
+            position,
+            kind,
+            src,
+            dim=read.integer(step["dim"], f"{where}.dim", 0),
+            start=read.integer(step["start"], f"{where}.start", 0),
+            length=read.integer(step["length"], f"{where}.length", 0),
+        )
+    if kind == "index_put":
+        indices = [
+            None if i is None else _tensor_ref(i, defined, f"{where}.indices[{k}]")
+            for k, i in enumerate(read.items(step["indices"], f"{where}.indices"))
+        ]
+        return _Update(step["name"], position, kind, src, index=indices)
+    index = _tensor_ref(step["index"], defined, f"{where}.index")
+    return _Update(step["name"], position, kind, src, dim=read.integer(step["dim"], f"{where}.dim", 0), index=index)
+
+
+def _kind(value: Any) -> Kind:
+    if isinstance(value, Ref):
+        return "ref"
+    if isinstance(value, torch.dtype):
+        return "dtype"
+    if isinstance(value, torch.layout):
+        return "layout"
+    if isinstance(value, torch.device):
+        return "device"
+    if isinstance(value, torch.memory_format):
+        return "memory_format"
+    return None
+
+
+def _compile(blob: Blob) -> tuple[list[_Call | _Update], list[Any]]:
+    """Every step checked and its op looked up in ``_blob.ops()``, before anything runs."""
+    read = BlobReader(DELEGATE)
+    defined = set(blob.inputs) | set(blob.constants)
+    steps: list[_Call | _Update] = []
+    for i, step in enumerate(blob.steps):
+        where = f"steps[{i}]"
+        if "update" in step:
+            steps.append(_compile_update(step, where, len(blob.inputs), defined))
+        else:
+            read.record(step, where, keys=("name", "op", "args", "kwargs"))
+            op = ops().resolve(step["op"], DELEGATE, f"{where}.op")
+            args = compile_arg(read.items(step["args"], f"{where}.args"), defined, f"{where}.args")
+            kwargs = compile_arg(read.record(step["kwargs"], f"{where}.kwargs"), defined, f"{where}.kwargs")
+            if not isinstance(kwargs, dict):
+                raise read.fail(f"{where}.kwargs", step["kwargs"], "expected a tagged $dict object")
+            if step["op"] == "getitem":
+                if len(args) != 2 or kwargs or not isinstance(args[0], Ref) or _kind(args[1]) is not None:
+                    raise read.fail(f"{where}.args", step["args"], "getitem takes a reference and an index")
+                read.integer(args[1], f"{where}.args[1]")
+            else:
+                check_call(step["op"], args, kwargs, DELEGATE, where, _kind)
+            steps.append(_Call(step["name"], op, args, kwargs))
+        defined.add(step["name"])
+    outputs = [compile_arg(o, defined, f"outputs[{k}]") for k, o in enumerate(blob.outputs)]
+    for k, output in enumerate(outputs):
+        if isinstance(output, (list, dict, str)) or _kind(output) not in (None, "ref"):
+            raise read.fail(f"outputs[{k}]", blob.outputs[k], "an output is a reference or a number")
+    return steps, outputs
+
+
+def _skipped_outputs(blob: Blob, n_outputs: int) -> frozenset[int]:
+    """Outputs the engine leaves untouched because an input already holds them (``output<k>``)."""
+    read = BlobReader(DELEGATE)
+    skipped = set()
+    for binding in blob.aliased_io:
+        if binding.startswith("update:"):
+            continue
+        digits = binding.removeprefix("output")
+        if binding == digits or not digits.isdigit():
+            raise read.fail("aliased_io", binding, "a binding is output<k> or update:<step>")
+        skipped.add(read.integer(int(digits), f"aliased_io[{binding!r}]", 0, n_outputs))
+    return frozenset(skipped)
+
+
+def _update(step: _Update, cache: torch.Tensor, env: dict[str, Any]) -> None:
+    """Write one accepted cache update into ``cache`` in place (only the slots it covers)."""
+    src = resolve(step.src, env)
+    if step.kind == "slice":
+        cache.narrow(step.dim, step.start, step.length).copy_(src)
+    elif step.kind == "index_put":
+        torch.ops.aten.index_put_.default(cache, resolve(step.index, env), src)
     else:
-        cache.index_copy_(step["dim"], decode_arg(step["index"], env), src)
+        cache.index_copy_(step.dim, resolve(step.index, env), src)
 
 
 class KVAliasRuntimeDelegate:
@@ -45,35 +168,36 @@ class KVAliasRuntimeDelegate:
     backend_id = BACKEND_ID
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Plan:
-        blob = Blob.from_bytes(bytes(processed))
-        ops = {s["op"]: resolve_op(s["op"]) for s in blob.steps if "op" in s}
-        skipped = frozenset(int(b[len("output") :]) for b in blob.aliased_io if b.startswith("output"))
-        constants = {k: decode_tensor(v) for k, v in blob.constants.items()}
-        return _Plan(blob, ops, constants, skipped)
+        """Parse and check the whole blob; :class:`~writeback_core.blob.BlobError` before anything runs."""
+        blob = Blob.from_bytes(processed)
+        steps, outputs = _compile(blob)
+        skipped = _skipped_outputs(blob, len(outputs))
+        constants = {k: decode_tensor(v, f"constants[{k!r}]") for k, v in blob.constants.items()}
+        return _Plan(blob, steps, outputs, constants, skipped)
 
     def execute(self, handle: _Plan, args: Sequence[Any]) -> None:
         blob = handle.blob
         n_in = len(blob.inputs)
-        if len(args) != n_in + len(blob.outputs):
+        if len(args) != n_in + len(handle.outputs):
             raise ValueError(
-                f"kv-alias delegate expects {n_in} inputs and {len(blob.outputs)} outputs, got {len(args)} arguments"
+                f"kv-alias delegate expects {n_in} inputs and {len(handle.outputs)} outputs, got {len(args)} arguments"
             )
         env: dict[str, Any] = dict(handle.constants)
         env.update(zip(blob.inputs, args[:n_in], strict=True))
-        for step in blob.steps:
-            if "update" in step:
-                cache = args[step["input"]]
+        for step in handle.steps:
+            if isinstance(step, _Update):
+                cache = args[step.input]
                 _update(step, cache, env)
-                env[step["name"]] = cache
+                env[step.name] = cache
                 continue
-            call = handle.ops[step["op"]]
-            env[step["name"]] = call(*decode_arg(step["args"], env), **decode_arg(step["kwargs"], env))
-        for k, ref in enumerate(blob.outputs):
+            env[step.name] = step.op(*resolve(step.args, env), **resolve(step.kwargs, env))
+        for k, ref in enumerate(handle.outputs):
             if k in handle.skipped_outputs:
                 continue
-            out, value = args[n_in + k], decode_arg(ref, env)
+            out, value = args[n_in + k], resolve(ref, env)
             if isinstance(out, torch.Tensor) and isinstance(value, torch.Tensor):
                 out.copy_(value)
 
     def destroy(self, handle: _Plan) -> None:
-        handle.ops.clear()
+        handle.steps.clear()
+        handle.constants.clear()
