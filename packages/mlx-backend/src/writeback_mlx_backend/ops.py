@@ -74,8 +74,8 @@ class OpHandler:
     check: Callable[[torch.fx.Node], str | None]
     run: Callable[..., Any]
     region: Callable[..., Region] | None = None
-    # For write ops: ``validate(*args)`` raises on an index ATen rejects; it reads
-    # only the destination's shape and the indices, and skips what is ``UNKNOWN``.
+    # For ops that index: ``validate(*args)`` raises on an index ATen rejects; it reads
+    # only the indexed tensor's shape and the indices, and skips what is ``UNKNOWN``.
     validate: Callable[..., None] | None = None
     # ``run`` returns its first argument itself (clone and alias ops on immutable
     # MLX arrays): the runtime may name that argument instead of running a step.
@@ -310,8 +310,17 @@ def _clamp(bound: Any) -> Any:
 
 
 def _slice_key(rank: int, size: int, dim: int, start: Any, end: Any, step: Any) -> tuple[Any, ...]:
+    step = 1 if step is None else step
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        # ATen refuses a step below 1; MLX crashes the process on a zero step.
+        raise ValueError(f"slice: step {step!r} must be a positive integer (as ATen requires)")
+    for name, bound in (("start", start), ("end", end)):
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)):
+            raise TypeError(f"slice: {name} {bound!r} must be an integer or None")
+    if not -rank <= dim < rank:
+        raise IndexError(f"slice: dim {dim} is out of range for a tensor of rank {rank}")
     dim = _dim(dim, rank)
-    return (*_prefix(dim), slice(_clamp(start), _clamp(end), step if step is not None else 1))
+    return (*_prefix(dim), slice(_clamp(start), _clamp(end), step))
 
 
 def _slice_scatter_run(dest: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = 1) -> Any:
@@ -380,6 +389,12 @@ def _slice(x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any =
     return x[_slice_key(x.ndim, 0, dim, start, end, step)]
 
 
+def _index_select_validate(x: Any, dim: Any, index: Any) -> None:
+    if not any(v is UNKNOWN for v in (x, dim, index)):
+        dim = _dim(dim, x.ndim)
+        _in_range(index, "index_select", dim, x.shape[dim], "pass indices in [0, size).")
+
+
 def _index_select(x: Any, dim: int, index: Any) -> Any:
     # MLX's take reads out of range silently; ATen raises. Evaluating the index
     # here costs one small evaluation, and a bad index never yields a value.
@@ -390,7 +405,15 @@ def _index_select(x: Any, dim: int, index: Any) -> Any:
 
 
 def _select(x: Any, dim: int, index: int) -> Any:
-    return x[(*_prefix(_dim(dim, x.ndim)), index)]
+    # MLX reads past the end for an out-of-range integer index (and crashes on a
+    # negative one): check it as ATen does.
+    if not -x.ndim <= dim < x.ndim:
+        raise IndexError(f"select: dim {dim} is out of range for a tensor of rank {x.ndim}")
+    dim = _dim(dim, x.ndim)
+    size = x.shape[dim]
+    if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
+        raise IndexError(f"select: index {index!r} is out of range for dimension {dim} of size {size}")
+    return x[(*_prefix(dim), index % size)]
 
 
 def _transpose(x: Any, a: int, b: int) -> Any:
@@ -448,7 +471,14 @@ def _identity(x: Any, *_: Any, **__: Any) -> Any:
     return x
 
 
+def _embedding_validate(weight: Any, indices: Any, *_: Any) -> None:
+    if weight is not UNKNOWN and indices is not UNKNOWN:
+        _in_range(indices, "embedding", 0, weight.shape[0], "token ids must be in [0, number of embeddings).")
+
+
 def _embedding(weight: Any, indices: Any, *_: Any) -> Any:
+    # MLX's take reads out of range silently (garbage, or a crash); ATen raises.
+    _embedding_validate(weight, indices)
     return mx.take(weight, indices, axis=0)
 
 
@@ -514,7 +544,7 @@ _COMPARE = {
 }
 
 OPS: dict[str, OpHandler] = {
-    "aten.embedding.default": OpHandler(_literal_ints_check(2), _embedding),
+    "aten.embedding.default": OpHandler(_literal_ints_check(2), _embedding, validate=_embedding_validate),
     "aten.mm.default": _binary_handler(mx.matmul),
     "aten.bmm.default": _binary_handler(mx.matmul),
     "aten.matmul.default": _binary_handler(mx.matmul),
@@ -604,7 +634,7 @@ OPS: dict[str, OpHandler] = {
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
-    "aten.index_select.default": OpHandler(_one_index_check("source"), _index_select),
+    "aten.index_select.default": OpHandler(_one_index_check("source"), _index_select, validate=_index_select_validate),
     "aten.index_copy.default": OpHandler(
         _one_index_check("destination"), _index_copy_run, _index_copy_region, _index_copy_validate
     ),

@@ -14,31 +14,39 @@ refuses a blob whose version it does not know.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from writeback_core.blob import DTYPES, BlobReader, load_json
 
 __all__ = ["MAGIC", "VERSION", "DelegateProgram", "InPlaceCandidate", "TensorRecord"]
 
 MAGIC = b"WBMLX\x00\x00\x01"
 VERSION = 1
 
+DELEGATE = "mlx"
+
+# The dtypes the MLX delegate computes in (a subset of core's blob dtypes).
 _TORCH_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
+    name: DTYPES[name] for name in ("float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
+_HEADER_KEYS = (
+    "version",
+    "inputs",
+    "input_meta",
+    "outputs",
+    "nodes",
+    "constants",
+    "state",
+    "state_updates",
+    "in_place",
+)
+# Tagged JSON values a node argument may hold (see the module docstring).
+_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,11 +55,81 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype named ``name``; raises naming the known ones otherwise."""
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} in an MLX delegate blob is not one of {sorted(_TORCH_DTYPES)}") from None
+    """The torch dtype named ``name``; :class:`~writeback_core.blob.BlobError` naming the known ones otherwise."""
+    return BlobReader(DELEGATE).lookup(_TORCH_DTYPES, name, "dtype", "MLX dtype")
+
+
+def float_value(name: object) -> float:
+    """The float a ``{"$float": name}`` tag stands for."""
+    return BlobReader(DELEGATE).lookup(_FLOATS, name, "$float", "float spelling")
+
+
+def _check_value(read: BlobReader, value: Any, defined: set[str], field: str) -> None:
+    """A node argument: JSON scalars, lists, and the tags ``$v`` (a defined value),
+    ``$dtype`` (a known dtype) and ``$float`` (inf, -inf, nan); nothing else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(read, item, defined, f"{field}[{i}]")
+        return
+    if not isinstance(value, dict) or len(value) != 1:
+        raise read.fail(field, value, "expected a JSON scalar, a list or a one-key tagged object")
+    ((tag, inner),) = value.items()
+    if tag == "$v":
+        if read.string(inner, f"{field}.$v") not in defined:
+            raise read.fail(f"{field}.$v", inner, "names no input, constant, state or earlier node")
+    elif tag == "$dtype":
+        torch_dtype_at(read, inner, f"{field}.$dtype")
+    elif tag == "$float":
+        read.lookup(_FLOATS, inner, f"{field}.$float", "float spelling")
+    else:
+        raise read.fail(field, tag, "unknown tag (known: $v, $dtype, $float)")
+
+
+def torch_dtype_at(read: BlobReader, name: object, field: str) -> torch.dtype:
+    return read.lookup(_TORCH_DTYPES, name, field, "MLX dtype")
+
+
+def _unique(read: BlobReader, names: list[str], what: str) -> set[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise read.fail(what, name, "a name is used twice")
+        seen.add(name)
+    return seen
+
+
+def _input_meta(read: BlobReader, value: object, field: str) -> dict[str, Any]:
+    record = read.record(value, field)
+    if set(record) == {"scalar"}:
+        read.boolean(record["scalar"], f"{field}.scalar")
+        return record
+    read.record(record, field, keys=("shape", "dtype"))
+    read.shape(record["shape"], f"{field}.shape")
+    torch_dtype_at(read, record["dtype"], f"{field}.dtype")
+    return record
+
+
+def _records(read: BlobReader, value: object, field: str, data_size: int) -> dict[str, TensorRecord]:
+    """Tensor records, each inside the data section with exactly the bytes its dtype and shape need."""
+    records = {}
+    for name, raw in read.record(value, field).items():
+        where = f"{field}[{name!r}]"
+        read.record(raw, where, keys=("offset", "nbytes", "dtype", "shape"))
+        shape = read.shape(raw["shape"], f"{where}.shape")
+        dtype = torch_dtype_at(read, raw["dtype"], f"{where}.dtype")
+        nbytes = read.integer(raw["nbytes"], f"{where}.nbytes", 0)
+        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes != need:
+            raise read.fail(f"{where}.nbytes", nbytes, f"shape {list(shape)} of {raw['dtype']} needs {need} bytes")
+        offset = read.integer(raw["offset"], f"{where}.offset", 0)
+        if offset + nbytes > data_size:
+            raise read.fail(
+                f"{where}.offset", offset, f"{nbytes} bytes from there pass the data section's end ({data_size})"
+            )
+        records[name] = TensorRecord(offset, nbytes, raw["dtype"], shape)
+    return records
 
 
 @dataclass(frozen=True)
@@ -127,31 +205,90 @@ class DelegateProgram:
         return MAGIC + struct.pack("<Q", len(text)) + text + bytes(self.data)
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> DelegateProgram:
-        """Parse a blob made by :meth:`to_bytes`; raises ``ValueError`` on any other bytes."""
-        if blob[: len(MAGIC)] != MAGIC:
-            raise ValueError(
-                "not an MLX delegate blob made by writeback-mlx-backend (bad magic "
-                f"{bytes(blob[:8])!r}); was it lowered by another backend?"
+    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> DelegateProgram:
+        """Parse a blob made by :meth:`to_bytes`, checking every field.
+
+        :raises BlobError: (a ``ValueError``) on any other bytes, naming the field.
+        """
+        read = BlobReader(DELEGATE)
+        if bytes(blob[: len(MAGIC)]) != MAGIC:
+            raise read.fail(
+                "magic",
+                bytes(blob[:8]),
+                "not an MLX delegate blob made by writeback-mlx-backend; was it lowered by another backend?",
             )
-        (size,) = struct.unpack_from("<Q", blob, len(MAGIC))
         start = len(MAGIC) + 8
-        header = json.loads(bytes(blob[start : start + size]))
+        if len(blob) < start:
+            raise read.fail("header length", len(blob), f"the blob ends before byte {start}")
+        (size,) = struct.unpack_from("<Q", blob, len(MAGIC))
+        if size > len(blob) - start:
+            raise read.fail("header length", size, f"longer than the {len(blob) - start} bytes that follow")
+        header = read.record(load_json(blob[start : start + size], DELEGATE, "header"), "header")
         if header.get("version") != VERSION:
-            raise ValueError(
-                f"MLX delegate blob has version {header.get('version')}, this runtime reads "
-                f"version {VERSION}; lower the model again with this writeback-mlx-backend"
+            raise read.fail(
+                "version",
+                header.get("version"),
+                f"this runtime reads version {VERSION}; lower the model again with this writeback-mlx-backend",
             )
+        read.record(header, "header", keys=_HEADER_KEYS)
+        data = bytearray(blob[start + size :])
+        inputs = read.strings(header["inputs"], "inputs")
+        input_meta = [
+            _input_meta(read, m, f"input_meta[{i}]")
+            for i, m in enumerate(read.items(header["input_meta"], "input_meta"))
+        ]
+        if len(input_meta) != len(inputs):
+            raise read.fail("input_meta", len(input_meta), f"expected one entry per input ({len(inputs)})")
+        constants = _records(read, header["constants"], "constants", len(data))
+        state = _records(read, header["state"], "state", len(data))
+        defined = _unique(read, [*inputs, *constants, *state], "inputs, constants and state")
+        for i, node in enumerate(read.items(header["nodes"], "nodes")):
+            where = f"nodes[{i}]"
+            read.record(node, where, keys=("name", "op", "args", "kwargs", "dtype"))
+            read.string(node["op"], f"{where}.op")
+            if node["dtype"] is not None:
+                torch_dtype_at(read, node["dtype"], f"{where}.dtype")
+            _check_value(read, read.items(node["args"], f"{where}.args"), defined, f"{where}.args")
+            for key, value in read.record(node["kwargs"], f"{where}.kwargs").items():
+                _check_value(read, value, defined, f"{where}.kwargs.{key}")
+            name = read.string(node["name"], f"{where}.name")
+            if name in defined:
+                raise read.fail(f"{where}.name", name, "names a value defined before")
+            defined.add(name)
+        outputs = read.items(header["outputs"], "outputs")
+        for k, output in enumerate(outputs):
+            if isinstance(output, (list, str)) or (isinstance(output, dict) and "$v" not in output):
+                raise read.fail(f"outputs[{k}]", output, "an output is a reference {\"$v\": name} or a number")
+            _check_value(read, output, defined, f"outputs[{k}]")
+        updates = read.record(header["state_updates"], "state_updates")
+        for key, value in updates.items():
+            if key not in state:
+                raise read.fail("state_updates", key, "names no state buffer")
+            if read.string(value, f"state_updates[{key!r}]") not in defined:
+                raise read.fail(f"state_updates[{key!r}]", value, "names no value of the program")
+        in_place = []
+        for i, entry in enumerate(read.items(header["in_place"], "in_place")):
+            where = f"in_place[{i}]"
+            read.record(entry, where, keys=("output", "input", "node"))
+            in_place.append(
+                InPlaceCandidate(
+                    output=read.integer(entry["output"], f"{where}.output", 0, len(outputs)),
+                    input=read.integer(entry["input"], f"{where}.input", 0, len(inputs)),
+                    node=read.string(entry["node"], f"{where}.node"),
+                )
+            )
+            if entry["node"] not in {n["name"] for n in header["nodes"]}:
+                raise read.fail(f"{where}.node", entry["node"], "names no node of the program")
         return cls(
-            inputs=list(header["inputs"]),
-            input_meta=list(header["input_meta"]),
-            outputs=list(header["outputs"]),
+            inputs=inputs,
+            input_meta=input_meta,
+            outputs=list(outputs),
             nodes=list(header["nodes"]),
-            constants={k: TensorRecord.from_json(v) for k, v in header["constants"].items()},
-            state={k: TensorRecord.from_json(v) for k, v in header["state"].items()},
-            state_updates=dict(header["state_updates"]),
-            in_place=[InPlaceCandidate(**c) for c in header["in_place"]],
-            data=bytearray(blob[start + size :]),
+            constants=constants,
+            state=state,
+            state_updates=dict(updates),
+            in_place=in_place,
+            data=data,
         )
 
     def add_tensor(self, tensor: torch.Tensor) -> TensorRecord:

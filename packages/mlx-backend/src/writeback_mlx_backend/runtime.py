@@ -24,7 +24,6 @@ memory (inputs, then outputs). What it guarantees:
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -34,12 +33,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.blob import BlobError, Kind, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
-from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, torch_dtype
+from writeback_mlx_backend.program import DELEGATE, DelegateProgram, InPlaceCandidate, float_value, torch_dtype
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 
@@ -90,9 +90,15 @@ def _decode(value: Any) -> Any:
         if "$dtype" in value:
             return MX_DTYPES[torch_dtype(str(value["$dtype"]))]
         if "$float" in value:
-            return float(value["$float"])
+            return float_value(value["$float"])
         return {k: _decode(v) for k, v in value.items()}
     return value
+
+
+def _kind(value: Any) -> Kind:
+    if isinstance(value, _Ref):
+        return "ref"
+    return "dtype" if isinstance(value, mx.Dtype) else None
 
 
 def _refs(value: Any) -> list[str]:
@@ -159,19 +165,20 @@ def _resolve_known(value: Any, env: Mapping[str, Any]) -> Any:
 
 
 def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate], env: Mapping[str, Any]) -> None:
-    """Check the indices of every in-place write whose indices are already known.
+    """Check, before the first in-place write, every index read after it whose value is known.
 
-    Runs before anything is written, so a bad index in a later write cannot leave
-    an earlier one done in the caller's memory. Indices computed inside the
-    program are checked when their write is reached (still before it writes).
+    So a bad index in a later write, an embedding or an ``index_select`` cannot leave
+    an earlier write done in the caller's memory. Steps before the first write check
+    their own indices when they run (nothing is written yet); indices computed inside
+    the program are checked when their step is reached.
     """
-    first = True
+    if not active:
+        return
+    after_write = False
     for step in handle.steps:
-        if step.name in active:
-            # The first write checks its own indices before writing, with nothing written yet.
-            if not first and step.handler.validate is not None:
-                step.handler.validate(*_resolve_known(step.args, env))
-            first = False
+        if after_write and step.handler.validate is not None:
+            step.handler.validate(*_resolve_known(step.args, env))
+        after_write = after_write or step.name in active
 
 
 def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
@@ -179,20 +186,19 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
     if unknown:
         # A newer pipeline may ask for behaviour this runtime does not have; running
         # anyway could return wrong results, so refuse by name.
-        raise ValueError(
-            f"the MLX delegate blob carries compile specs {unknown} that this runtime does not "
-            f"know (it knows {[IN_PLACE_OUTPUTS_SPEC]}); upgrade writeback-mlx-backend"
+        raise BlobError(
+            DELEGATE,
+            "compile_specs",
+            unknown,
+            f"this runtime knows only {[IN_PLACE_OUTPUTS_SPEC]}; upgrade writeback-mlx-backend",
         )
-    raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
-    if raw is None:
-        return []
     forced = []
-    for entry in json.loads(bytes(raw)):
-        match = [c for c in program.in_place if c.output == entry["output"] and c.input == entry["input"]]
+    for output, input_ in in_place_outputs(compile_specs, DELEGATE, len(program.inputs), len(program.outputs)):
+        match = [c for c in program.in_place if c.output == output and c.input == input_]
         if not match:
             raise ValueError(
-                f"the program asks the MLX delegate to write output {entry['output']} into "
-                f"input {entry['input']} in place, but that output is not a write into that "
+                f"the program asks the MLX delegate to write output {output} into "
+                f"input {input_} in place, but that output is not a write into that "
                 f"input (writes it can do in place: {program.in_place}); was the write-back "
                 "dropped for a mutation this backend did not accept?"
             )
@@ -288,15 +294,18 @@ class MLXDelegate:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
         program = DelegateProgram.from_bytes(processed)
         steps = []
-        for node in program.nodes:
+        for position, node in enumerate(program.nodes):
             handler = OPS.get(node["op"])
             if handler is None:
-                raise ValueError(
-                    f"MLX delegate blob uses op {node['op']!r} that this runtime has no "
-                    "handler for; lower the model again with this writeback-mlx-backend"
+                raise BlobError(
+                    DELEGATE, f"nodes[{position}].op", node["op"], "not an op this runtime has a handler for"
                 )
+            if node["op"].startswith("dim_order_ops."):
+                import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers their schemas)
             dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
-            steps.append(_Step(node["name"], handler, _decode(node["args"]), _decode(node["kwargs"]), dtype))
+            args, kwargs = _decode(node["args"]), _decode(node["kwargs"])
+            check_call(node["op"], args, kwargs, DELEGATE, f"nodes[{position}]", _kind)
+            steps.append(_Step(node["name"], handler, args, kwargs, dtype))
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}

@@ -1,0 +1,291 @@
+"""Hostile MLX blobs and out-of-range indices: refused by name, nothing run, no state changed.
+
+The blobs here are written by hand with :class:`DelegateProgram` so that every
+field is known; the valid one is first checked against values worked out by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from writeback_core.blob import BlobError
+from writeback_mlx_backend import MLXDelegate
+from writeback_mlx_backend.program import MAGIC, DelegateProgram
+
+_EMB = torch.arange(15, dtype=torch.float32).reshape(5, 3)  # 5 tokens, width 3
+
+
+def _program() -> DelegateProgram:
+    """``e = emb[tok]``; ``r = e + row``; ``cache[pos] = r`` (delegate-owned state);
+    outputs ``r`` and ``cache.sum(0)``."""
+    program = DelegateProgram(
+        inputs=["tok", "pos", "row"],
+        input_meta=[
+            {"shape": [1], "dtype": "int64"},
+            {"shape": [1], "dtype": "int64"},
+            {"shape": [1, 3], "dtype": "float32"},
+        ],
+        outputs=[{"$v": "r"}, {"$v": "s"}],
+        nodes=[
+            {
+                "name": "e",
+                "op": "aten.embedding.default",
+                "args": [{"$v": "emb"}, {"$v": "tok"}],
+                "kwargs": {},
+                "dtype": "float32",
+            },
+            {
+                "name": "r",
+                "op": "aten.add.Tensor",
+                "args": [{"$v": "e"}, {"$v": "row"}],
+                "kwargs": {},
+                "dtype": "float32",
+            },
+            {
+                "name": "c",
+                "op": "aten.index_copy.default",
+                "args": [{"$v": "cache"}, 0, {"$v": "pos"}, {"$v": "r"}],
+                "kwargs": {},
+                "dtype": "float32",
+            },
+            {
+                "name": "s",
+                "op": "aten.sum.dim_IntList",
+                "args": [{"$v": "c"}, [0]],
+                "kwargs": {"dtype": {"$dtype": "float32"}},
+                "dtype": "float32",
+            },
+        ],
+        state_updates={"cache": "c"},
+    )
+    program.constants["emb"] = program.add_tensor(_EMB)
+    program.state["cache"] = program.add_tensor(torch.zeros(4, 3))
+    return program
+
+
+def _call(
+    delegate: MLXDelegate, handle: Any, tok: int, pos: int, row: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r, s = torch.zeros(1, 3), torch.zeros(3)
+    delegate.execute(handle, [torch.tensor([tok]), torch.tensor([pos]), torch.tensor([row]), r, s])
+    return r, s
+
+
+def test_the_valid_blob_runs_as_worked_out_by_hand() -> None:
+    delegate = MLXDelegate()
+    handle = delegate.init(_program().to_bytes(), {})
+    r, s = _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    assert r.tolist() == [[7.0, 8.0, 9.0]]  # emb[2] = 6, 7, 8
+    assert s.tolist() == [7.0, 8.0, 9.0]
+    r, s = _call(delegate, handle, 4, 3, [0.0, 0.0, 0.0])
+    assert r.tolist() == [[12.0, 13.0, 14.0]]
+    assert s.tolist() == [19.0, 21.0, 23.0]  # the cache kept row 1
+
+
+@pytest.mark.parametrize("token", [5, 6, 1 << 40, -1, -6])
+def test_out_of_range_token_raises_naming_op_index_size_state_unchanged(token: int) -> None:
+    delegate = MLXDelegate()
+    handle = delegate.init(_program().to_bytes(), {})
+    _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    r, s = torch.full((1, 3), -7.0), torch.full((3,), -7.0)
+    with pytest.raises(
+        IndexError, match=rf"embedding: index {token} at position 0 is out of range for dimension 0 of size 5"
+    ):
+        delegate.execute(handle, [torch.tensor([token]), torch.tensor([2]), torch.ones(1, 3), r, s])
+    assert r.tolist() == [[-7.0] * 3] and s.tolist() == [-7.0] * 3
+    # The delegate-owned cache is as the good call left it: the next call sees only row 1.
+    _, s = _call(delegate, handle, 0, 3, [0.0, 0.0, 0.0])
+    assert s.tolist() == [7.0, 9.0, 11.0]
+
+
+def _with_node(node: dict[str, Any]) -> bytes:
+    program = _program()
+    program.nodes.insert(2, node)
+    return program.to_bytes()
+
+
+def test_out_of_range_select_raises_not_crashes() -> None:
+    for index in (3, 9, -4, -100):
+        blob = _with_node(
+            {
+                "name": "x",
+                "op": "aten.select_copy.int",
+                "args": [{"$v": "r"}, 1, index],
+                "kwargs": {},
+                "dtype": "float32",
+            }
+        )
+        delegate = MLXDelegate()
+        handle = delegate.init(blob, {})
+        with pytest.raises(IndexError, match=rf"select: index {index} is out of range for dimension 1 of size 3"):
+            _call(delegate, handle, 0, 0, [0.0, 0.0, 0.0])
+
+
+def test_zero_slice_step_raises_not_crashes() -> None:
+    blob = _with_node(
+        {
+            "name": "x",
+            "op": "aten.slice_copy.Tensor",
+            "args": [{"$v": "r"}, 1, 0, 3, 0],
+            "kwargs": {},
+            "dtype": "float32",
+        }
+    )
+    delegate = MLXDelegate()
+    handle = delegate.init(blob, {})
+    with pytest.raises(ValueError, match="slice: step 0 must be a positive integer"):
+        _call(delegate, handle, 0, 0, [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "import_module.__call__.__call__",
+        "builtins.exec",
+        "aten.as_strided.default",
+        "aten.add.Tensor.__class__",
+        "__class__",
+    ],
+)
+def test_hostile_op_name_refused_in_init(op: str) -> None:
+    program = _program()
+    program.nodes[1]["op"] = op
+    with pytest.raises(BlobError, match=r"mlx delegate blob: field nodes\[1\]\.op") as caught:
+        MLXDelegate().init(program.to_bytes(), {})
+    assert caught.value.value == op
+
+
+@pytest.mark.parametrize("where", ["node", "tag", "constant", "input"])
+def test_unknown_dtype_key_refused_in_init(where: str) -> None:
+    program = _program()
+    if where == "node":
+        program.nodes[0]["dtype"] = "__builtins__"
+    elif where == "tag":
+        program.nodes[3]["kwargs"]["dtype"] = {"$dtype": "load"}
+    elif where == "constant":
+        header = program.header()
+        header["constants"]["emb"]["dtype"] = "object"
+        return _refused_header(header, "constants")
+    else:
+        program.input_meta[0]["dtype"] = "complex128"
+    with pytest.raises(BlobError, match="not a known MLX dtype"):
+        MLXDelegate().init(program.to_bytes(), {})
+    return None
+
+
+def _blob_of(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return MAGIC + struct.pack("<Q", len(text)) + text + data
+
+
+def _refused_header(header: dict[str, Any], field: str) -> None:
+    with pytest.raises(BlobError, match=rf"field {field}"):
+        MLXDelegate().init(_blob_of(header, bytes(_program().data)), {})
+
+
+def _fields(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _fields(inner, (*path, key))
+    elif isinstance(value, list):
+        for index, inner in enumerate(value):
+            yield from _fields(inner, (*path, index))
+
+
+def _wrong(value: Any) -> list[Any]:
+    if value is None:
+        return [{"$v": 7}, "x"]
+    if isinstance(value, bool):
+        return ["yes", 1.5]
+    if isinstance(value, int):
+        return ["3", 2.5, None, [value]]
+    if isinstance(value, str):
+        return [7, None, [value], {"$v": value}]
+    if isinstance(value, list):
+        return [{"x": 1}, "list"]
+    return [[1], "object"]
+
+
+def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
+    program = _program()
+    header, data = program.header(), bytes(program.data)
+    refused = accepted = 0
+    for path in list(_fields(header))[1:]:
+        inner: Any = header
+        for key in path:
+            inner = inner[key]
+        for wrong in _wrong(inner):
+            changed = copy.deepcopy(header)
+            target: Any = changed
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = wrong
+            delegate = MLXDelegate()
+            try:
+                handle = delegate.init(_blob_of(changed, data), {})
+            except BlobError:
+                refused += 1
+                continue
+            # Only a literal that another JSON type also satisfies may pass (an int where
+            # a number goes, a node dtype of None); such a blob still runs.
+            assert path[0] == "nodes", f"{path} = {wrong!r} was accepted by init"
+            _call(delegate, handle, 1, 0, [0.0, 0.0, 0.0])
+            accepted += 1
+    assert refused > 150 and accepted < 5, (refused, accepted)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda h: h["constants"]["emb"].update(offset=10**9), "pass the data section's end"),
+        (lambda h: h["constants"]["emb"].update(nbytes=8), "needs 60 bytes"),
+        (lambda h: h["state"]["cache"].update(shape=[400, 3]), "needs 4800 bytes"),
+        (lambda h: h["state_updates"].update(nosuch="c"), "names no state buffer"),
+        (lambda h: h["state_updates"].update(cache="later"), "names no value"),
+        (lambda h: h["nodes"][0]["args"][1].update({"$v": "s"}), "names no input, constant, state or earlier node"),
+        (lambda h: h["in_place"].append({"output": 5, "input": 0, "node": "c"}), "out of range"),
+        (lambda h: h["nodes"].append(dict(h["nodes"][0])), "names a value defined before"),
+        (lambda h: h.update(extra=1), "extra"),
+    ],
+)
+def test_inconsistent_field_refused_in_init(change: Any, match: str) -> None:
+    program = _program()
+    header = program.header()
+    change(header)
+    with pytest.raises(BlobError, match=match):
+        MLXDelegate().init(_blob_of(header, bytes(program.data)), {})
+
+
+def test_truncated_or_oversized_header_refused() -> None:
+    blob = _program().to_bytes()
+    for cut in (4, 12, 40):
+        with pytest.raises(BlobError):
+            MLXDelegate().init(blob[:cut], {})
+    lying = MAGIC + struct.pack("<Q", 2**62) + blob[16:]
+    with pytest.raises(BlobError, match="header length"):
+        MLXDelegate().init(lying, {})
+
+
+def test_in_place_compile_spec_of_wrong_shape_refused() -> None:
+    blob = _program().to_bytes()
+    for raw in (b"not json", b'{"output": 0}', b'[{"output": "0", "input": 0}]', b'[{"output": 0, "input": 9}]'):
+        with pytest.raises(BlobError, match="writeback.in_place_outputs"):
+            MLXDelegate().init(blob, {"writeback.in_place_outputs": raw})
+
+
+def test_blob_data_is_copied_not_referenced() -> None:
+    """The constants are MLX's own copies: changing the bytes after init changes nothing."""
+    raw = bytearray(_program().to_bytes())
+    delegate = MLXDelegate()
+    handle = delegate.init(bytes(raw), {})
+    raw[-60:] = np.zeros(15, dtype=np.float32).tobytes()
+    r, _ = _call(delegate, handle, 2, 0, [0.0, 0.0, 0.0])
+    assert r.tolist() == [[6.0, 7.0, 8.0]]
