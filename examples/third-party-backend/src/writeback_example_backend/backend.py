@@ -13,6 +13,7 @@ from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, Par
 from torch.export import ExportedProgram
 from writeback_core import PartitionView, Registry, find_mutations, meta
 from writeback_core._ops import packet_name
+from writeback_core.blob import BlobReader, in_place_outputs, load_json
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 
@@ -104,13 +105,27 @@ class ExampleRuntimeDelegate:
     backend_id = BACKEND_ID
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> dict[str, Any]:
-        handle: dict[str, Any] = dict(json.loads(processed.decode()))
-        raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
-        entries = json.loads(bytes(raw).decode()) if raw else []
-        handle["in_place"] = any(int(e["input"]) == handle["dest"] for e in entries)
+        """Read the plan with :mod:`writeback_core.blob`: every field an int in range.
+
+        :raises writeback_core.blob.BlobError: naming the field, before anything runs.
+        """
+        read = BlobReader(BACKEND_NAME)
+        plan = read.record(
+            load_json(processed, BACKEND_NAME), "plan", keys=("dim", "dest", "index", "source", "inputs")
+        )
+        count = read.integer(plan["inputs"], "inputs", 3)
+        handle: dict[str, Any] = {key: read.integer(plan[key], key, 0, count) for key in ("dest", "index", "source")}
+        handle["inputs"] = count
+        handle["dim"] = read.integer(plan["dim"], "dim", 0)
+        pairs = in_place_outputs(compile_specs, BACKEND_NAME, count, 1)
+        handle["in_place"] = any(input_ == handle["dest"] for _, input_ in pairs)
         return handle
 
     def execute(self, handle: dict[str, Any], args: Sequence[Any]) -> None:
+        if len(args) != handle["inputs"] + 1:
+            raise ValueError(
+                f"example delegate expects {handle['inputs']} inputs and 1 output, got {len(args)} arguments"
+            )
         dest, index, source = args[handle["dest"]], args[handle["index"]], args[handle["source"]]
         out = args[handle["inputs"]]
         if bool((index < 0).any()) or bool((index >= dest.shape[handle["dim"]]).any()):
