@@ -23,18 +23,6 @@ def test_truncated_pte_after_load_still_runs_correctly(lower: Lower, tmp_path: P
     assert result["matched"] == [[True, True], [True, True]], result
 
 
-def test_deleted_pte_after_load_still_loads_methods(lower: Lower, runtime: Runtime, tmp_path: Path) -> None:
-    path = tmp_path / "mlp.pte"
-    path.write_bytes(lower(StatefulMLP(), EXAMPLE))
-    program = runtime.load_program(path)
-    path.unlink()
-    x, state = torch.ones(16, 64), torch.zeros(16, 64)
-    with torch.no_grad():
-        expected = StatefulMLP()(x, torch.zeros(16, 64))
-    torch.testing.assert_close(program.load_method("forward")([x, state])[1], expected)
-    assert state.tolist() == x.tolist()
-
-
 def test_bytes_a_program_was_loaded_from_can_change_after_load(lower: Lower, runtime: Runtime) -> None:
     data = bytearray(lower(StatefulMLP(), EXAMPLE))
     program = runtime.load_program(data)

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from writeback_pybind_runtime import Method
+from writeback_pybind_runtime import Method, _pte
 
 from tests.pybind_runtime.conftest import Lower
+from tests.pybind_runtime.doubler import DoublerPartitioner
 
 Load = Callable[[bytes], Method]
 
@@ -195,3 +196,46 @@ def test_inputs_requiring_grad_that_are_only_read_or_returned_are_accepted(lower
     leaf = torch.tensor([1.0, 2.0], requires_grad=True)
     same, plus = returns_input([leaf])
     assert same.tolist() == [1.0, 2.0] and plus.tolist() == [2.0, 3.0]
+
+
+class WriteRow(torch.nn.Module):
+    def forward(self, row: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, row)
+        return cache.sum(0)
+
+
+class SliceAssign(torch.nn.Module):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache[0:1] = x
+        return cache * 2
+
+
+class ReturnsAndDoubles(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, (x + x) + (y + y)
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "written"),
+    [
+        (Accumulate(), (torch.zeros(2, 3), torch.zeros(2, 3)), (False, True)),
+        (ReturnsInput(), (torch.zeros(2),), (False,)),
+        (WriteRow(), (torch.ones(1, 3), torch.tensor([0]), torch.zeros(2, 3)), (False, False, True)),
+        (SliceAssign(), (torch.ones(1, 3), torch.zeros(2, 3)), (False, True)),
+    ],
+    ids=["add_", "returned_as_is", "index_copy_", "slice_assign"],
+)
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+def test_written_inputs_are_the_ones_eager_mutates(
+    lower: Lower, module: torch.nn.Module, args: tuple[torch.Tensor, ...], written: tuple[bool, ...], planned: bool
+) -> None:
+    pte = lower(module, args, planned_inputs=planned, planned_outputs=planned)
+    assert _pte.written_inputs(pte, "forward") == written
+
+
+def test_an_input_returned_and_handed_to_a_delegate_counts_as_written(lower: Lower) -> None:
+    """A delegate may write an input in place (writeback's in-place delegates do, for
+    an input the method returns); the .pte does not say which, so such an input is
+    treated as written. One only handed to a delegate, not returned, is read."""
+    pte = lower(ReturnsAndDoubles(), (torch.zeros(2), torch.zeros(2)), partitioners=[DoublerPartitioner()])
+    assert _pte.written_inputs(pte, "forward") == (True, False)
