@@ -39,7 +39,7 @@ from writeback_core.blob import (
     tensor_to_bytes,
 )
 
-FORMAT = "writeback-kv-alias/1"
+FORMAT = "writeback-kv-alias/2"  # 2: constants as raw bytes with dtype and shape (1 held torch.save bytes)
 DELEGATE = "kv-alias"
 
 # How a non-JSON argument is spelled: a one-key dict whose key says what it is.

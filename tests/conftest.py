@@ -1,0 +1,29 @@
+"""Test tiers.
+
+``uv run pytest`` runs the fast tier: every package's behaviour, in minutes. Tests
+marked ``slow`` (long fuzz runs, the CI fuzz budget, benchmark smoke tests) run
+only with ``--slow``, which ``.ci/run`` passes; ``WRITEBACK_FUZZ_PROGRAMS`` sets the
+CI fuzz budget (see the README).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (long fuzz runs, benchmark smoke tests), as CI does",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    kept = [item for item in items if item.get_closest_marker("slow") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
+        items[:] = kept
