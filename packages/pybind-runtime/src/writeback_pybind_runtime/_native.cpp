@@ -435,15 +435,14 @@ Imported import_tensor(py::handle obj, const std::string& what) {
     // A tensor keeps its shape when its storage is freed or shrunk
     // (untyped_storage().resize_), so what the shape spans is checked against
     // what the storage holds; DLPack carries no storage size.
-    size_t span = 0;
-    if (numel > 0) {
-      span = 1;
-      for (int32_t d = 0; d < t.ndim; ++d) {
-        span += static_cast<size_t>(t.shape[d] - 1) * static_cast<size_t>(in.strides[d]);
-      }
-    }
     in.storage_nbytes = source.attr("untyped_storage")().attr("nbytes")().cast<size_t>();
-    in.storage_needed = (source.attr("storage_offset")().cast<size_t>() + span) * itemsize;
+    if (numel > 0) {  // an empty tensor reads and writes nothing
+      size_t last = source.attr("storage_offset")().cast<size_t>();
+      for (int32_t d = 0; d < t.ndim; ++d) {
+        last += static_cast<size_t>(t.shape[d] - 1) * static_cast<size_t>(in.strides[d]);
+      }
+      in.storage_needed = (last + 1) * itemsize;
+    }
   }
   return in;
 }
@@ -1339,7 +1338,7 @@ class NativeMethod {
       std::string label = "input " + std::to_string(j) + " of method '" + name_ + "'";
       Imported now = import_tensor(installed.owner, label);
       check_storage(now, label, "pass tensors whose storage holds them to set_inputs() again");
-      if (now.data != installed.data) {
+      if (installed.nbytes > 0 && now.data != installed.data) {
         raise_value_error(label + ": the tensor's memory moved since set_inputs() (its storage was "
                           "resized or replaced); nothing was run or written; call set_inputs() "
                           "again");
