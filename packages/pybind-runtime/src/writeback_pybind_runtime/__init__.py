@@ -8,8 +8,14 @@ runs Python delegates that plugins offer through ``writeback_runtime_delegates``
 
 from __future__ import annotations
 
-from writeback_pybind_runtime._errors import DelegateError, ProgramError
-from writeback_pybind_runtime._runtime import (
+from writeback_pybind_runtime._executorch_version import check_executorch
+
+# Before anything can load the compiled extension: another executorch release's
+# library fails late and obscurely, this names both versions.
+check_executorch()
+
+from writeback_pybind_runtime._errors import DelegateError, ProgramError  # noqa: E402 - after the version check
+from writeback_pybind_runtime._runtime import (  # noqa: E402 - after the version check
     Method,
     MethodMetadata,
     Program,
