@@ -61,7 +61,19 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
-from writeback_core.pipeline import Eager, Pipeline, PipelineError, Session, StepResult, assemble, compare, lower
+from writeback_core._files import WriteFailed, replacing
+from writeback_core.cli import cache_mib_problem, progress_bar, writable_file
+from writeback_core.pipeline import (
+    Eager,
+    Pipeline,
+    PipelineError,
+    Session,
+    StepResult,
+    assemble,
+    choose_backend,
+    compare,
+    lower,
+)
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
@@ -78,6 +90,9 @@ WARMUP = 2
 WINDOW = 64
 UPDATE_CALLS_PER_ROUND = 5
 MIB = 1 << 20
+# Copies of the K+V cache one size holds at once (measured: three programs per
+# pipeline, their references, caller caches and floors), plus the process itself.
+CACHE_COPIES = 32
 
 # One timed call at a step: ``(seconds, outputs)``. Each call times only the work
 # itself (the runtime's execute, the eager forward, the two copies); its inputs
@@ -475,18 +490,46 @@ def goals(result: BenchResult) -> list[str]:
     ]
 
 
-def plot(result: BenchResult, path: Path) -> None:
-    """Step time and state-update time against cache size, one line per pipeline, log scales."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or a usage error saying how to install it."""
     try:
         import matplotlib
     except ImportError as error:
-        raise click.ClickException(
+        raise click.UsageError(
             "--plot needs matplotlib: pip install matplotlib==3.11.2 (the workspace's dev group has it)"
         ) from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot_format(path: Path) -> str:
+    """The image format ``--plot`` writes, from the file's suffix (``png`` without one)."""
+    return path.suffix.lstrip(".").lower() or "png"
+
+
+def _check_plot(path: Path) -> None:
+    """Refuse (``click.UsageError``) a ``--plot`` path matplotlib cannot write, before any timing."""
+    plt = _pyplot()
+    fig = plt.figure()
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    if _plot_format(path) not in formats:
+        raise click.BadParameter(
+            f"cannot write {path}: matplotlib writes {', '.join(sorted(formats))}; end the name with one of them",
+            param_hint="'--plot'",
+        )
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Step time and state-update time against cache size, one line per pipeline, log scales.
+
+    The image (its format from ``path``'s suffix) replaces ``path`` whole or not at all."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     sizes = [s.mib for s in result.sizes]
     styles = {STOCK: "o-", REINPLACE: "s-", WRITEBACK: "^-", EAGER: "k--", SLICE_COPY: "k:"}
@@ -509,24 +552,37 @@ def plot(result: BenchResult, path: Path) -> None:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with replacing(path) as temporary:
+            fig.savefig(temporary, dpi=120, format=_plot_format(path))
+    finally:
+        plt.close(fig)
 
 
-def _sizes(text: str) -> list[float]:
+def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]:
+    """``--sizes``: positive MiB, comma-separated, each small enough for memory (see ``cache_mib_problem``)."""
     try:
         sizes = sorted({float(s) for s in text.split(",") if s.strip()})
     except ValueError as error:
-        raise click.BadParameter(f"{text!r}: give cache sizes in MiB separated by commas, like 1,8,128") from error
-    if not sizes or sizes[0] <= 0:
-        raise click.BadParameter(f"{text!r}: give at least one positive size in MiB")
+        raise click.BadParameter(
+            f"{text!r}: give cache sizes in MiB separated by commas, like 1,8,128", ctx=ctx, param=param
+        ) from error
+    if not sizes:
+        raise click.BadParameter(f"{text!r}: give at least one positive size in MiB", ctx=ctx, param=param)
+    for mib in sizes:
+        problem = cache_mib_problem(mib, CACHE_COPIES, "writeback bench, at each size,")
+        if problem is not None:
+            raise click.BadParameter(problem, ctx=ctx, param=param)
     return sizes
 
 
 @click.command("bench")
 @click.option(
-    "--sizes", default="1,2,4,8,16,32,64,128", show_default=True, help="K+V cache sizes in MiB, comma-separated."
+    "--sizes",
+    default="1,2,4,8,16,32,64,128",
+    show_default=True,
+    callback=_sizes,
+    help=f"K+V cache sizes in MiB, comma-separated (each at most what memory can hold {CACHE_COPIES} times).",
 )
 @click.option(
     "--repeats",
@@ -541,7 +597,8 @@ def _sizes(text: str) -> list[float]:
     "plot_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write a PNG plot here (needs matplotlib).",
+    callback=writable_file,
+    help="Write a plot here, PNG or another format matplotlib knows by the suffix (needs matplotlib).",
 )
 @click.option(
     "--torch-threads",
@@ -553,20 +610,34 @@ def _sizes(text: str) -> list[float]:
 )
 @click.pass_context
 def bench_command(
-    ctx: click.Context, sizes: str, repeats: int, backend: str | None, plot_path: Path | None, torch_threads: int
+    ctx: click.Context,
+    sizes: list[float],
+    repeats: int,
+    backend: str | None,
+    plot_path: Path | None,
+    torch_threads: int,
 ) -> None:
     """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
     at each cache size; print medians, ratios and floors (eager, raw slice copy_)."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
+    try:
+        choose_backend(registry, backend)
+    except PipelineError as error:
+        raise click.BadParameter(str(error), param_hint="'--backend'") from error
+    if plot_path is not None:
+        _check_plot(plot_path)
     torch.set_num_threads(torch_threads)
     console = Console(width=160)
-    with Progress(console=console, transient=True) as progress:
-        result = run_bench(registry, _sizes(sizes), repeats, backend, progress)
+    with progress_bar(Progress(console=console, transient=True)) as progress:
+        result = run_bench(registry, sizes, repeats, backend, progress)
     for table in _tables(result):
         console.print(table)
     for line in [*_failures(result), *goals(result)]:
         console.print(line, markup=False)
     if plot_path is not None:
-        plot(result, plot_path)
+        try:
+            plot(result, plot_path)
+        except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
+            raise click.ClickException(str(error)) from error
         console.print(f"plot written to {plot_path}")

@@ -1,20 +1,167 @@
 """The ``writeback`` command line. Subcommands come from plugins through a hook; core's own
-(``plugins``, ``explain``) come from its built-in plugin the same way."""
+(``plugins``, ``explain``) come from its built-in plugin the same way.
+
+What every command shares, whoever contributes it:
+
+- a user's mistake (an unknown name, an absurd size, a path that cannot be
+  written, an error raised by the code in a model file) is one paragraph and
+  exit status 2, found before anything is exported or lowered where it can be;
+- Ctrl-C prints one line (``writeback: interrupted``) and exits 130.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
+from writeback_core._files import unwritable_reason
+from writeback_core._name import NAME
 from writeback_core.registry import Registry, load_registry
+from writeback_core.zoo import ModelCase
 
-__all__ = ["main"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "CacheMiB",
+    "UserCodeError",
+    "cache_mib_problem",
+    "main",
+    "progress_bar",
+    "resolve_model_option",
+    "writable_file",
+]
 
 # Up to this many mutations, explain prints one column per state instead of one row.
 _TRANSPOSE_AT_MOST = 4
+
+# The shell's status for a process ended by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+
+# No command takes a K+V cache larger than this, whatever the machine (64 GiB).
+MAX_CACHE_MIB = 64 * 1024
+
+MIB = 1 << 20
+
+
+class UserCodeError(click.ClickException):
+    """Code the user wrote (a model file) raised: one paragraph naming the file and line, exit 2."""
+
+    exit_code = 2
+
+
+def _user_code_failure(error: BaseException, message: str) -> UserCodeError:
+    from writeback_core.loading import TRACEBACK_ENV
+
+    if os.environ.get(TRACEBACK_ENV):
+        traceback.print_exception(error, file=sys.stderr)
+    return UserCodeError(message)
+
+
+def resolve_model_option(registry: Registry, model: str) -> ModelCase:
+    """The model case ``model`` names (see :func:`writeback_core.loading.resolve_model`).
+
+    :raises click.UsageError: no such model, file or factory (exit 2, with the choices).
+    :raises UserCodeError: the model file raised on import or in its factory (exit 2).
+    """
+    from writeback_core.loading import ModelCodeError, resolve_model
+
+    try:
+        return resolve_model(model, registry.models())
+    except ModelCodeError as error:
+        raise _user_code_failure(error.__cause__ or error, str(error)) from error
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+
+
+def writable_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A click callback: refuse (exit 2) a path the CLI could not write, before any work starts."""
+    if value is not None:
+        reason = unwritable_reason(value)
+        if reason is not None:
+            raise click.BadParameter(f"cannot write {value}: {reason}", ctx=ctx, param=param)
+    return value
+
+
+@contextmanager
+def progress_bar(progress: Progress) -> Iterator[Progress]:
+    """``progress`` shown for the block; on Ctrl-C it goes without a trace (not even the
+    blank line rich prints when output is not a terminal), so the CLI's one line is all."""
+    with progress:
+        try:
+            yield progress
+        except KeyboardInterrupt:
+            progress.live.transient = True
+            progress.live.stop()
+            progress.disable = True
+            raise
+
+
+def _memory() -> tuple[int, str] | None:
+    """Bytes of memory this machine can give a new process, and how they were found."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in all"
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def cache_mib_problem(mib: float, copies: int, what: str) -> str | None:
+    """Why a K+V cache of ``mib`` MiB is refused, or ``None`` when it is fine.
+
+    The limit is :data:`MAX_CACHE_MIB`, and less where the memory this machine has
+    available cannot hold ``copies`` copies of the cache (what ``what`` holds at once).
+    """
+    if not math.isfinite(mib) or mib <= 0:
+        return f"{mib:g} is not a size: give a positive number of MiB, like 16"
+    limit, why = float(MAX_CACHE_MIB), f"{MAX_CACHE_MIB} MiB is the largest cache any command takes"
+    memory = _memory()
+    if memory is not None and memory[0] / copies / MIB < limit:
+        bytes_, kind = memory
+        limit = math.floor(bytes_ / copies / MIB)
+        why = (
+            f"{what} holds about {copies} copies of the cache and this machine has "
+            f"{bytes_ / (1 << 30):.1f} GiB of memory {kind}, so at most {limit:g} MiB"
+        )
+    if mib > limit:
+        return f"{mib:g} MiB is too large: {why}"
+    return None
+
+
+class CacheMiB(click.ParamType[float, "str | float"]):
+    """A K+V cache size in MiB: a positive number no larger than :func:`cache_mib_problem` allows."""
+
+    name = "mib"
+
+    def __init__(self, copies: int, what: str) -> None:
+        self.copies, self.what = copies, what
+
+    def convert(self, value: str | float, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            mib = value
+        else:
+            try:
+                mib = float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a number of MiB", param, ctx)
+        problem = cache_mib_problem(mib, self.copies, self.what)
+        if problem is not None:
+            self.fail(problem, param, ctx)
+        return mib
 
 
 def _registry(ctx: click.Context) -> Registry:
@@ -47,8 +194,28 @@ class _PluginGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> object:
-        ctx.obj = self.registry()
-        return super().invoke(ctx)
+        from writeback_core.loading import user_code_error
+
+        try:
+            ctx.obj = self.registry()
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Whatever was running has cleaned up on its way out (temporary files,
+            # worker processes); the traceback would say nothing the user needs.
+            click.echo(f"{NAME}: interrupted", err=True)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as error:
+            # An error raised later by a model file's code (its forward, while
+            # exporting or running eagerly) is the user's too.
+            where = user_code_error(error)
+            if where is None:
+                raise
+            from writeback_core.loading import TRACEBACK_ENV
+
+            message = f"the model's code raised {where}. Fix it there ({TRACEBACK_ENV}=1 shows the traceback)."
+            raise _user_code_failure(error, message) from error
 
 
 @click.group(cls=_PluginGroup)
@@ -75,13 +242,9 @@ def plugins_command(ctx: click.Context) -> None:
 def explain_command(ctx: click.Context, model: str) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
     from writeback_core.explain import explain_rows, export_case
-    from writeback_core.loading import resolve_model
 
     registry = _registry(ctx)
-    try:
-        case = resolve_model(model, registry.models())
-    except ValueError as error:
-        raise click.UsageError(str(error)) from error
+    case = resolve_model_option(registry, model)
     program = export_case(case)
     rows = explain_rows(program)
     for row in rows:

@@ -55,6 +55,7 @@ __all__ = [
     "StepCheck",
     "StepResult",
     "assemble",
+    "choose_backend",
     "compare",
     "lower",
     "state_nbytes",
@@ -100,6 +101,24 @@ class Pipeline:
         return tensor
 
 
+def choose_backend(registry: Registry, backend: str | None = None) -> BackendSpec | None:
+    """The backend ``backend`` names among those the registry offers (see :func:`assemble`).
+
+    :raises PipelineError: the name is not offered; the message lists what is.
+    """
+    backends = registry.backends()
+    if backend is None:
+        return backends.get("mlx") or (next(iter(backends.values())) if len(backends) == 1 else None)
+    if backend == "none":
+        return None
+    if backend in backends:
+        return backends[backend]
+    raise PipelineError(
+        f"no backend named {backend!r}; installed plugins offer: "
+        f"{', '.join(sorted(backends)) or 'none'} (or 'none' for no delegate)"
+    )
+
+
 def assemble(registry: Registry, backend: str | None = None, runtime: str | None = None) -> Pipeline:
     """Pick a backend and a runtime among those the registry offers.
 
@@ -109,19 +128,7 @@ def assemble(registry: Registry, backend: str | None = None, runtime: str | None
     :param runtime: a runtime name, or ``None`` for the only one offered (or ``"pybind"``).
     :raises PipelineError: the name is not offered; the message lists what is.
     """
-    backends = registry.backends()
-    spec: BackendSpec | None
-    if backend is None:
-        spec = backends.get("mlx") or (next(iter(backends.values())) if len(backends) == 1 else None)
-    elif backend == "none":
-        spec = None
-    elif backend in backends:
-        spec = backends[backend]
-    else:
-        raise PipelineError(
-            f"no backend named {backend!r}; installed plugins offer: "
-            f"{', '.join(sorted(backends)) or 'none'} (or 'none' for no delegate)"
-        )
+    spec = choose_backend(registry, backend)
     runtimes = registry.runtimes()
     if not runtimes:
         raise PipelineError("no plugin offers a runtime (hook writeback_runtimes); install writeback-pybind-runtime")

@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from writeback_core._files import WriteFailed, write_bytes
+from writeback_core.cli import CacheMiB, progress_bar, resolve_model_option, writable_file
 from writeback_core.explain import format_bytes
 from writeback_core.pipeline import (
     ATOL,
@@ -42,6 +44,10 @@ __all__ = ["RunReport", "run_command", "run_model"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
+# Copies of the K+V cache a run holds at once (measured: the exported program's,
+# the runtime's, eager's, the .pte's for program-owned caches, and lowering's).
+CACHE_COPIES = 8
+
 
 @dataclass(frozen=True)
 class RunReport:
@@ -59,27 +65,24 @@ class RunReport:
 
 
 def _case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
-    from writeback_core.loading import resolve_model
-
     if cache_mib is not None:
         if model not in ("decoder", "decoder-caller-cache"):
             raise click.UsageError(f"--cache-mib applies to the built-in decoders, not to {model!r}")
         config = DecoderConfig.for_cache_bytes(int(cache_mib * (1 << 20)))
         return decoder_case(config, caller_cache=model == "decoder-caller-cache")
-    try:
-        return resolve_model(model, registry.models())
-    except ValueError as error:
-        raise click.UsageError(str(error)) from error
+    return resolve_model_option(registry, model)
 
 
 def run_model(
     pipeline: Pipeline, case: ModelCase, steps: int, output: Path, console: Console | None = None
 ) -> RunReport:
     """Lower ``case`` through ``pipeline``, write the ``.pte`` to ``output`` and run ``steps``
-    decode steps, each compared with eager. Never raises for a mismatch: see ``failures``."""
+    decode steps, each compared with eager. Never raises for a mismatch: see ``failures``.
+
+    ``output`` is replaced whole or not at all (a new file renamed into place), so a
+    process that has the old file mapped keeps it and a failure leaves it as it was."""
     lowered = lower(case, pipeline)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(lowered.pte)
+    write_bytes(output, lowered.pte)
     session = Session.open(pipeline, lowered)
     eager = Eager(case)
     done: list[tuple[StepResult, StepCheck]] = []
@@ -92,7 +95,7 @@ def run_model(
         transient=True,
         disable=console is None,
     )
-    with progress:
+    with progress_bar(progress):
         task = progress.add_task("decode", total=steps)
         for step in range(steps):
             result = session.step(step)
@@ -166,13 +169,15 @@ def _table(report: RunReport) -> Table:
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Where to write the .pte. Default: a temporary directory.",
+    callback=writable_file,
+    help="Where to write the .pte (replaced whole, never rewritten in place). Default: a temporary directory.",
 )
 @click.option(
     "--cache-mib",
-    type=click.FloatRange(min=0, min_open=True),
+    type=CacheMiB(CACHE_COPIES, "writeback run"),
     default=None,
-    help="For the built-in decoders: size the K+V cache to this many MiB.",
+    help="For the built-in decoders: size the K+V cache to this many MiB "
+    f"(at most what memory can hold {CACHE_COPIES} times).",
 )
 @click.pass_context
 def run_command(
@@ -190,16 +195,18 @@ def run_command(
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)
-    case = _case(registry, model, cache_mib)
     try:
         pipeline = assemble(registry, backend, runtime_name)
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
+    case = _case(registry, model, cache_mib)
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:
             report = dataclasses.replace(run_model(pipeline, case, steps, path, console), kept=output is not None)
         except PipelineError as error:
+            raise click.ClickException(str(error)) from error
+        except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
             raise click.ClickException(str(error)) from error
         console.print(_summary(report))
     console.print(_table(report))

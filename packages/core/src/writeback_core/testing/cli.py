@@ -7,11 +7,15 @@ This module imports neither hypothesis nor exir at import time, so the
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 __all__ = ["fuzz_command"]
+
+# More worker processes than this (four per core) only multiply memory: each imports torch and exir.
+_MAX_JOBS = 4 * (os.cpu_count() or 1)
 
 
 @click.command("fuzz")
@@ -25,7 +29,10 @@ __all__ = ["fuzz_command"]
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed (job j uses seed + j).")
 @click.option(
-    "--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: one per core, at most 2)."
+    "--jobs",
+    type=click.IntRange(min=1, max=_MAX_JOBS),
+    default=None,
+    help=f"Worker processes (default: one per core, at most 2; at most {_MAX_JOBS}, four per core).",
 )
 @click.option(
     "--runtime",
@@ -103,6 +110,7 @@ def fuzz_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from writeback_core.cli import progress_bar
     from writeback_core.testing.fuzz import FuzzConfig, check_config, default_jobs, run_fuzz, summary
 
     config = FuzzConfig(
@@ -122,9 +130,8 @@ def fuzz_command(
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     console = Console(stderr=True)
-    with Progress(
-        "fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
-    ) as bar:
+    bar = Progress("fuzz", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+    with progress_bar(bar):
         task = bar.add_task("fuzz", total=n_programs)
         report = run_fuzz(config, progress=lambda n: bar.advance(task, n))
     for line in summary(report):

@@ -4,7 +4,10 @@
 ``jobs > 1`` it starts that many worker processes, each running its own
 hypothesis loop on its own seed (``seed + job``) over its share of the
 programs; with ``jobs == 1`` everything runs in this process (so a test may
-patch a pass and see the effect).
+patch a pass and see the effect). Workers ignore SIGINT (a Ctrl-C in a terminal
+reaches every process of the group): the parent gets the ``KeyboardInterrupt``,
+terminates the workers, waits for them and raises it on, so nothing is left
+running and no worker prints a traceback.
 
 A failing program is shrunk by hypothesis to a minimal one; its source is the
 reproducer. A program that cannot even be exported or lowered is a failure
@@ -16,9 +19,12 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,6 +246,9 @@ def _reason_kind(reason: str) -> str:
 
 
 def _worker(config: FuzzConfig, job: int, count: int, queue: Any) -> None:
+    # Spawned workers inherit the ignored SIGINT from ``_run_parallel``; say it here too
+    # for start methods that do not exec (fork, forkserver).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
     queue.put(("done", report))
 
@@ -249,15 +258,34 @@ def _shares(total: int, jobs: int) -> list[int]:
 
 
 def check_config(config: FuzzConfig) -> None:
-    """Refuse (``ValueError``) engine names no plugin of ``config``'s registry offers."""
+    """Refuse (``ValueError``) a runtime, backend or engine no plugin of ``config``'s registry
+    offers, naming what is offered; nothing is generated or lowered before."""
     from writeback_core.testing.engines import registry_engines
 
-    if not config.engines:
-        return
-    offered = registry_engines(_registry(config))
-    unknown = [name for name in config.engines if name not in offered]
+    registry = _registry(config)
+    problems = []
+    if config.runtime:
+        runtimes = sorted(registry.runtimes())
+        if config.runtime not in runtimes:
+            problems.append(
+                f"no plugin offers runtime {config.runtime!r}; offered: {', '.join(runtimes) or 'none'} "
+                "(or '' for stock executorch.runtime only)"
+            )
+    backends = sorted(registry.backends())
+    unknown = [name for name in config.backends if name not in backends]
     if unknown:
-        raise ValueError(f"no plugin offers engine(s) {unknown}; offered: {sorted(offered)}")
+        problems.append(
+            f"no plugin offers backend(s) {', '.join(map(repr, unknown))}; offered: {', '.join(backends) or 'none'}"
+        )
+    if config.engines:
+        offered = sorted(registry_engines(registry))
+        unknown = [name for name in config.engines if name not in offered]
+        if unknown:
+            problems.append(
+                f"no plugin offers engine(s) {', '.join(map(repr, unknown))}; offered: {', '.join(offered) or 'none'}"
+            )
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def run_fuzz(config: FuzzConfig, progress: Callable[[int], None] | None = None) -> FuzzReport:
@@ -265,8 +293,8 @@ def run_fuzz(config: FuzzConfig, progress: Callable[[int], None] | None = None) 
 
     Each job stops at its first failure (after shrinking it). The report
     counts programs that passed every target they ran, and the programs each
-    target skipped. Raises ``ValueError`` before any work for an unknown engine
-    (:func:`check_config`).
+    target skipped. Raises ``ValueError`` before any work for an unknown runtime,
+    backend or engine (:func:`check_config`).
     """
     check_config(config)
     progress = progress or (lambda n: None)
@@ -280,6 +308,35 @@ def run_fuzz(config: FuzzConfig, progress: Callable[[int], None] | None = None) 
     return report
 
 
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process for the block (only the main thread can set handlers).
+
+    A process spawned meanwhile starts with SIGINT ignored (an ignored signal stays
+    ignored across exec, and Python then installs no handler for it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop(workers: Sequence[Any], queue: Any) -> None:
+    """Terminate the workers still running and wait until every one has exited."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    for worker in workers:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    queue.close()
+
+
 def _run_parallel(config: FuzzConfig, jobs: int, progress: Callable[[int], None]) -> FuzzReport:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -287,29 +344,45 @@ def _run_parallel(config: FuzzConfig, jobs: int, progress: Callable[[int], None]
         context.Process(target=_worker, args=(config, job, count, queue), daemon=True)
         for job, count in enumerate(_shares(config.programs, jobs))
     ]
+    try:
+        with _sigint_ignored():
+            for worker in workers:
+                worker.start()
+        report = _collect(workers, queue, progress)
+    except BaseException:
+        # Ctrl-C (or any error here): no worker may outlive this call. A second
+        # Ctrl-C while they stop would leave them running: ignore it meanwhile.
+        with _sigint_ignored():
+            _stop(workers, queue)
+        raise
     for worker in workers:
-        worker.start()
+        worker.join(timeout=30)
+    _stop(workers, queue)
+    return report
+
+
+def _collect(workers: list[Any], queue: Any, progress: Callable[[int], None]) -> FuzzReport:
+    """The workers' merged reports, passing their progress on as it comes."""
+    running = list(workers)
     report = FuzzReport()
     done = 0
     while done < len(workers):
         try:
             kind, payload = queue.get(timeout=5)
         except Exception:
-            dead = [w for w in workers if not w.is_alive() and w.exitcode not in (0, None)]
+            dead = [w for w in running if not w.is_alive() and w.exitcode not in (0, None)]
             if dead:
                 codes = ", ".join(str(w.exitcode) for w in dead)
                 report.failures.append(FuzzFailure("error", None, f"worker died: exit {codes}"))
                 done += len(dead)
                 for w in dead:
-                    workers.remove(w)
+                    running.remove(w)
             continue
         if kind == "progress":
             progress(payload)
         else:
             report.merge(payload)
             done += 1
-    for worker in workers:
-        worker.join(timeout=30)
     return report
 
 
