@@ -204,11 +204,12 @@ def _schema(name: str, overload: str) -> Any:
     does not know it."""
     import torch
 
-    namespace, _, op = name.partition("::")
+    # Looked up by name in torch's operator registry: the names come from the file,
+    # so they never reach attribute access (a getattr chain on ``torch.ops`` can walk
+    # to ``torch.ops.import_module`` and beyond).
     try:
-        packet = getattr(getattr(torch.ops, namespace), op)
-        return getattr(packet, overload or "default")._schema
-    except (AttributeError, RuntimeError):
+        return torch._C._get_schema(name, "" if overload in ("", "default") else overload)
+    except RuntimeError:
         return None
 
 
