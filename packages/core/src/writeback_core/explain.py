@@ -11,6 +11,7 @@ from torch.export import ExportedProgram
 
 from writeback_core._ops import packet_name
 from writeback_core.mutations import Mutation, find_mutations
+from writeback_core.quiet import known_warnings_ignored
 from writeback_core.zoo import ModelCase
 
 __all__ = ["ExplainRow", "explain_rows", "export_case", "write_back_positions"]
@@ -54,8 +55,7 @@ def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]
     """Where stock ``to_edge(...).to_executorch()`` places each write-back, keyed by target."""
     from executorch.exir import to_edge
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         et = to_edge(program).to_executorch()
     ep = et.exported_program()
     by_placeholder = write_back_positions(ep.graph_module.graph)

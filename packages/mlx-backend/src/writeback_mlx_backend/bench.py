@@ -36,7 +36,6 @@ import random
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from writeback_core.quiet import known_warnings_ignored
 
 __all__ = ["WindowDecodeStep", "main"]
 
@@ -94,7 +94,8 @@ class WindowDecodeStep(nn.Module):
         scores = q @ keys.transpose(2, 3) / math.sqrt(self.head_dim)
         scores = scores + torch.where(visible, 0.0, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ values
-        return self.wo(out.transpose(1, 2).reshape(1, 1, self.heads * self.head_dim))
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(1, 1, self.heads * self.head_dim))
+        return projected
 
 
 def _max_seq(cache_bytes: int, heads: int = 8, head_dim: int = 64) -> int:
@@ -103,8 +104,7 @@ def _max_seq(cache_bytes: int, heads: int = 8, head_dim: int = 64) -> int:
 
 def _export(module: nn.Module, args: tuple[Any, ...]) -> Any:
     module = module.eval().requires_grad_(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored(), torch.no_grad():
         return torch.export.export(module, args, strict=False)
 
 
@@ -137,8 +137,7 @@ def _stock(max_seq: int, folder: Path) -> Runner:
 
     module = WindowDecodeStep(max_seq, caller_cache=False)
     dim = module.heads * module.head_dim
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         pte = to_edge(_export(module, _inputs(0, dim, module.window))).to_executorch().buffer
     path = folder / f"stock_{max_seq}.pte"
     path.write_bytes(pte)
@@ -177,8 +176,7 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     # The registered "before_memory_planning" passes: with writeback-passes
     # installed they drop the cache write-backs the delegate accepted.
     passes = [adapt(p.run) for p in registry.program_passes("before_memory_planning")]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         edge = to_edge_transform_and_lower(_export(module, args), partitioner=[MLXPartitioner(registry)])
         program = edge.to_executorch(ExecutorchBackendConfig(passes=passes))
     gm = program.exported_program().graph_module

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 from writeback_core import ModelCase, builtin_models, find_mutations, load_registry
 from writeback_core.explain import export_case
+from writeback_core.quiet import known_warnings_ignored
 
 __all__ = ["EarlyReadyState", "MemoryRow", "early_ready_case", "main", "measure"]
 
@@ -81,8 +81,7 @@ def measure(case: ModelCase) -> MemoryRow:
     from writeback_passes.pipeline import to_executorch
 
     program = export_case(case)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         edge = to_edge(program)
         stock = memory_plan_report(copy.deepcopy(edge).to_executorch())
         early = memory_plan_report(to_executorch(edge, registry=load_registry()))

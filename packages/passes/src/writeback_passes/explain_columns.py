@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import TYPE_CHECKING
+
+from writeback_core.quiet import known_warnings_ignored
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -32,8 +33,7 @@ def _plans(program: ExportedProgram) -> tuple[MemoryPlanReport, MemoryPlanReport
     from writeback_passes.memory_report import memory_plan_report
     from writeback_passes.pipeline import as_exir_pass, early_write_back_pass
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         stock = memory_plan_report(to_edge(program).to_executorch())
         config = ExecutorchBackendConfig(passes=[as_exir_pass(early_write_back_pass())])
         early = memory_plan_report(to_edge(program).to_executorch(config))

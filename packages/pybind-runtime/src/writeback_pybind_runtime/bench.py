@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from writeback_core.quiet import known_warnings_ignored
 
 __all__ = ["main"]
 
@@ -50,8 +50,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], planned_inputs: bool
     from executorch.exir.passes import MemoryPlanningPass
 
     module = module.eval().requires_grad_(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored(), torch.no_grad():
         program = torch.export.export(module, args, strict=False)
         config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs))
         return bytes(to_edge(program).to_executorch(config).buffer)

@@ -21,11 +21,11 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from writeback_core.quiet import known_warnings_ignored
 
 __all__ = ["main"]
 
@@ -43,8 +43,7 @@ def _export(module: torch.nn.Module) -> bytes:
     from executorch.exir import to_edge
 
     module = module.eval().requires_grad_(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored(), torch.no_grad():
         program = torch.export.export(module, (torch.zeros(4),), strict=False)
         return bytes(to_edge(program).to_executorch().buffer)
 

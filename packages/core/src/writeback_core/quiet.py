@@ -1,0 +1,82 @@
+"""Upstream noise writeback silences, each named by message and category (or logger).
+
+Two kinds, both measured on the supported versions while lowering the built-in
+models:
+
+- :data:`KNOWN_WARNINGS`, Python warnings that torch.export and exir raise on
+  every lowering and that no user can act on. :func:`known_warnings_ignored`
+  silences exactly these around a lowering; any other warning still shows.
+- :data:`NOISE`, log lines of dependencies at import. :func:`quiet_upstream_noise`
+  filters exactly these; the CLI installs it (a library must not change its
+  host's logging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+
+__all__ = ["KNOWN_WARNINGS", "NOISE", "known_warnings_ignored", "quiet_upstream_noise"]
+
+# (message regex, category): what raises it and why it is harmless.
+KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # torch.export traces with autograd anomaly mode switched on internally.
+    ("Anomaly Detection has been enabled", UserWarning),
+    # torch's pytree, deep-copied by exir: an internal deprecation inside torch.
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # exir's emitter on a mutated buffer: its initial value is serialized as
+    # shape and dtype only; writeback's runtime and stock both zero-fill it.
+    ("Mutation on a buffer in the model is detected", UserWarning),
+    # importlib.resources legacy API, used by executorch's edge dialect and serializer.
+    ("(read_text|open_text|read_binary|open_binary) is deprecated", DeprecationWarning),
+    # torchao's and torch.jit's import-time deprecations, reached through executorch.
+    ("Deprecation: TorchAODType is deprecated", UserWarning),
+    (r"`torch\.jit\.script_method` is deprecated", DeprecationWarning),
+    ("invalid escape sequence", DeprecationWarning),
+    ("invalid escape sequence", SyntaxWarning),
+)
+
+
+@contextlib.contextmanager
+def known_warnings_ignored() -> Iterator[None]:
+    """Silence :data:`KNOWN_WARNINGS` inside the block; every other warning passes."""
+    with warnings.catch_warnings():
+        for message, category in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+# (logger name, pattern its message matches): why each is harmless.
+NOISE: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # torchao tries to load its CUDA-only extensions on import and logs each failure
+    # on a CPU build; nothing writeback or executorch uses needs them.
+    ("torchao", re.compile(r"Failed to load .*_C_(mxfp8|cutlass)\w*\..*Could not load this library")),
+    # torchao registers an Enum with torch's pytree at import; torch 2.13 logs that
+    # this is deprecated. Nothing to act on for a user of writeback.
+    ("torch.utils._pytree", re.compile(r"is an Enum subclass and is now natively supported by torch\.compile")),
+)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.search(record.getMessage()) is None
+
+
+_installed = False
+
+
+def quiet_upstream_noise() -> None:
+    """Attach one filter per :data:`NOISE` entry to its logger (once per process)."""
+    global _installed
+    if _installed:
+        return
+    for name, pattern in NOISE:
+        logging.getLogger(name).addFilter(_Drop(pattern))
+    _installed = True
