@@ -277,7 +277,7 @@ def test_truncated_or_oversized_header_refused() -> None:
 def test_in_place_compile_spec_of_wrong_shape_refused() -> None:
     blob = _program().to_bytes()
     for raw in (b"not json", b'{"output": 0}', b'[{"output": "0", "input": 0}]', b'[{"output": 0, "input": 9}]'):
-        with pytest.raises(BlobError, match="writeback.in_place_outputs"):
+        with pytest.raises(BlobError, match=r"writeback\.in_place_outputs"):
             MLXDelegate().init(blob, {"writeback.in_place_outputs": raw})
 
 

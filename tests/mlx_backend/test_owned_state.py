@@ -78,7 +78,7 @@ def test_unknown_compile_spec_is_refused_by_name() -> None:
 def test_blob_of_another_version_is_refused() -> None:
     blob = bytearray(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))))
     blob[:8] = b"NOTMLX\x00\x00"
-    with pytest.raises(ValueError, match="field magic .*not an MLX delegate blob"):
+    with pytest.raises(ValueError, match=r"field magic .*not an MLX delegate blob"):
         MLXDelegate().init(bytes(blob), {})
 
 

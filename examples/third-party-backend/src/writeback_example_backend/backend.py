@@ -31,17 +31,20 @@ def _single_index_dim(node: torch.fx.Node) -> int | None:
         return None
     if len(node.args) > 3 and node.args[3]:
         return None
-    indices = list(node.args[1])
-    present = [i for i, idx in enumerate(indices) if idx is not None]
-    if present != [len(indices) - 1]:
+    indices = node.args[1]
+    if not isinstance(indices, (list, tuple)):
         return None
-    val = indices[-1].meta.get("val")
+    present = [i for i, idx in enumerate(indices) if idx is not None]
+    index = indices[-1] if present == [len(indices) - 1] else None
+    if not isinstance(index, torch.fx.Node):
+        return None
+    val = index.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 1:
         return None
     return present[0]
 
 
-class ExamplePartitioner(Partitioner):
+class ExamplePartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped: its bases are Any
     """Delegates each one-index ``index_put`` node (the exported form of ``index_copy_``)."""
 
     def __init__(self, registry: Registry, **options: Any) -> None:
@@ -66,7 +69,7 @@ class ExamplePartitioner(Partitioner):
 
 
 @final
-class WritebackExampleBackend(BackendDetails):
+class WritebackExampleBackend(BackendDetails):  # type: ignore[misc]  # executorch is untyped: its bases are Any
     """Serializes which delegate argument is the destination, index and source."""
 
     @staticmethod

@@ -13,6 +13,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -237,12 +238,12 @@ def _slice_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
     step = _bound(_arg(node, 5, "step", 1))
     size = _dim_size(dest, dim) if rank is not None and 0 <= dim < rank else Dynamic("?")
     source = node.args[1].name if isinstance(node.args[1], torch.fx.Node) else None
-    common = {"op": op_name(node.target), "node": node.name, "dim": dim, "source": source}
+    shape = partial(WriteShape, op=op_name(node.target), node=node.name, dim=dim, source=source)
     if isinstance(size, int):
         start, end = _normalize_range(start, end, size)
     if isinstance(size, int) and start == 0 and end == size and step == 1:
-        return WriteShape(WriteKind.FULL, start=0, end=size, step=1, **common)  # type: ignore[arg-type]
-    return WriteShape(WriteKind.SLICE_SCATTER, start=start, end=end, step=step, **common)  # type: ignore[arg-type]
+        return shape(WriteKind.FULL, start=0, end=size, step=1)
+    return shape(WriteKind.SLICE_SCATTER, start=start, end=end, step=step)
 
 
 def _normalize_range(start: Bound | None, end: Bound | None, size: int) -> tuple[Bound, Bound]:
@@ -287,18 +288,19 @@ def _index_put_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:
     accumulate = bool(_arg(node, 3, "accumulate", False))
     source = node.args[2]
     names = tuple(i.name if isinstance(i, torch.fx.Node) else None for i in indices)
-    common = {
-        "op": op_name(node.target),
-        "node": node.name,
-        "source": source.name if isinstance(source, torch.fx.Node) else None,
-    }
+    shape = partial(
+        WriteShape,
+        op=op_name(node.target),
+        node=node.name,
+        source=source.name if isinstance(source, torch.fx.Node) else None,
+    )
     present = [k for k, i in enumerate(indices) if i is not None]
     if not accumulate and len(present) == 1 and present[0] == len(indices) - 1:
         only = indices[present[0]]
         val = only.meta.get("val") if isinstance(only, torch.fx.Node) else None
         if isinstance(val, torch.Tensor) and val.dim() == 1 and val.dtype in (torch.int64, torch.int32):
-            return WriteShape(WriteKind.INDEX_COPY, dim=present[0], index=names[-1], **common)  # type: ignore[arg-type]
-    return WriteShape(WriteKind.INDEX_PUT, indices=names, accumulate=accumulate, **common)  # type: ignore[arg-type]
+            return shape(WriteKind.INDEX_COPY, dim=present[0], index=names[-1])
+    return shape(WriteKind.INDEX_PUT, indices=names, accumulate=accumulate)
 
 
 def _copy_write(node: torch.fx.Node, dest: torch.fx.Node) -> WriteShape:

@@ -139,7 +139,8 @@ class Attention(nn.Module):
         mask = torch.where(visible, 0.0, float("-inf"))
         scores = q @ keys.transpose(2, 3) / math.sqrt(cfg.head_dim) + mask
         out = torch.softmax(scores, dim=-1) @ values
-        return self.wo(out.transpose(1, 2).reshape(1, seq, cfg.dim))
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(1, seq, cfg.dim))
+        return projected
 
 
 class Block(nn.Module):
@@ -157,7 +158,8 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), input_pos, k_cache, v_cache)
         h = self.mlp_norm(x)
-        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+        mlp: torch.Tensor = self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+        return x + mlp
 
 
 class _DecoderBody(nn.Module):
@@ -178,7 +180,8 @@ class _DecoderBody(nn.Module):
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             x = block(x, input_pos, caches[2 * i], caches[2 * i + 1])
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 class TinyDecoder(_DecoderBody):
@@ -193,7 +196,8 @@ class TinyDecoder(_DecoderBody):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         caches = [c for b in self.blocks for c in (b.k_cache, b.v_cache)]
-        return self.run(tokens, input_pos, caches)  # type: ignore[arg-type]
+        # A registered buffer read as a module attribute is typed Tensor | Module.
+        return self.run(tokens, input_pos, caches)  # type: ignore[arg-type]  # buffers, see above
 
 
 class CallerCacheDecoder(_DecoderBody):
@@ -234,7 +238,8 @@ class GatedDeltaState(nn.Module):
         delta = v.view(1, self.heads, self.dk) - predicted
         state = state + k.view(1, self.heads, self.dk, 1) * delta.view(1, self.heads, 1, self.dk)
         self.recurrent_state.copy_(state)
-        return (state * q.view(1, self.heads, self.dk, 1)).sum(2).reshape(1, -1)
+        out: torch.Tensor = (state * q.view(1, self.heads, self.dk, 1)).sum(2).reshape(1, -1)
+        return out
 
 
 class EmaStat(nn.Module):

@@ -48,7 +48,8 @@ def _encode(value: Any) -> Any:
 
 def _tensor_of(program: ExportedProgram, target: str) -> torch.Tensor:
     if target in program.state_dict:
-        return program.state_dict[target]
+        tensor: torch.Tensor = program.state_dict[target]
+        return tensor
     if target in program.constants:
         value = program.constants[target]
         if isinstance(value, torch.Tensor):
@@ -172,12 +173,17 @@ def _write_into_input(value: Any, inputs: list[str]) -> torch.fx.Node | None:
     dest = node.args[0]
     if not isinstance(dest, torch.fx.Node) or dest.name not in inputs:
         return None
+    return node if _copies_into(value, node, dest) else None
+
+
+def _copies_into(value: Any, write: torch.fx.Node, dest: torch.fx.Node) -> bool:
+    """Whether every copy from ``value`` down to ``write`` copies into ``dest``."""
     through = value
-    while through is not node:
+    while through is not write:
         if through.args[0] is not dest:
-            return None
+            return False
         through = through.args[1]
-    return node
+    return True
 
 
 @final

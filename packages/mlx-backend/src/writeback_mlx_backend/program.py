@@ -258,7 +258,7 @@ class DelegateProgram:
         outputs = read.items(header["outputs"], "outputs")
         for k, output in enumerate(outputs):
             if isinstance(output, (list, str)) or (isinstance(output, dict) and "$v" not in output):
-                raise read.fail(f"outputs[{k}]", output, "an output is a reference {\"$v\": name} or a number")
+                raise read.fail(f"outputs[{k}]", output, 'an output is a reference {"$v": name} or a number')
             _check_value(read, output, defined, f"outputs[{k}]")
         updates = read.record(header["state_updates"], "state_updates")
         for key, value in updates.items():

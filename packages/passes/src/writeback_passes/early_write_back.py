@@ -329,7 +329,8 @@ def _graph_module(program: ExportedProgram | torch.fx.GraphModule) -> torch.fx.G
             # exir's own pass adds the copies (at the end) and renames the
             # signature's outputs in place; this pass then moves them.
             insert_write_back_for_buffers_pass(program)
-        return program.graph_module
+        graph_module: torch.fx.GraphModule = program.graph_module
+        return graph_module
     raise TypeError(
         f"insert_write_back_early takes an ExportedProgram or a torch.fx.GraphModule, got {type(program).__name__}"
     )

@@ -254,7 +254,7 @@ def _release_output(call: torch.fx.Node, output: int) -> None:
 
 
 def _record(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int, input_index: int) -> None:
-    lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]
+    lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]  # args[0] is a get_attr node
     specs: list[CompileSpec] = lowered.compile_specs
     entries: list[dict[str, int]] = []
     for spec in list(specs):

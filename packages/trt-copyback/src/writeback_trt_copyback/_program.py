@@ -65,6 +65,6 @@ def output_values(module: torch.fx.GraphModule) -> list[Any]:
 
 def out_spec_of(program: ExportedProgram) -> pytree.TreeSpec:
     """The pytree of the program's user outputs."""
-    spec = program.call_spec.out_spec
+    spec: pytree.TreeSpec | None = program.call_spec.out_spec
     assert spec is not None
     return spec

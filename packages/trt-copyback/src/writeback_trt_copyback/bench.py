@@ -23,9 +23,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from writeback_core.registry import load_registry
+from writeback_core.registry import Registry, load_registry
+from writeback_core.types import RuntimeMethod, RuntimeSpec
 
-from writeback_trt_copyback.compile import compile_for_engine
+from writeback_trt_copyback.compile import CompiledProgram, compile_for_engine
 from writeback_trt_copyback.declare import UninitializedCopyBackWarning
 from writeback_trt_copyback.engine import KVAliasEngine
 from writeback_trt_copyback.rule import TensorRTCacheRule
@@ -47,7 +48,7 @@ class _Step(nn.Module):
         return (q @ self.k_cache.transpose(2, 3)).amax(-1) / math.sqrt(HEAD_DIM)
 
 
-def _time_steps(methods: dict[str, object], slots: int, steps: int) -> dict[str, float]:
+def _time_steps(methods: dict[str, RuntimeMethod], slots: int, steps: int) -> dict[str, float]:
     """Median ms per call of each method, calls interleaved so both see the same load."""
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -60,14 +61,14 @@ def _time_steps(methods: dict[str, object], slots: int, steps: int) -> dict[str,
         order = list(methods) if step % 2 else list(reversed(methods))
         for name in order:
             start = time.perf_counter()
-            methods[name].execute(args)  # type: ignore[attr-defined]
+            methods[name].execute(args)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
 
 
-def _load(program: object, runtime: object, registry: object) -> object:
-    et = program.to_executorch()  # type: ignore[attr-defined]
-    loaded = runtime.load_program(bytes(et.buffer), registry.runtime_delegates())  # type: ignore[attr-defined]
+def _load(program: CompiledProgram, runtime: RuntimeSpec, registry: Registry) -> RuntimeMethod:
+    et = program.to_executorch()
+    loaded = runtime.load_program(bytes(et.buffer), registry.runtime_delegates())
     return loaded.load_method("forward")
 
 

@@ -99,7 +99,8 @@ def compile_for_engine(
     source = lift_mutated_buffers(program, engine, Mode.KEEP_ALL) if dryrun else lifted
     declared = declare_copy_back(source.program)
     if partitioners is None:
-        partitioners = [] if dryrun else [engine.partitioner()]  # type: ignore[attr-defined]
+        # Only engines that lower offer partitioner(); the AliasingEngine protocol does not declare it.
+        partitioners = [] if dryrun else [engine.partitioner()]  # type: ignore[attr-defined]  # see above
     config = EdgeCompileConfig()
     with warnings.catch_warnings():
         # exir's own deprecation chatter while retracing; ours are raised outside this block.

@@ -17,6 +17,7 @@ exit a write takes.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.fx
@@ -66,7 +67,8 @@ def write_node_of(shape: WriteShape, graph: torch.fx.Graph) -> torch.fx.Node | N
     """The graph node that performs the write ``shape`` describes, if it has one."""
     if shape.node is None:
         return None
-    for node in graph.nodes:
+    nodes: Iterable[torch.fx.Node] = graph.nodes
+    for node in nodes:
         if node.name == shape.node:
             return node
     return None

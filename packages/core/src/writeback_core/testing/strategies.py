@@ -365,7 +365,7 @@ def programs(
         # The hazard block first, on a state nothing else writes: its write is then the
         # state's final value and its view read a read of the old one.
         statements: list[Statement] = draw(_early_value_block(scope))
-        scope.no_write.add(statements[-1].state)  # type: ignore[union-attr]
+        scope.no_write.add(statements[-1].state)  # type: ignore[union-attr]  # the block ends with its Write
     else:
         statements = [draw(_write(scope, writes))]
     for _ in range(count - 1):
