@@ -176,7 +176,7 @@ class _PluginGroup(click.Group):
     """A group whose subcommands are added by the ``writeback_cli_commands`` hook."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # click.Group's own arguments, passed on
         self._registry: Registry | None = None
 
     def registry(self) -> Registry:
