@@ -43,6 +43,7 @@ def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registr
 
 
 # A fixed seed, as the CI fuzz chunks have: a run that passes once passes again.
+@pytest.mark.slow
 @seed(4711)
 @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(

@@ -5,6 +5,7 @@ against the program, and every output and state against eager PyTorch)."""
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 from writeback_core.registry import load_registry
@@ -19,9 +20,11 @@ MLX_PLUGINS = (
     "writeback_pybind_runtime.plugin",
     "writeback_mlx_backend.plugin",
 )
-MLX_PROGRAMS = 40
+# The slow tier's budget; WRITEBACK_MLX_FUZZ_PROGRAMS=40 (or more) for a longer run.
+MLX_PROGRAMS = int(os.environ.get("WRITEBACK_MLX_FUZZ_PROGRAMS", "20"))
 
 
+@pytest.mark.slow
 def test_mlx_lowered_generated_programs_match_eager() -> None:
     config = FuzzConfig(
         programs=MLX_PROGRAMS,

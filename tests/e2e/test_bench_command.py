@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 from click.testing import CliRunner
@@ -12,6 +13,9 @@ from rich.console import Console
 from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, _tables, run_bench
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
+
+# Slow tier: runs with --slow (CI does); see tests/conftest.py.
+pytestmark = pytest.mark.slow
 
 
 def test_bench_two_smallest_sizes_one_repeat_prints_every_pipeline_and_writes_the_plot(tmp_path: Path) -> None:

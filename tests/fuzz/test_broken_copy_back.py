@@ -19,6 +19,7 @@ from .conftest import ENGINE_PLUGINS
 BUDGET = 20
 
 
+@pytest.mark.slow
 def test_fuzzer_catches_an_engine_path_that_skips_a_copy_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: every buffer write is filed engine-aliased, so a write the engine
     does not alias gets no copy-back (its write-back erased, the write left to dead code),

@@ -1,4 +1,5 @@
-"""CI's differential fuzz run: at least 2,000 generated programs, zero mismatches.
+"""CI's differential fuzz run: ``CI_PROGRAMS`` generated programs (800 by default; set
+``WRITEBACK_FUZZ_PROGRAMS=2000`` for the full run), zero mismatches. Slow tier.
 
 The programs are split in chunks, each its own hypothesis loop (own seed) in
 worker processes, one per core (at most two). Every program runs through
@@ -33,6 +34,9 @@ import pytest
 from writeback_core.testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
 
 from .conftest import CI_PROGRAMS, ENGINE_PLUGINS
+
+# Slow tier: runs with --slow (CI does); see tests/conftest.py.
+pytestmark = pytest.mark.slow
 
 CHUNKS = 4
 # Every program through the pybind variants too (cost measured in the docstring).

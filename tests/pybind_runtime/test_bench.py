@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 from writeback_pybind_runtime import bench
 
+# Slow tier: runs with --slow (CI does); see tests/conftest.py.
+pytestmark = pytest.mark.slow
+
 
 def test_bench_main_prints_both_cases_and_checks_no_cache_copy(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--calls", "2", "--cache-mib", "0.0625"]) == 0

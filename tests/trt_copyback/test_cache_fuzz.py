@@ -36,6 +36,9 @@ from writeback_core.testing.strategies import cache_shapes
 
 from tests.trt_copyback.test_fuzz_target import PLUGINS
 
+# Slow tier: runs with --slow (CI does); see tests/conftest.py.
+pytestmark = pytest.mark.slow
+
 # Programs per mode; each is lowered once for the engine and run 3 calls in two runtimes.
 EXAMPLES = 30
 OLD_READS = ("clone", "view", "slice", "sum")
