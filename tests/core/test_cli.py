@@ -84,6 +84,18 @@ def test_console_script_entry_point_runs() -> None:
     assert "explain" in done.stdout and "plugins" in done.stdout
 
 
+def test_command_prints_no_known_upstream_noise_before_its_output() -> None:
+    """`writeback plugins` loads every plugin (torchao and exir included): the import-time
+    log lines named in writeback_core.quiet.NOISE never reach the user."""
+    script = Path(sys.executable).with_name("writeback")
+    done = subprocess.run([str(script), "plugins"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.lstrip().startswith("writeback plugins"), done.stdout[:300]
+    assert "Could not load this library" not in done.stderr, done.stderr
+    assert "is an Enum subclass" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "", done.stderr
+
+
 def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import torch
     from writeback_core import ModelCase, hookimpl, registry

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from writeback_core._files import unwritable_reason
 from writeback_core._name import NAME
+from writeback_core.quiet import quiet_upstream_noise
 from writeback_core.registry import Registry, load_registry
 from writeback_core.zoo import ModelCase
 
@@ -181,6 +182,9 @@ class _PluginGroup(click.Group):
 
     def registry(self) -> Registry:
         if self._registry is None:
+            # Before plugins import torchao and exir: their known import-time log lines
+            # (writeback_core.quiet.NOISE) say nothing a user can act on.
+            quiet_upstream_noise()
             self._registry = load_registry()
             self._registry.hook.writeback_cli_commands(group=self)
         return self._registry
