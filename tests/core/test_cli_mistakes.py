@@ -113,6 +113,16 @@ def test_factory_raising_runtime_error_exits_2_naming_file_and_line(tmp_path: Pa
     assert not pte.exists()
 
 
+def test_model_file_in_the_working_directory_is_named_as_the_user_typed_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path, "factory.py", FACTORY_RAISES)
+    monkeypatch.chdir(tmp_path)
+    result = _invoke("explain", "factory.py:make")
+    line = _line_of(FACTORY_RAISES, 'return settings["heads"]')
+    _assert_user_mistake(result, f"(factory.py, line {line}, in _load_config)")
+
+
 def test_factory_raising_value_error_exits_2_naming_file_and_line(tmp_path: Path) -> None:
     model = _write(tmp_path, "factory.py", FACTORY_RAISES)
     result = _invoke("explain", f"{model}:make_bad_value")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 from types import TracebackType
@@ -52,6 +53,16 @@ def _innermost_user_frame(trace: TracebackType | None) -> tuple[str, int, str] |
     return found
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is inside it (as the user typed it)."""
+    path = os.path.normpath(path)
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if relative.startswith(os.pardir) else relative
+
+
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
@@ -63,7 +74,8 @@ def user_code_error(error: BaseException) -> str | None:
 
     A ``SyntaxError`` gives its own file and line; any other error the innermost
     frame of its traceback that runs in a model file, with the error's type and
-    the first line of its message: ``KeyError: 'x' (f.py, line 4, in helper)``.
+    the first line of its message: ``KeyError: 'x' (f.py, line 4, in helper)``, the
+    path relative to the working directory when inside it.
     An error without such a frame is looked for in its ``__cause__`` / ``__context__``
     chain (a library that wrapped the user's error).
     """
@@ -72,12 +84,12 @@ def user_code_error(error: BaseException) -> str | None:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, SyntaxError) and current.filename:
-            where = f"{current.filename}, line {current.lineno}"
+            where = f"{_shown(current.filename)}, line {current.lineno}"
             return f"{where} is not valid Python: {current.msg}"
         frame = _innermost_user_frame(current.__traceback__)
         if frame is not None:
             path, line, function = frame
-            return f"{_first_line(current)} ({path}, line {line}, in {function})"
+            return f"{_first_line(current)} ({_shown(path)}, line {line}, in {function})"
         current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return None
 
