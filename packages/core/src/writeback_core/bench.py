@@ -48,7 +48,6 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +73,7 @@ from writeback_core.pipeline import (
     compare,
     lower,
 )
+from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
@@ -173,8 +173,7 @@ def _stock_call(case: ModelCase, reinplace: bool) -> Call:
 
     from writeback_core.explain import export_case
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         from executorch.runtime import Runtime
 
         program = to_edge(export_case(case)).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))

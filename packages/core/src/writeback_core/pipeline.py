@@ -25,7 +25,6 @@ What this module guarantees:
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from torch.export.graph_signature import OutputKind
 
 from writeback_core.explain import export_case, write_back_positions
 from writeback_core.mutations import Mutation, MutationKind, find_mutations
+from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
 from writeback_core.zoo import ModelCase
@@ -75,8 +75,7 @@ class PipelineError(RuntimeError):
 def _quiet() -> Iterator[None]:
     # exir warns about every mutated buffer and torch.export about pytree internals;
     # neither is actionable for a user of `writeback run`.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with known_warnings_ignored():
         yield
 
 
