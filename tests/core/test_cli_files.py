@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,15 @@ def test_replacing_keeps_the_old_file_and_no_temporary_when_the_write_fails(
         raise error
     assert path.read_bytes() == OLD
     assert os.listdir(tmp_path) == ["model.pte"]
+
+
+def test_replacing_refuses_to_replace_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(WriteFailed, match="not a regular file"), replacing(pipe):
+        pytest.fail("replacing let a named pipe be replaced")
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert os.listdir(tmp_path) == ["pipe"]
 
 
 def test_replacing_gives_the_new_file_the_old_files_permissions(tmp_path: Path) -> None:

@@ -284,6 +284,13 @@ def _unwritable_folder(tmp_path: Path) -> Path:
     return Path("/sys")
 
 
+def _fifo(path: Path) -> Path:
+    """A named pipe: not a regular file, like a device, but harmless to replace should the
+    check ever let it through (``/dev/null`` here, run as root, would be replaced for good)."""
+    os.mkfifo(path)
+    return path
+
+
 @pytest.mark.parametrize(
     ("where", "why"),
     [
@@ -300,7 +307,7 @@ def test_output_not_writable_refused_before_lowering(tmp_path: Path, marked_mode
         "under_a_file": tmp_path / "plain" / "model.pte",
         "a_directory": tmp_path / "folder",
         "unwritable_folder": _unwritable_folder(tmp_path) / "model.pte",
-        "a_device": Path(os.devnull),
+        "a_device": _fifo(tmp_path / "pipe"),
     }[where]
     before = sorted(p.name for p in tmp_path.rglob("*"))
     result = _invoke("run", f"{marked_model}:make", "--backend", "none", "--output", str(output))

@@ -10,6 +10,7 @@ the old file as it was and no temporary file behind.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -51,9 +52,13 @@ def replacing(path: Path) -> Iterator[Path]:
     flushed to disk before the rename. On any exception, ``KeyboardInterrupt``
     included, the temporary file is removed and ``path`` is left untouched.
 
-    :raises WriteFailed: an ``OSError`` while creating, writing or renaming the file.
+    :raises WriteFailed: ``path`` is not a regular file (a device, a pipe), or an
+        ``OSError`` while creating, writing or renaming the file.
     """
     target = _target(path)
+    if target.exists() and not target.is_file():
+        # A device or a pipe (``/dev/null``): renaming onto it would replace the node itself.
+        raise WriteFailed(path, OSError(errno.EINVAL, "not a regular file, and only files are replaced"))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
