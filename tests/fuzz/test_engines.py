@@ -52,4 +52,4 @@ def test_fuzz_command_selects_engines_and_refuses_contradictory_flags() -> None:
             "no-such-engine",
         ],
     )
-    assert result.exit_code == 2 and "no plugin offers engine(s) ['no-such-engine']" in result.output
+    assert result.exit_code == 2 and "no plugin offers engine(s) 'no-such-engine'; offered: kv-alias" in result.output
