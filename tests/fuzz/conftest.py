@@ -22,8 +22,8 @@ ENGINE_PLUGINS = (*FUZZ_PLUGINS, "writeback_trt_copyback.plugin")
 # Programs the slow tier checks per run, over all chunks: a budget that keeps the whole
 # of .ci/run under 45 minutes on a 2-core machine (~0.65 s per program and worker, plus
 # the engine targets on every 4th). WRITEBACK_FUZZ_PROGRAMS=2000 runs the full
-# 2,000-program differential fuzz (about 20 minutes more).
-CI_PROGRAMS = int(os.environ.get("WRITEBACK_FUZZ_PROGRAMS", "800"))
+# 2,000-program differential fuzz (measured: 200 programs of chunk 0 take ~4.6 min).
+CI_PROGRAMS = int(os.environ.get("WRITEBACK_FUZZ_PROGRAMS", "400"))
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""CI's differential fuzz run: ``CI_PROGRAMS`` generated programs (800 by default; set
+"""CI's differential fuzz run: ``CI_PROGRAMS`` generated programs (400 by default; set
 ``WRITEBACK_FUZZ_PROGRAMS=2000`` for the full run), zero mismatches. Slow tier.
 
 The programs are split in chunks, each its own hypothesis loop (own seed) in
