@@ -29,7 +29,9 @@ INTERRUPTED = "writeback: interrupted"
 # its own while importing and first running a program (torchao's CUDA-less build, torch's
 # pytree deprecation, ExecuTorch's CPU probe). A worker that had not finished starting when
 # the SIGINT came may still print them; they are not the command's output.
-_LIBRARY_NOISE = re.compile(r"^(Failed to load .*torchao|[WI]\d{4} .*_pytree\.py|\[cpuinfo_utils\.cpp:)")
+_LIBRARY_NOISE = re.compile(
+    r"^(Failed to load .*torchao|[WI]\d{4} .*_pytree\.py|[IWE] [\d:.]+ executorch:cpuinfo_utils\.cpp:\d+\])"
+)
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 
