@@ -6,10 +6,8 @@ field is known; the valid one is first checked against values worked out by hand
 
 from __future__ import annotations
 
-import copy
 import json
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +16,8 @@ import torch
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
 from writeback_mlx_backend.program import MAGIC, DelegateProgram
+
+from tests.hostile import at, fields, replaced, wrong_values
 
 _EMB = torch.arange(15, dtype=torch.float32).reshape(5, 3)  # 5 tokens, width 3
 
@@ -190,44 +190,13 @@ def _refused_header(header: dict[str, Any], field: str) -> None:
         MLXDelegate().init(_blob_of(header, bytes(_program().data)), {})
 
 
-def _fields(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    yield path
-    if isinstance(value, dict):
-        for key, inner in value.items():
-            yield from _fields(inner, (*path, key))
-    elif isinstance(value, list):
-        for index, inner in enumerate(value):
-            yield from _fields(inner, (*path, index))
-
-
-def _wrong(value: Any) -> list[Any]:
-    if value is None:
-        return [{"$v": 7}, "x"]
-    if isinstance(value, bool):
-        return ["yes", 1.5]
-    if isinstance(value, int):
-        return ["3", 2.5, None, [value]]
-    if isinstance(value, str):
-        return [7, None, [value], {"$v": value}]
-    if isinstance(value, list):
-        return [{"x": 1}, "list"]
-    return [[1], "object"]
-
-
 def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
     program = _program()
     header, data = program.header(), bytes(program.data)
     refused = accepted = 0
-    for path in list(_fields(header))[1:]:
-        inner: Any = header
-        for key in path:
-            inner = inner[key]
-        for wrong in _wrong(inner):
-            changed = copy.deepcopy(header)
-            target: Any = changed
-            for key in path[:-1]:
-                target = target[key]
-            target[path[-1]] = wrong
+    for path in list(fields(header))[1:]:
+        for wrong in wrong_values(at(header, path), "$v"):
+            changed = replaced(header, path, wrong)
             delegate = MLXDelegate()
             try:
                 handle = delegate.init(_blob_of(changed, data), {})

@@ -9,7 +9,6 @@ imported is never imported).
 from __future__ import annotations
 
 import base64
-import copy
 import json
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ import torch
 from writeback_core.blob import BlobError
 from writeback_trt_copyback._blob import FORMAT
 from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+
+from tests.hostile import at, fields, replaced, wrong_values
 
 _SENTINEL_MODULE = "writeback_hostile_blob_sentinel"
 
@@ -147,40 +148,6 @@ def test_unknown_enum_key_refused_in_init(tag: str, value: str) -> None:
     assert value in str(caught.value) or tag in str(caught.value)
 
 
-def _wrong(value: Any) -> list[Any]:
-    """Values of other JSON types than ``value``."""
-    if value is None:
-        return [{"$ref": 7}]
-    if isinstance(value, bool):
-        return ["yes", 1.5]
-    if isinstance(value, int):
-        return ["3", 2.5, None, [value]]
-    if isinstance(value, str):
-        return [7, None, [value], {"$ref": value}]
-    if isinstance(value, list):
-        return [{"x": 1}, "list"]
-    return [[1], "object"]
-
-
-def _fields(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    yield path
-    if isinstance(value, dict):
-        for key, inner in value.items():
-            yield from _fields(inner, (*path, key))
-    elif isinstance(value, list):
-        for index, inner in enumerate(value):
-            yield from _fields(inner, (*path, index))
-
-
-def _replaced(record: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
-    changed = copy.deepcopy(record)
-    target: Any = changed
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
-    return changed
-
-
 def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
     """Every field of the valid blob, given a value of another JSON type, is refused in
     ``init`` by :class:`BlobError` naming that field: structure and names by the reader,
@@ -188,12 +155,9 @@ def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
     also satisfies (an int where a ``Scalar`` goes): that blob must still run."""
     record = _valid_record()
     refused = accepted = 0
-    for path in list(_fields(record))[1:]:
-        inner: Any = record
-        for key in path:
-            inner = inner[key]
-        for wrong in _wrong(inner):
-            blob = json.dumps(_replaced(record, path, wrong)).encode()
+    for path in list(fields(record))[1:]:
+        for wrong in wrong_values(at(record, path), "$ref"):
+            blob = json.dumps(replaced(record, path, wrong)).encode()
             delegate = KVAliasRuntimeDelegate()
             try:
                 handle = delegate.init(blob, {})
