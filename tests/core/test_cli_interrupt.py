@@ -81,6 +81,10 @@ def _running(pid: int) -> bool:
     return state is not None and state[1] != "Z"  # a zombie has exited; only its entry remains
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Command:
     """The ``writeback`` console script in its own process group, its output read line by
     line as it comes, each line marked by whether it came after the SIGINT."""
@@ -95,6 +99,10 @@ class _Command:
             text=True,
             start_new_session=True,
             env={**os.environ, **(env or {})},
+            # A terminal starts a command with SIGINT at its default; a test runner that was
+            # itself started in the background (nohup, CI) may ignore it, and a child would
+            # inherit that. Start the command as a terminal would.
+            preexec_fn=_default_sigint,
         )
         self.interrupted = threading.Event()
         self.lines: list[tuple[str, bool, str]] = []
