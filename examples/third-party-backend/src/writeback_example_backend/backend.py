@@ -11,9 +11,9 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from writeback_core import PartitionView, Registry, find_mutations, meta
-from writeback_core._ops import packet_name
-from writeback_core.blob import BlobReader, in_place_outputs, load_json
+from writeback_core import Registry, in_place_outputs, meta, record_in_place_decisions
+from writeback_core.blob import BlobReader, load_json
+from writeback_core.ops import packet_name
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 
@@ -45,26 +45,31 @@ def _single_index_dim(node: torch.fx.Node) -> int | None:
 
 
 class ExamplePartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped: its bases are Any
-    """Delegates each one-index ``index_put`` node (the exported form of ``index_copy_``)."""
+    """Delegates each one-index ``index_put`` node (the exported form of ``index_copy_``).
 
-    def __init__(self, registry: Registry, **options: Any) -> None:
+    It only tags nodes, as every exir partitioner does: the backend's
+    ``BackendSpec.partitioner`` wraps it with :func:`writeback_core.annotating`,
+    and core then asks ``writeback_accepts_in_place`` about each mutation a
+    partition touches and records the decision. ``registry`` is for code that
+    builds this class by hand: given one, ``partition`` records the decisions
+    as the wrapper does.
+    """
+
+    def __init__(self, registry: Registry | None = None, **options: Any) -> None:
         super().__init__()
         self.registry = registry
         self.options = options
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        graph = exported_program.graph_module.graph
         tags: dict[str, DelegationSpec] = {}
-        mutations = find_mutations(exported_program)
-        for node in graph.nodes:
+        for node in exported_program.graph_module.graph.nodes:
             if node.op != "call_function" or _single_index_dim(node) is None:
                 continue
-            tag = f"example_{len(tags)}"
+            tag = f"{BACKEND_NAME}_{len(tags)}"
             node.meta["delegation_tag"] = tag
             tags[tag] = DelegationSpec(BACKEND_ID, [])
-            view = PartitionView(BACKEND_NAME, frozenset({node.name}), graph)
-            touched = [m for m in mutations if m.write.node == node.name]
-            self.registry.annotate_in_place(graph, BACKEND_NAME, view, touched)
+        if self.registry is not None:
+            record_in_place_decisions(exported_program, BACKEND_NAME, self.registry, tags)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 

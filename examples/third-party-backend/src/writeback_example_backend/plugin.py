@@ -10,6 +10,7 @@ from writeback_core import (
     Mutation,
     MutationKind,
     PartitionView,
+    Registry,
     RuntimeDelegate,
     WriteKind,
     hookimpl,
@@ -20,10 +21,14 @@ from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 writeback_name = "example-backend"
 
 
-def _partitioner(registry: Any, **options: Any) -> Any:
+def _partitioner(registry: Registry, **options: Any) -> Any:
+    # exir is imported here, not at the top: loading this plugin stays cheap.
+    from writeback_core import annotating
+
     from writeback_example_backend.backend import ExamplePartitioner
 
-    return ExamplePartitioner(registry, **options)
+    # Our partitioner only tags nodes; core records the per-mutation decisions.
+    return annotating(ExamplePartitioner(**options), BACKEND_NAME, registry)
 
 
 @hookimpl

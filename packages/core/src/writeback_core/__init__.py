@@ -1,9 +1,18 @@
-"""writeback-core: the mutation model, alias analysis, plugin registry and CLI of writeback."""
+"""writeback-core: the mutation model, alias analysis, plugin registry and CLI of writeback.
+
+The partition wrapper (:mod:`writeback_core.partition`) needs ExecuTorch's exir,
+so its names are imported on first use: ``import writeback_core`` (and every
+thin entry-point plugin) never imports exir.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from writeback_core._name import NAME
 from writeback_core.alias import AliasAnalysis
+from writeback_core.blob import InPlaceOutput, encode_in_place_outputs, in_place_outputs
 from writeback_core.mutations import (
     Dynamic,
     Mutation,
@@ -24,13 +33,18 @@ from writeback_core.registry import (
 from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
 from writeback_core.zoo import ModelCase, builtin_models
 
+if TYPE_CHECKING:
+    from writeback_core.partition import AnnotatingPartitioner, annotating, record_in_place_decisions
+
 __all__ = [
     "NAME",
     "AliasAnalysis",
+    "AnnotatingPartitioner",
     "BackendSpec",
     "Dynamic",
     "InPlaceConflictError",
     "InPlaceDecision",
+    "InPlaceOutput",
     "ModelCase",
     "Mutation",
     "MutationKind",
@@ -41,10 +55,27 @@ __all__ = [
     "Stage",
     "WriteKind",
     "WriteShape",
+    "annotating",
     "builtin_models",
     "classify_write",
+    "encode_in_place_outputs",
     "find_mutations",
     "hookimpl",
     "in_place_decisions",
+    "in_place_outputs",
     "load_registry",
+    "record_in_place_decisions",
 ]
+
+_LAZY = {
+    "AnnotatingPartitioner": "writeback_core.partition",
+    "annotating": "writeback_core.partition",
+    "record_in_place_decisions": "writeback_core.partition",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'writeback_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
@@ -39,10 +39,12 @@ __all__ = [
     "MEMORY_FORMATS",
     "BlobError",
     "BlobReader",
+    "InPlaceOutput",
     "Kind",
     "OpTable",
     "check_call",
     "dtype_name",
+    "encode_in_place_outputs",
     "in_place_outputs",
     "load_json",
     "tensor_from_bytes",
@@ -255,14 +257,40 @@ def tensor_from_bytes(
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(dims)
 
 
+class InPlaceOutput(NamedTuple):
+    """One entry of the in-place compile spec: the delegate writes its output ``output``
+    into its input ``input`` in place (and leaves the output itself unwritten)."""
+
+    output: int
+    input: int
+
+
+def encode_in_place_outputs(pairs: Iterable[tuple[int, int]]) -> bytes:
+    """The value of the :data:`~writeback_core.meta.IN_PLACE_OUTPUTS_SPEC` compile spec
+    for ``(output, input)`` pairs: what :func:`in_place_outputs` reads back."""
+    return json.dumps([{"output": int(output), "input": int(input_)} for output, input_ in pairs]).encode()
+
+
 def in_place_outputs(
     compile_specs: Mapping[str, bytes], delegate: str, num_inputs: int, num_outputs: int
-) -> list[tuple[int, int]]:
-    """The ``(output, input)`` pairs the :data:`~writeback_core.meta.IN_PLACE_OUTPUTS_SPEC`
-    compile spec asks a delegate to write in place, each index checked to be in range.
+) -> list[InPlaceOutput]:
+    """The in-place compile spec of a lowered module, as a runtime delegate's ``init`` reads it.
 
-    :return: ``[]`` when the spec is absent.
-    :raises BlobError: the spec is not a JSON list of ``{"output": k, "input": i}``.
+    The spec (key :data:`~writeback_core.meta.IN_PLACE_OUTPUTS_SPEC`) is added by
+    the pass that drops a write-back of state the backend accepted to write in
+    place (``writeback_accepts_in_place``); each entry tells the delegate to
+    write its output ``output`` into its input ``input`` in place. Every runtime
+    delegate reads it with this function, the only parser of the spec. A
+    delegate that cannot honour an entry must refuse it in ``init``: leaving the
+    output unwritten and the input unchanged would lose the write.
+
+    :param compile_specs: the lowered module's compile specs, as ``init`` receives them.
+    :param delegate: the delegate's name, for error messages.
+    :param num_inputs: how many inputs the delegate takes (each ``input`` is checked below it).
+    :param num_outputs: how many outputs it returns (each ``output`` is checked below it).
+    :return: the entries in spec order; ``[]`` when the spec is absent.
+    :raises BlobError: the spec is not a JSON list of ``{"output": k, "input": i}`` with
+        ``k`` and ``i`` in range, or names one output twice.
     """
     raw = compile_specs.get(IN_PLACE_OUTPUTS_SPEC)
     if raw is None:
@@ -270,13 +298,15 @@ def in_place_outputs(
     reader = BlobReader(delegate)
     field = f"compile_specs[{IN_PLACE_OUTPUTS_SPEC!r}]"
     entries = reader.items(load_json(raw, delegate, field), field)
-    pairs = []
+    pairs: list[InPlaceOutput] = []
     for k, entry in enumerate(entries):
         where = f"{field}[{k}]"
         record = reader.record(entry, where, keys=("output", "input"))
         output = reader.integer(record["output"], f"{where}.output", 0, num_outputs)
         input_ = reader.integer(record["input"], f"{where}.input", 0, num_inputs)
-        pairs.append((output, input_))
+        if any(p.output == output for p in pairs):
+            raise reader.fail(f"{where}.output", output, "this output is already written in place by an earlier entry")
+        pairs.append(InPlaceOutput(output, input_))
     return pairs
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.fx
@@ -18,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
-from writeback_core import PartitionView, find_mutations
+from writeback_core.partition import record_in_place_decisions
 from writeback_core.registry import InPlaceDecision, Registry
 
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
@@ -41,10 +40,13 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
     """Tag every node the MLX op table runs, grouped into delegate partitions.
 
     Buffers a partition mutates become delegate-owned when ``own_buffers`` (they
-    then live in MLX across calls). For every mutation a partition writes, core
-    is asked through ``registry.annotate_in_place`` whether the write happens
-    in place, and the decision is recorded on the mutated placeholder. Without
-    a registry, no mutation is annotated (every write-back is kept).
+    then live in MLX across calls). The partitioner only tags: the in-place
+    decision per mutation is core's, recorded by the wrapper
+    :func:`writeback_core.partition.annotating` that the backend's
+    ``BackendSpec.partitioner`` returns. ``registry`` is for code that builds
+    this class by hand: given one, ``partition`` records the decisions just as
+    the wrapper does (in ``decisions``); without one, no mutation is annotated
+    (every write-back is kept).
     """
 
     def __init__(self, registry: Registry | None = None, own_buffers: bool = True) -> None:
@@ -62,33 +64,22 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         return list(_KEEP), lambda node: node.target not in _KEEP or (unsupported_reason(node) is None)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        """Tag supported nodes, owned buffers and constants; annotate in-place writes."""
+        """Tag supported nodes, owned buffers and constants (and, given a registry, record decisions)."""
         gm = exported_program.graph_module
         partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
         tags: dict[str, DelegationSpec] = {}
-        views: list[PartitionView] = []
         for partition in partitions:
             tag = f"{BACKEND_NAME}_{partition.id}"
             for node in partition.nodes:
                 node.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
-            views.append(PartitionView(BACKEND_NAME, frozenset(n.name for n in partition.nodes), gm.graph))
         if self.own_buffers:
             tag_mutated_buffer(exported_program)
             _keep_returned_buffers_outside(exported_program)
         tag_constant_data(exported_program)
-        self._annotate(exported_program, views)
+        if self.registry is not None:
+            self.decisions = record_in_place_decisions(exported_program, BACKEND_NAME, self.registry, tags)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
-
-    def _annotate(self, program: ExportedProgram, views: list[PartitionView]) -> None:
-        if self.registry is None:
-            return
-        mutations = find_mutations(program)
-        graph = program.graph_module.graph
-        for view in views:
-            touched = [m for m in mutations if view.contains(m.write.node or m.value)]
-            if touched:
-                self.decisions += self.registry.annotate_in_place(graph, BACKEND_NAME, view, touched)
 
 
 def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
@@ -104,8 +95,3 @@ def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
     for node in program.graph_module.graph.nodes:
         if node.op == "placeholder" and sig.inputs_to_buffers.get(node.name) in returned:
             node.meta.pop("delegation_tag", None)
-
-
-def partitioner_factory(registry: Registry, **options: Any) -> MLXPartitioner:
-    """The ``BackendSpec.partitioner`` of the MLX backend."""
-    return MLXPartitioner(registry, **options)

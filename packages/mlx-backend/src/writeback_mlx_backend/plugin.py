@@ -32,9 +32,12 @@ _IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, Wri
 
 
 def _partitioner(registry: Registry, **options: Any) -> Any:
+    from writeback_core.partition import annotating
+
     from writeback_mlx_backend.partitioner import MLXPartitioner
 
-    return MLXPartitioner(registry, **options)
+    # The partitioner only tags; core records the per-mutation decisions.
+    return annotating(MLXPartitioner(None, **options), BACKEND_NAME, registry)
 
 
 @hookimpl
@@ -49,20 +52,29 @@ def writeback_backends() -> Sequence[BackendSpec]:
     ]
 
 
+def in_place_refusal(partition: PartitionView, mutation: Mutation) -> str | None:
+    """Why the MLX delegate does not write ``mutation`` in place, or ``None`` when it does.
+
+    The one rule of this backend: ``writeback_accepts_in_place`` answers with
+    it while partitioning, and the ``writeback explain`` column states it.
+    """
+    write = mutation.write
+    if write.node is None or not partition.contains(write.node):
+        return "the write runs outside the MLX delegate"
+    if write.kind not in _IN_PLACE_WRITES:
+        return f"a {write.kind.value} write is not one the delegate does in place"
+    if not mutation.shape:
+        return "0-d state has no region to write"
+    if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
+        return "its new value is also returned, which must live outside the buffer"
+    return None
+
+
 @hookimpl
 def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
     if backend != BACKEND_NAME:
         return None
-    write = mutation.write
-    inside = write.node is not None and partition.contains(write.node)
-    if not inside or write.kind not in _IN_PLACE_WRITES:
-        return False
-    if not mutation.shape:
-        return False  # 0-d state: no region to write
-    if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
-        # The returned value must live outside the buffer's memory: a copy either way.
-        return False
-    return mutation.kind in (MutationKind.USER_INPUT, MutationKind.BUFFER)
+    return in_place_refusal(partition, mutation) is None
 
 
 @hookimpl
@@ -94,9 +106,18 @@ def _size(nbytes: int | None) -> str:
 
 @hookimpl
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
-    """The "mlx" column: what lowering this state to the MLX backend costs per call."""
-    if mutation.write.kind not in _IN_PLACE_WRITES or not mutation.shape:
-        return {"mlx": f"copied back, {_size(mutation.nbytes)}/call"}
+    """The "mlx" column: what lowering this state to the MLX backend costs per call.
+
+    Decided by :func:`in_place_refusal`, the rule ``writeback_accepts_in_place``
+    answers with, over the operators MLX's op table runs (what its partitioner takes).
+    """
+    from writeback_mlx_backend.ops import unsupported_reason
+
+    graph = program.graph_module.graph
+    taken = frozenset(n.name for n in graph.nodes if n.op == "call_function" and unsupported_reason(n) is None)
+    refusal = in_place_refusal(PartitionView(BACKEND_NAME, taken, graph), mutation)
+    if refusal is not None:
+        return {"mlx": f"copied back, {_size(mutation.nbytes)}/call: {refusal}"}
     if mutation.kind is MutationKind.BUFFER:
         return {"mlx": "delegate-owned, in place"}
     # A plain torch tensor is copied into MLX each call; one from ``empty()`` is not.

@@ -1,0 +1,148 @@
+"""Core's side of partitioning: a backend tags nodes, core records the in-place decisions.
+
+A backend's exir ``Partitioner`` only tags the nodes its delegate takes (as
+every ExecuTorch partitioner does). :func:`annotating` wraps it; after the
+backend's ``partition`` has run, the wrapper:
+
+1. groups the tagged operator nodes by delegation tag, one
+   :class:`~writeback_core.types.PartitionView` per tag the backend returned;
+2. finds the program's mutations (:func:`~writeback_core.mutations.find_mutations`)
+   and, per partition, those it touches: the partition performs the write, or
+   computes the value written back;
+3. asks every plugin's ``writeback_accepts_in_place`` about each of them
+   (:meth:`Registry.decide_in_place <writeback_core.registry.Registry.decide_in_place>`)
+   and records the decision on the mutated placeholder under
+   ``writeback_core.meta.IN_PLACE``.
+
+So a backend answers the per-mutation hook and never calls back into core to
+record its answer. Placeholders a partitioner tags to hand state or constants
+to its delegate are not part of a view: a view holds the operators the
+partition runs. A mutation no partition touches gets no decision (it is
+copied back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+from torch.export import ExportedProgram
+
+from writeback_core.mutations import find_mutations
+from writeback_core.types import PartitionView
+
+if TYPE_CHECKING:
+    from writeback_core.registry import InPlaceDecision, Registry
+
+__all__ = ["DELEGATION_TAG", "AnnotatingPartitioner", "annotating", "partition_views", "record_in_place_decisions"]
+
+# The ``node.meta`` key exir partitioners tag delegated nodes with (exir's own name).
+DELEGATION_TAG = "delegation_tag"
+
+
+def partition_views(program: ExportedProgram, backend: str, tags: Iterable[str]) -> list[PartitionView]:
+    """One view per tag in ``tags`` (in that order): the operator nodes tagged with it."""
+    graph = program.graph_module.graph
+    members: dict[str, set[str]] = {tag: set() for tag in tags}
+    for node in graph.nodes:
+        tag = node.meta.get(DELEGATION_TAG)
+        if node.op == "call_function" and tag in members:
+            members[tag].add(node.name)
+    return [PartitionView(backend, frozenset(names), graph) for names in members.values()]
+
+
+def record_in_place_decisions(
+    program: ExportedProgram, backend: str, registry: Registry, tags: Iterable[str]
+) -> list[InPlaceDecision]:
+    """Decide and record, per partition tagged with one of ``tags``, every mutation it touches.
+
+    This is what :class:`AnnotatingPartitioner` runs after the backend's
+    ``partition``; call it directly only for a partitioner that is not wrapped.
+
+    :param program: the edge program, already tagged by ``backend``'s partitioner.
+    :param backend: the backend's name (``BackendSpec.name``), passed to the hook.
+    :param registry: whose plugins answer ``writeback_accepts_in_place``.
+    :param tags: the delegation tags the partitioner returned (``PartitionResult.partition_tags``).
+    :return: the decisions, partition by partition, each in ``find_mutations`` order.
+    :raises writeback_core.registry.InPlaceConflictError: two plugins disagree on a mutation.
+    """
+    views = partition_views(program, backend, tags)
+    if not views:
+        return []
+    mutations = find_mutations(program)
+    graph = program.graph_module.graph
+    decisions: list[InPlaceDecision] = []
+    for view in views:
+        touched = [m for m in mutations if view.contains(m.write.node or m.value)]
+        if touched:
+            decisions += registry.annotate_in_place(graph, backend, view, touched)
+    return decisions
+
+
+class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped: its bases are Any
+    """A backend's partitioner whose in-place decisions core records (see the module docstring).
+
+    ``partitioner`` is the backend's own; every other ``Partitioner`` method is
+    its. ``decisions`` holds the decisions of the last ``partition`` call.
+    """
+
+    def __init__(self, partitioner: Partitioner, backend: str, registry: Registry) -> None:
+        super().__init__(partitioner.spec)
+        self.partitioner = partitioner
+        self.backend = backend
+        self.registry = registry
+        self.decisions: list[InPlaceDecision] = []
+
+    def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        """The backend's own transform, unchanged."""
+        result: ExportedProgram = self.partitioner.transform_for_pre_decomposition(exported_program)
+        return result
+
+    def ops_to_not_decompose(
+        self, ep: ExportedProgram
+    ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
+        """The backend's own answer, unchanged."""
+        result: tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]
+        result = self.partitioner.ops_to_not_decompose(ep)
+        return result
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        """Run the backend's ``partition``, then record a decision per mutation a partition touches."""
+        result = self.partitioner.partition(exported_program)
+        if not isinstance(result, PartitionResult):
+            raise TypeError(
+                f"the partitioner of backend {self.backend!r} ({type(self.partitioner).__name__}) returned "
+                f"{type(result).__name__} from partition(); it must return an exir PartitionResult"
+            )
+        program = result.tagged_exported_program
+        self.decisions = record_in_place_decisions(program, self.backend, self.registry, result.partition_tags)
+        return result
+
+
+def annotating(partitioner: Any, backend: str, registry: Registry) -> AnnotatingPartitioner:
+    """``partitioner`` wrapped so that core records its per-mutation in-place decisions.
+
+    Wrapping twice for the same backend and registry returns the first wrapper,
+    so a ``BackendSpec.partitioner`` factory and the pipeline may both wrap.
+
+    :param partitioner: the backend's exir ``Partitioner``; it only tags nodes.
+    :param backend: the backend's name (``BackendSpec.name``), what the hook is asked about.
+    :param registry: whose plugins answer ``writeback_accepts_in_place``.
+    :raises TypeError: ``partitioner`` is not an exir ``Partitioner``.
+    :raises ValueError: ``partitioner`` is already wrapped for another backend or registry.
+    """
+    if isinstance(partitioner, AnnotatingPartitioner):
+        if partitioner.backend == backend and partitioner.registry is registry:
+            return partitioner
+        raise ValueError(
+            f"partitioner already records decisions for backend {partitioner.backend!r}; "
+            f"wrap the backend's own partitioner (its .partitioner) for backend {backend!r}"
+        )
+    if not isinstance(partitioner, Partitioner):
+        raise TypeError(
+            f"annotating() wraps an executorch.exir.backend.partitioner.Partitioner, got "
+            f"{type(partitioner).__name__}; make the backend's partitioner subclass it"
+        )
+    return AnnotatingPartitioner(partitioner, backend, registry)
