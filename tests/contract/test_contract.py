@@ -39,7 +39,7 @@ def example_registry() -> Registry:
 def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registry, case: object) -> None:
     assert backend_names(example_registry) == ["example"]
     report = check_backend_contract(example_registry, "example", case.built)  # type: ignore[attr-defined]
-    assert report.targets == ["example-unplanned", "example-planned", "example-stock"]
+    assert report.targets == ["example-state", "example-planned", "example-stock"]
 
 
 # A fixed seed, as the CI fuzz chunks have: a run that passes once passes again.
@@ -77,12 +77,12 @@ def test_contract_check_refuses_a_program_eager_itself_fails_on_before_lowering_
     example_registry: Registry,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import writeback_core.testing.contract as contract
+    import writeback_core.lowering as lowering
 
     def no_lowering(*args: object) -> object:
         raise AssertionError("lowered a program eager PyTorch cannot run")
 
-    monkeypatch.setattr(contract, "_partitioned_edge", no_lowering)
+    monkeypatch.setattr(lowering, "partition", no_lowering)
     with pytest.raises(InvalidProgram, match=r"eager PyTorch fails: RuntimeError: .*single memory location"):
         check_backend_contract(example_registry, "example", EAGER_REFUSES)
 
@@ -115,12 +115,6 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
             from writeback_passes.pipeline import early_write_back_pass
 
             return [early_write_back_pass()] if stage == "before_memory_planning" else []
-
-        @hookimpl
-        def writeback_to_executorch(self, edge_manager: object, config: object, registry: Registry) -> object:
-            from writeback_passes.pipeline import to_executorch
-
-            return to_executorch(edge_manager, config, registry=registry)  # type: ignore[arg-type]
 
     registry = load_registry(
         entry_points=False,

@@ -14,7 +14,7 @@ from writeback_core import (
     in_place_decisions,
     load_registry,
 )
-from writeback_core.explain import export_case
+from writeback_core.lowering import export_case
 
 
 def test_decision_recorded_before_to_edge_survives_to_edge_and_to_executorch() -> None:

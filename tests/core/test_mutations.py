@@ -11,7 +11,7 @@ from writeback_core import (
     builtin_models,
     find_mutations,
 )
-from writeback_core.explain import export_case
+from writeback_core.lowering import export_case
 
 
 def _by_target(program):  # type: ignore[no-untyped-def]

@@ -1,6 +1,7 @@
-"""The hooks `writeback run` is assembled from: writeback_to_executorch (the passes own the
-to_executorch step), writeback_runtimes (the pybind-runtime), writeback_state_allocators (the
-MLX backend's allocator). Real plugins, real exir, real runtime, real MLX; eager computed here."""
+"""The hooks `writeback run` is assembled from: writeback_program_passes (run by core's one
+lowering path, from any plugin), writeback_runtimes (the pybind-runtime),
+writeback_state_allocators (the MLX backend's allocator). Real plugins, real exir, real
+runtime, real MLX; eager computed here."""
 
 from __future__ import annotations
 
@@ -36,41 +37,47 @@ def _check_against_eager(session: Session, steps: int, expect_copied: int) -> No
         assert result.copied_bytes == expect_copied
 
 
-def test_writeback_to_executorch_from_the_passes_drops_write_backs_the_delegate_accepted() -> None:
+def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     pipeline = assemble(registry)
     lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
-    assert lowered.passes_run
+    assert lowered.passes == ("reinplace_delegate_input_mutations", "insert_write_back_early")
     assert lowered.write_back_bytes == {}
     # Only the token and the position (8 B each) are copied, into the delegate.
     _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16)
 
 
-def test_without_a_writeback_to_executorch_plugin_stock_exir_runs_and_every_copy_is_reported() -> None:
+def test_without_any_pass_plugin_no_pass_runs_and_every_copy_is_reported() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, runtime_plugin])
     pipeline = assemble(registry)
     lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
-    assert not lowered.passes_run
+    assert lowered.passes == ()
     # Stock exir keeps a whole-cache write-back copy_ per cache, every call.
     assert lowered.write_back_bytes == {"caches_0": CACHE_BYTES, "caches_1": CACHE_BYTES}
     _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16 + 2 * CACHE_BYTES)
 
 
-def test_writeback_to_executorch_is_firstresult_a_plugin_returning_none_defers() -> None:
-    calls: list[str] = []
+def test_a_third_party_pass_runs_without_writeback_passes_installed() -> None:
+    """Core runs every registered pass itself: a plugin's pass is not lost when
+    writeback-passes (which once owned the to_executorch step) is not installed."""
+    from writeback_core import ProgramPass
 
-    class Declines:
-        writeback_name = "declines"
+    seen: list[int] = []
+
+    def count(gm: torch.fx.GraphModule) -> None:
+        seen.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+
+    class Counter:
+        writeback_name = "counter"
 
         @hookimpl
-        def writeback_to_executorch(self) -> None:
-            calls.append("asked")
-            return None
+        def writeback_program_passes(self, stage: str) -> list[ProgramPass]:
+            return [ProgramPass("count", "before_memory_planning", count)] if stage == "before_memory_planning" else []
 
-    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin, Declines()])
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, runtime_plugin, Counter()])
     lowered = lower(decoder_case(CFG, caller_cache=True), assemble(registry))
-    assert calls == ["asked"]
-    assert lowered.passes_run and lowered.write_back_bytes == {}
+    assert lowered.passes == ("count",)
+    assert len(seen) == 1 and seen[0] > 0
 
 
 def test_state_not_from_the_backend_allocator_is_copied_into_the_delegate_and_reported() -> None:

@@ -60,7 +60,7 @@ class DropWriteBacks:
 def test_oracle_passes_the_pipeline_on_a_program_it_can_check(fuzz_registry: Registry) -> None:
     runtime = registry_runtime(fuzz_registry)
     report = check_program(SPEC, [StockTarget(), *runtime_targets(runtime)], fuzz_registry)
-    assert report.targets == ["stock", "pybind-planned", "pybind-unplanned", "pybind-unplanned-bound"]
+    assert report.targets == ["stock", "pybind-planned", "pybind-state", "pybind-unplanned-bound"]
 
 
 def test_oracle_catches_dropped_write_back_and_its_reproducer_reproduces() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from writeback_core.lowering import MemoryPlan
 from writeback_core.registry import Registry
 from writeback_core.testing.oracle import Lowered, check_program, registry_runtime, runtime_targets
 from writeback_core.testing.program import ProgramSpec, Source, State, Write, build
@@ -21,16 +22,17 @@ BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
 )
 
 
-def _buffer_planned(lowered: Lowered, planned: bool) -> bool:
-    graph = lowered.program(planned).exported_program().graph
+def _buffer_planned(lowered: Lowered, plan: MemoryPlan) -> bool:
+    graph = lowered.program(plan).exported_program().graph
     (placeholder,) = [n for n in graph.nodes if n.name == "b_s0"]
     return getattr(placeholder.meta.get("spec"), "mem_id", None) is not None
 
 
 def test_unplanned_outputs_keep_mutated_buffer_planned(fuzz_registry: Registry) -> None:
     lowered = Lowered(build(BUFFER_EQUAL_TO_A_CONSTANT), fuzz_registry)
-    assert _buffer_planned(lowered, planned=True)
-    assert _buffer_planned(lowered, planned=False), "the mutable buffer lost its planned slot"
+    assert _buffer_planned(lowered, "planned")
+    assert _buffer_planned(lowered, "unplanned"), "the mutable buffer lost its planned slot"
+    assert _buffer_planned(lowered, "state"), "the mutable buffer lost its planned slot"
 
 
 def test_buffer_whose_bytes_equal_a_constant_is_not_merged_with_it(

@@ -7,7 +7,7 @@ import re
 from click.testing import CliRunner
 from writeback_core import MutationKind, find_mutations, load_registry
 from writeback_core.cli import main
-from writeback_core.explain import export_case
+from writeback_core.lowering import export_case
 from writeback_core.zoo import builtin_models
 from writeback_passes import plugin
 

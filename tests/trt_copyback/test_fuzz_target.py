@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from writeback_core.registry import Registry, load_registry
-from writeback_core.testing.engines import engine_targets, registry_engines
+from writeback_core.testing.engines import engine_targets
 from writeback_core.testing.oracle import (
     check_program,
     check_source,
@@ -60,7 +60,7 @@ ALIASED_AND_COPIED = ProgramSpec(
 def test_writeback_lower_for_engine_lowers_kv_alias_with_the_cache_aliased_and_the_rest_copied(
     registry: Registry,
 ) -> None:
-    engine = registry_engines(registry)["kv-alias"]
+    engine = registry.engines()["kv-alias"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UninitializedCopyBackWarning)  # s1 is read first; tested on its own
         edge = registry.hook.writeback_lower_for_engine(engine=engine, program=export_built(build(ALIASED_AND_COPIED)))
@@ -196,7 +196,7 @@ def test_cache_written_in_place_read_and_returned_is_returned_as_its_buffer(regi
     report = check_program(RETURNED_AND_READ_CACHE, _targets(registry), registry, calls=4)
     assert report.targets == ["kv-alias-pybind", "kv-alias-stock"]
     edge = registry.hook.writeback_lower_for_engine(
-        engine=registry_engines(registry)["kv-alias"], program=export_built(build(RETURNED_AND_READ_CACHE))
+        engine=registry.engines()["kv-alias"], program=export_built(build(RETURNED_AND_READ_CACHE))
     )
     assert engine_aliasing(edge.exported_program(), KVAliasEngine()).buffers == {"s1"}
 

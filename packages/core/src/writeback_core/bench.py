@@ -171,7 +171,7 @@ class Contender:
 def _stock_call(case: ModelCase, reinplace: bool) -> Call:
     from executorch.exir import ExecutorchBackendConfig, to_edge
 
-    from writeback_core.explain import export_case
+    from writeback_core.lowering import export_case
 
     with known_warnings_ignored():
         from executorch.runtime import Runtime

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx
 from torch.export import ExportedProgram
 
-from writeback_core._ops import packet_name
+from writeback_core.lowering import export_case, write_back_positions
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.quiet import known_warnings_ignored
-from writeback_core.zoo import ModelCase
 
 __all__ = ["ExplainRow", "explain_rows", "export_case", "write_back_positions"]
 
@@ -23,32 +19,6 @@ class ExplainRow:
 
     mutation: Mutation
     columns: dict[str, str] = field(default_factory=dict)
-
-
-def export_case(case: ModelCase) -> ExportedProgram:
-    """``torch.export`` the case's model on its step-0 inputs (non-strict)."""
-    module = case.build().eval().requires_grad_(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.export.export(module, case.example_args(0), strict=False)
-
-
-def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int]]:
-    """For each write-back ``copy_(placeholder, value)``: ``(copy index, value index, count)``.
-
-    Indices count the graph's ``call_function`` nodes; keys are placeholder names.
-    """
-    calls = [n for n in graph.nodes if n.op == "call_function"]
-    index = {n: i for i, n in enumerate(calls)}
-    found: dict[str, tuple[int, int, int]] = {}
-    for node in calls:
-        if packet_name(node.target) != "copy_" or len(node.args) < 2:
-            continue
-        dest, value = node.args[0], node.args[1]
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
-            value_index = index.get(value, -1) if isinstance(value, torch.fx.Node) else -1
-            found[dest.name] = (index[node], value_index, len(calls))
-    return found
 
 
 def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]:

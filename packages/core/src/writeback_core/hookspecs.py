@@ -17,11 +17,10 @@ from writeback_core._name import NAME
 
 if TYPE_CHECKING:
     import click
-    from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
+    from executorch.exir import EdgeProgramManager
     from torch.export import ExportedProgram
 
     from writeback_core.mutations import Mutation
-    from writeback_core.registry import Registry
     from writeback_core.types import (
         AliasingEngine,
         BackendSpec,
@@ -155,30 +154,6 @@ def writeback_cli_commands(group: click.Group) -> None:
 
     :param group: the root ``click`` group; call ``group.add_command(...)``.
     :return: ``None``; plugins add commands to ``group`` and any result is ignored.
-    """
-    raise NotImplementedError
-
-
-@hookspec(firstresult=True)
-def writeback_to_executorch(
-    edge_manager: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry
-) -> ExecutorchProgramManager | None:
-    """Called by the pipeline (``writeback run``, ``writeback bench``) to turn a lowered edge
-    program into an ExecuTorch program, running the passes ``registry`` offers.
-
-    Stops at the first non-None result: one plugin owns the ``to_executorch`` step
-    (writeback-passes does, running every ``writeback_program_passes`` pass at its
-    stage). The step belongs to a plugin rather than to core because where each
-    :data:`~writeback_core.types.Stage` runs inside exir is the passes' business.
-
-    :param edge_manager: the edge program, already partitioned and lowered.
-    :param config: the ``ExecutorchBackendConfig`` the pipeline wants (its memory
-        planning keeps caller-owned inputs unplanned); implementations add their
-        passes to a copy and must not change it.
-    :param registry: the registry whose passes to run.
-    :return: the ExecuTorch program; ``None`` when this plugin does not own the
-        step (if no plugin does, the pipeline calls stock
-        ``edge_manager.to_executorch(config)`` and runs no registered pass).
     """
     raise NotImplementedError
 

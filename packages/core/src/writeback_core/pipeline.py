@@ -1,12 +1,12 @@
 """The writeback pipeline, assembled from whatever the registry offers.
 
-``export -> find_mutations -> to_edge_transform_and_lower(backend's partitioner)
--> to_executorch (the plugin that owns the step runs the registered passes)
--> .pte -> runtime``, with caller-owned state allocated by the backend's
-allocator and bound in place. Core names no backend, runtime or pass: each
-comes from a hook (``writeback_backends``, ``writeback_to_executorch``,
-``writeback_runtimes``, ``writeback_state_allocators``,
-``writeback_runtime_delegates``).
+The one lowering path (:mod:`writeback_core.lowering`: export, find mutations,
+partition with the backend's partitioner, every registered program pass,
+``to_executorch``, ``.pte``), then a runtime, with caller-owned state allocated
+by the backend's allocator and bound in place. Core names no backend, runtime
+or pass: each comes from a hook (``writeback_backends``,
+``writeback_program_passes``, ``writeback_runtimes``,
+``writeback_state_allocators``, ``writeback_runtime_delegates``).
 
 What this module guarantees:
 
@@ -25,24 +25,18 @@ What this module guarantees:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.export import ExportedProgram
-from torch.export.graph_signature import OutputKind
 
-from writeback_core.explain import export_case, write_back_positions
-from writeback_core.mutations import Mutation, MutationKind, find_mutations
-from writeback_core.quiet import known_warnings_ignored
-from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.lowering import Lowered, export_case
+from writeback_core.lowering import lower as lower_exported
+from writeback_core.mutations import Mutation, MutationKind
+from writeback_core.registry import Registry
 from writeback_core.types import BackendSpec, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
 from writeback_core.zoo import ModelCase
-
-if TYPE_CHECKING:
-    from executorch.exir import ExecutorchProgramManager
 
 __all__ = [
     "ATOL",
@@ -69,14 +63,6 @@ ATOL = 1e-4
 
 class PipelineError(RuntimeError):
     """The registry cannot assemble the pipeline asked for (a backend or runtime is missing)."""
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    # exir warns about every mutated buffer and torch.export about pytree internals;
-    # neither is actionable for a user of `writeback run`.
-    with known_warnings_ignored():
-        yield
 
 
 @dataclass(frozen=True)
@@ -141,86 +127,21 @@ def assemble(registry: Registry, backend: str | None = None, runtime: str | None
     return Pipeline(registry, spec, chosen, registry.runtime_delegates(), allocator)
 
 
-@dataclass
-class Lowered:
-    """A model taken through the pipeline: its ``.pte`` and what became of its mutations.
-
-    ``write_back_bytes`` maps each state still written back whole by a ``copy_``
-    in the final program to the bytes that copy moves per call;
-    ``passes_run`` is False when no plugin owns ``to_executorch`` (stock exir ran).
-    """
-
-    case: ModelCase
-    exported: ExportedProgram
-    mutations: list[Mutation]
-    decisions: dict[str, InPlaceDecision]
-    program: ExecutorchProgramManager
-    pte: bytes
-    write_back_bytes: dict[str, int]
-    user_input_mutations: int
-    passes_run: bool
-    seconds: float
-
-    @property
-    def copied_per_call(self) -> int:
-        """Bytes of whole-state write-back copies the program makes every call."""
-        return sum(self.write_back_bytes.values())
-
-
-def _write_back_bytes(program: ExportedProgram) -> dict[str, int]:
-    """Bytes per call of each write-back ``copy_`` into a placeholder of the final graph."""
-    graph = program.graph_module.graph
-    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    found: dict[str, int] = {}
-    for name in write_back_positions(graph):
-        val = by_name[name].meta.get("val")
-        if isinstance(val, torch.Tensor):
-            found[name] = val.numel() * val.element_size()
-    return found
-
-
 def lower(case: ModelCase, pipeline: Pipeline) -> Lowered:
-    """Export ``case``, lower it with the pipeline's backend, run the passes, serialize.
+    """Export ``case`` and take it through the one lowering path
+    (:func:`writeback_core.lowering.lower`) with the pipeline's backend, caller-owned
+    state left out of the memory plan.
 
-    :raises PipelineError: the backend's partitioner or the passes fail; the
+    :raises PipelineError: export, the backend's partitioner or the passes fail; the
         message names the model and the backend.
     """
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
-
-    start = time.perf_counter()
-    registry = pipeline.registry
-    with _quiet():
-        exported = export_case(case)
-        mutations = find_mutations(exported.run_decompositions())
-        partitioners = [pipeline.backend.partitioner(registry)] if pipeline.backend else []
-        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
-        try:
-            edge = to_edge_transform_and_lower(exported, partitioner=partitioners)
-            decisions = in_place_decisions(edge.exported_program())
-            program = registry.hook.writeback_to_executorch(edge_manager=edge, config=config, registry=registry)
-            passes_run = program is not None
-            if program is None:
-                program = edge.to_executorch(config)
-        except Exception as error:
-            backend = pipeline.backend.name if pipeline.backend else "none"
-            raise PipelineError(
-                f"lowering model {case.name!r} to backend {backend!r} failed: {type(error).__name__}: {error}"
-            ) from error
-    final = program.exported_program()
-    signature = final.graph_signature
-    return Lowered(
-        case=case,
-        exported=exported,
-        mutations=mutations,
-        decisions=decisions,
-        program=program,
-        pte=bytes(program.buffer),
-        write_back_bytes=_write_back_bytes(final),
-        user_input_mutations=sum(1 for s in signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION),
-        passes_run=passes_run,
-        seconds=time.perf_counter() - start,
-    )
+    try:
+        return lower_exported(export_case(case), pipeline.registry, pipeline.backend, "state", case)
+    except Exception as error:
+        backend = pipeline.backend.name if pipeline.backend else "none"
+        raise PipelineError(
+            f"lowering model {case.name!r} to backend {backend!r} failed: {type(error).__name__}: {error}"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -259,19 +180,24 @@ class Session:
     lowered: Lowered
     method: RuntimeMethod
     state: tuple[torch.Tensor, ...]
+    case: ModelCase
     _inputs: list[Any] = field(default_factory=list)
 
     @classmethod
-    def open(cls, pipeline: Pipeline, lowered: Lowered) -> Session:
-        """Load the ``.pte`` in the pipeline's runtime and allocate the state."""
+    def open(cls, pipeline: Pipeline, lowered: Lowered, case: ModelCase | None = None) -> Session:
+        """Load the ``.pte`` in the pipeline's runtime and allocate the state of ``case``
+        (default: the case ``lowered`` was made from)."""
+        case = case if case is not None else lowered.case
+        if case is None:
+            raise ValueError("this program was lowered without a ModelCase: pass case= to Session.open")
         program = pipeline.runtime.load_program(lowered.pte, pipeline.delegates)
         method = program.load_method("forward")
-        state = tuple(pipeline.allocate(t) for t in lowered.case.make_state())
-        return cls(pipeline, lowered, method, state)
+        state = tuple(pipeline.allocate(t) for t in case.make_state())
+        return cls(pipeline, lowered, method, state, case)
 
     def step(self, step: int) -> StepResult:
         """Run decode step ``step`` (the case's inputs for that step, then the state)."""
-        inputs = [*self.lowered.case.step_inputs(step), *self.state]
+        inputs = [*self.case.step_inputs(step), *self.state]
         before = _delegate_copies(self.pipeline.delegates)
         start = time.perf_counter()
         outputs = self.method.execute(inputs, clone_outputs=False)

@@ -54,6 +54,7 @@ class RunReport:
     """What ``writeback run`` did: the lowering and every step with its check."""
 
     pipeline: Pipeline
+    case: ModelCase
     lowered: Lowered
     pte_path: Path
     steps: list[tuple[StepResult, StepCheck]]
@@ -102,7 +103,7 @@ def run_model(
             expected = eager.step(step)
             done.append((result, compare(result, expected, session.state, eager.state)))
             progress.advance(task)
-    return RunReport(pipeline, lowered, output, done)
+    return RunReport(pipeline, case, lowered, output, done)
 
 
 def _ms(seconds: float) -> str:
@@ -115,7 +116,7 @@ def _summary(report: RunReport) -> str:
     backend = report.pipeline.backend.name if report.pipeline.backend else "none"
     accepted = [d.target for d in lowered.decisions.values() if d.accepted]
     lines = [
-        f"model {lowered.case.name}: {lowered.case.description}",
+        f"model {report.case.name}: {report.case.description}",
         f"backend {backend}, runtime {report.pipeline.runtime.name}, "
         f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}"
         + ("" if report.kept else " (temporary: pass --output to keep it)"),
@@ -125,13 +126,12 @@ def _summary(report: RunReport) -> str:
         "whole-state write-backs left in the program: "
         + (", ".join(f"{k} ({format_bytes(v)}/call)" for k, v in lowered.write_back_bytes.items()) or "none"),
     ]
-    if not lowered.passes_run:
-        lines.append("no plugin owns writeback_to_executorch: stock exir ran, no registered pass")
+    lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
     return "\n".join(lines)
 
 
 def _table(report: RunReport) -> Table:
-    table = Table(title=f"writeback run {report.lowered.case.name}: {len(report.steps)} steps vs eager")
+    table = Table(title=f"writeback run {report.case.name}: {len(report.steps)} steps vs eager")
     titles = (
         "step",
         "latency ms",

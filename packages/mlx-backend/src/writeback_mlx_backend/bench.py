@@ -103,9 +103,9 @@ def _max_seq(cache_bytes: int, heads: int = 8, head_dim: int = 64) -> int:
 
 
 def _export(module: nn.Module, args: tuple[Any, ...]) -> Any:
-    module = module.eval().requires_grad_(False)
-    with known_warnings_ignored(), torch.no_grad():
-        return torch.export.export(module, args, strict=False)
+    from writeback_core.lowering import export_model
+
+    return export_model(module, args)
 
 
 def _inputs(step: int, dim: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,29 +156,16 @@ class _Direct:
 
 
 def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.delegate import executorch_call_delegate
-    from torch.fx.passes.infra.pass_base import PassResult
     from writeback_core import load_registry
+    from writeback_core.lowering import lower
 
-    from writeback_mlx_backend.partitioner import MLXPartitioner
     from writeback_mlx_backend.runtime import MLXDelegate
 
     registry = load_registry()
-
-    def adapt(run: Callable[[Any], Any]) -> Callable[[Any], PassResult]:
-        def exir_pass(gm: Any) -> PassResult:
-            result = run(gm)
-            return PassResult(getattr(result, "graph_module", gm), True)
-
-        return exir_pass
-
-    # The registered "before_memory_planning" passes: with writeback-passes
-    # installed they drop the cache write-backs the delegate accepted.
-    passes = [adapt(p.run) for p in registry.program_passes("before_memory_planning")]
-    with known_warnings_ignored():
-        edge = to_edge_transform_and_lower(_export(module, args), partitioner=[MLXPartitioner(registry)])
-        program = edge.to_executorch(ExecutorchBackendConfig(passes=passes))
+    # The one lowering path `writeback run --backend mlx` takes: with writeback-passes
+    # installed its passes drop the cache write-backs the delegate accepted.
+    program = lower(_export(module, args), registry, registry.backends()["mlx"]).program
     gm = program.exported_program().graph_module
     calls = [n for n in gm.graph.nodes if n.target is executorch_call_delegate]
     others = [

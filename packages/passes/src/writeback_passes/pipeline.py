@@ -1,4 +1,7 @@
-"""``to_executorch`` with the passes plugins register, early write-back among them.
+"""``to_executorch`` with the passes plugins register, early write-back among them, for a
+caller who holds an ``EdgeProgramManager`` and an ``ExecutorchBackendConfig`` of their own.
+(writeback's commands lower through :mod:`writeback_core.lowering`, which runs the same
+passes the same way: :func:`writeback_core.lowering.run_program_passes`.)
 
 exir's ``EdgeProgramManager.to_executorch`` inserts the write-back copies and
 then runs ``ExecutorchBackendConfig.passes`` on each method's ``GraphModule``,
@@ -11,13 +14,10 @@ patched.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch.fx
-from torch.fx.passes.infra.pass_base import PassResult
 from writeback_core import ProgramPass, Registry, load_registry
+from writeback_core.lowering import as_exir_pass, run_program_passes
 
 if TYPE_CHECKING:
     from executorch.exir import (
@@ -48,52 +48,6 @@ def early_write_back_pass() -> ProgramPass:
     )
 
 
-def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:
-    """Adapt a pass to exir's contract: always return something with ``graph_module``."""
-
-    def run(gm: torch.fx.GraphModule) -> PassResult:
-        result = program_pass.run(gm)
-        if result is None:
-            return PassResult(gm, True)
-        out = getattr(result, "graph_module", None)
-        if not isinstance(out, torch.fx.GraphModule):
-            raise TypeError(
-                f"pass {program_pass.name!r} returned {type(result).__name__}; a "
-                "'before_memory_planning' pass must return None or an object with a "
-                "'graph_module' (such as torch.fx PassResult)"
-            )
-        return PassResult(out, bool(getattr(result, "modified", True)))
-
-    run.__name__ = program_pass.name
-    return run
-
-
-def _run_edge_passes(edge_manager: EdgeProgramManager, passes: Sequence[ProgramPass]) -> None:
-    for method in edge_manager.methods:
-        program = edge_manager.exported_program(method)
-        for program_pass in passes:
-            result = program_pass.run(program)
-            if result is not None and result is not program:
-                raise TypeError(
-                    f"'edge' pass {program_pass.name!r} returned a new program for method "
-                    f"{method!r}; writeback_passes.to_executorch runs edge passes in place, "
-                    "so the pass must edit the program it is given and return it or None"
-                )
-
-
-def _mark_user_inputs(edge_manager: EdgeProgramManager) -> None:
-    """Record on each user-input placeholder that it is one: passes inside exir see
-    only a ``GraphModule``, without the signature that tells inputs from buffers."""
-    from writeback_core import meta
-
-    for method in edge_manager.methods:
-        program = edge_manager.exported_program(method)
-        user_inputs = set(program.graph_signature.user_inputs)
-        for node in program.graph_module.graph.nodes:
-            if node.op == "placeholder" and node.name in user_inputs:
-                meta.set_custom(node, meta.USER_INPUT, True)
-
-
 def to_executorch(
     edge_manager: EdgeProgramManager,
     config: ExecutorchBackendConfig | None = None,
@@ -116,8 +70,4 @@ def to_executorch(
 
     registry = registry if registry is not None else load_registry()
     config = config if config is not None else ExecutorchBackendConfig()
-    _run_edge_passes(edge_manager, registry.program_passes("edge"))
-    _mark_user_inputs(edge_manager)
-    added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning")]
-    extended = dataclasses.replace(config, passes=[*config.passes, *added])
-    return edge_manager.to_executorch(extended)
+    return run_program_passes(edge_manager, config, registry)

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 from writeback_core import ProgramPass, Stage, hookimpl
 
 if TYPE_CHECKING:
-    from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
     from torch.export import ExportedProgram
-    from writeback_core import Mutation, Registry
+    from writeback_core import Mutation
 
 writeback_name = "passes"
 
@@ -37,13 +36,3 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
     from writeback_passes.explain_columns import early_write_back_columns
 
     return early_write_back_columns(program, mutation)
-
-
-@hookimpl
-def writeback_to_executorch(
-    edge_manager: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry
-) -> ExecutorchProgramManager:
-    """``writeback_passes.to_executorch``: exir's step with every registered pass at its stage."""
-    from writeback_passes.pipeline import to_executorch
-
-    return to_executorch(edge_manager, config, registry=registry)

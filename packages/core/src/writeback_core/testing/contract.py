@@ -6,7 +6,8 @@ For every backend the registry knows, on the zoo and on generated programs,
 1. exports the program and partitions it with the backend's partitioner
    (``to_edge_transform_and_lower``), which asks ``writeback_accepts_in_place``
    per mutation and records core's decision on each state placeholder;
-2. lowers it with the registry's passes, inputs and outputs unplanned (so a
+2. lowers it with the registry's passes through the one lowering path, with
+   the memory plan ``writeback run`` ships (caller-owned state unplanned, so a
    delegate works on the caller's memory);
 3. checks the structure: every **accepted** mutation has no write-back
    ``copy_`` left (written in place, copy dropped); every **declined** one
@@ -30,19 +31,17 @@ and on generated programs with ``@given(strategies.programs(...))``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from torch.export.graph_signature import OutputKind
 
-from writeback_core._ops import packet_name
-from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.lowering import write_back_positions
+from writeback_core.registry import InPlaceDecision, Registry
 from writeback_core.testing.oracle import (
     DEFAULT_CALLS,
     Lowered,
-    LoweringError,
     ProgramMismatch,
     RuntimeTarget,
     StockTarget,
@@ -50,7 +49,6 @@ from writeback_core.testing.oracle import (
     built_from_case,
     compare_observations,
     eager_reference,
-    export_built,
     registry_runtime,
 )
 from writeback_core.testing.program import Built, ProgramSpec, build
@@ -112,31 +110,7 @@ def zoo_cases() -> list[ContractCase]:
 
 def write_backs(program: Any) -> frozenset[str]:
     """Names of the placeholders that a final ``ExecutorchProgramManager`` still copies into."""
-    graph = program.exported_program().graph_module.graph
-    found = set()
-    for node in graph.nodes:
-        if node.op != "call_function" or packet_name(node.target) != "copy_" or not node.args:
-            continue
-        dest = node.args[0]
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
-            found.add(dest.name)
-    return frozenset(found)
-
-
-def _partitioned_edge(built: Built, registry: Registry, backend: str) -> Any:
-    from executorch.exir import to_edge_transform_and_lower
-
-    spec = registry.backends()[backend]
-    try:
-        program = export_built(built)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return to_edge_transform_and_lower(program, partitioner=[spec.partitioner(registry)])
-    except Exception as error:
-        raise LoweringError(
-            f"backend {backend!r}: export/partition failed: {type(error).__name__}: {error}\n"
-            f"--- program ---\n{built.source}"
-        ) from error
+    return frozenset(write_back_positions(program.exported_program().graph_module.graph))
 
 
 def _delegate_count(program: Any) -> int:
@@ -172,12 +146,12 @@ def check_backend_contract(
             raise LookupError(
                 "no plugin offers a runtime (writeback_runtimes); install writeback-pybind-runtime or pass runtime="
             )
-    edge = _partitioned_edge(built, registry, backend)
+    spec = registry.backends()[backend]
+    lowered = Lowered(built, registry, backend=spec)
     report = ContractReport(backend)
-    report.decisions = in_place_decisions(edge.exported_program())
-    lowered = Lowered(built, registry)
-    lowered._edge = edge
-    final = lowered.program(planned=False)
+    # The program `writeback run --backend <backend>` ships: caller-owned state unplanned.
+    final = lowered.program("state")
+    report.decisions = dict(lowered.lowered("state").decisions)
     report.write_backs = write_backs(final)
     report.delegated = _delegate_count(final)
     for target, decision in sorted(report.decisions.items()):
@@ -197,8 +171,8 @@ def check_backend_contract(
                 f"mutation must be copied back\n--- program ---\n{built.source}"
             )
     targets: list[Target] = [
-        RuntimeTarget(f"{backend}-unplanned", runtime, planned=False),
-        RuntimeTarget(f"{backend}-planned", runtime, planned=True),
+        RuntimeTarget(f"{backend}-state", runtime, "state"),
+        RuntimeTarget(f"{backend}-planned", runtime, "planned"),
         StockTarget(f"{backend}-stock"),
     ]
     for runner in targets:
@@ -219,8 +193,7 @@ def check_backend_contract(
 
 def _state_written(lowered: Lowered, decision: InPlaceDecision) -> bool:
     """Whether the program still writes ``decision``'s state at all (it may be dead code now)."""
-    program = lowered.program(planned=False)
-    from torch.export.graph_signature import OutputKind
+    program = lowered.program("state")
 
     kinds = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
     return any(

@@ -7,9 +7,8 @@ reaches one only through hooks, so a third party's engine is fuzzed the same way
 1. ``writeback_lower_for_engine`` lowers the exported program by the owning
    plugin's copy-back path (classify, lift, declare, lower, cross-check); a
    ``str`` answer is the engine refusing the program: :class:`TargetSkipped`.
-2. The registry's ``to_executorch`` step (``writeback_to_executorch``) runs
-   writeback's passes on it, memory planned, buffers initialised and named
-   (:func:`~writeback_core.testing.oracle.lower_program`).
+2. The one lowering path's ``to_executorch`` (:func:`writeback_core.lowering.to_executorch`)
+   runs the registered passes on it, memory planned, buffers initialised and named.
 3. The ``.pte`` runs in two runtimes, each compared with eager PyTorch after
    every call: a caller-writing runtime a plugin offers (``writeback_runtimes``;
    outputs, and caller-owned state written into the caller's tensors), which
@@ -27,7 +26,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from writeback_core.registry import DuplicateNameError, Registry
+from writeback_core.quiet import known_warnings_ignored
+from writeback_core.registry import Registry
 from writeback_core.testing.oracle import (
     Lowered,
     LoweringError,
@@ -37,14 +37,11 @@ from writeback_core.testing.oracle import (
     TargetSkipped,
     export_built,
 )
-from writeback_core.types import AliasingEngine
 
 __all__ = [
     "ENGINE_VERDICTS",
-    "DuplicateEngineError",
     "EngineTarget",
     "engine_targets",
-    "registry_engines",
 ]
 
 # An engine target's triage: without writeback's passes the program still takes the
@@ -54,18 +51,6 @@ ENGINE_VERDICTS: dict[bool | None, str] = {
     True: "ALSO wrong without writeback's passes: the engine's copy-back path (or exir)",
     False: "right without writeback's passes: a writeback pass bug on the engine's program",
 }
-
-
-# Two plugins offering an engine of one name: what Registry.engines raises.
-DuplicateEngineError = DuplicateNameError
-
-
-def registry_engines(registry: Registry) -> dict[str, AliasingEngine]:
-    """Every engine offered through ``writeback_engines``, keyed by name (:meth:`Registry.engines`).
-
-    Two plugins offering one name raise :class:`DuplicateEngineError` naming both.
-    """
-    return registry.engines()
 
 
 @dataclass(frozen=True)
@@ -104,9 +89,9 @@ class EngineTarget:
             if self.stock:
                 # Registers the engine's delegate in the process-wide backend registry, which
                 # stock executorch.runtime shares with the caller-writing runtime.
-                self.runtime.load_program(derived.pte(planned=True))
+                self.runtime.load_program(derived.pte("planned"))
                 return StockTarget(self.name).run(derived, calls)
-            return RuntimeTarget(self.name, self.runtime, planned=True).run(derived, calls)
+            return RuntimeTarget(self.name, self.runtime, "planned").run(derived, calls)
         finally:
             lowered.seconds += derived.seconds - before
 
@@ -123,7 +108,7 @@ class EngineTarget:
         return derived
 
     def _lower(self, lowered: Lowered) -> Lowered | _Refused:
-        engines = registry_engines(self.registry)
+        engines = self.registry.engines()
         if self.engine not in engines:
             raise LookupError(f"no plugin offers engine {self.engine!r}; offered: {sorted(engines)}")
         try:
@@ -133,11 +118,11 @@ class EngineTarget:
                 f"export failed: {type(error).__name__}: {error}\n--- program ---\n{lowered.built.source}",
                 upstream=True,
             ) from error
-        with warnings.catch_warnings():
-            # exir's and the engine's own warnings (uninitialized copy-back buffers: the
-            # oracle serializes every buffer's initial value itself).
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
+        with known_warnings_ignored(), warnings.catch_warnings():
+            # The engine's warning that copy-back buffers read before written carry no value
+            # in the .pte: the lowering path keeps every non-zero initial value, and the
+            # runtimes zero-fill the rest.
+            warnings.filterwarnings("ignore", "copy-back buffers .* are read before they are written", UserWarning)
             result = self.registry.hook.writeback_lower_for_engine(engine=engines[self.engine], program=program)
         if result is None:
             raise LookupError(
@@ -158,7 +143,7 @@ def engine_targets(registry: Registry, runtime: Any, engines: tuple[str, ...] | 
     :param runtime: a caller-writing runtime loading with ``registry``'s delegates.
     :param engines: engine names to run (default: every engine offered).
     """
-    offered = registry_engines(registry)
+    offered = registry.engines()
     names = sorted(offered) if engines is None else list(engines)
     unknown = [n for n in names if n not in offered]
     if unknown:

@@ -122,11 +122,11 @@ def _runtime(config: FuzzConfig, registry: Any) -> Any:
 
 def _engine_targets(config: FuzzConfig, registry: Any, runtime: Any) -> tuple[list[Any], str | None]:
     """The engine targets to run, or why there are none although engines were asked for."""
-    from writeback_core.testing.engines import engine_targets, registry_engines
+    from writeback_core.testing.engines import engine_targets
 
     if config.engines == ():
         return [], None
-    if not registry_engines(registry):
+    if not registry.engines():
         return [], None if config.engines is None else "no plugin offers an engine"
     if runtime is None:
         return [], ("no runtime to load the engines' delegates (runtime='' or none offered); engine targets not run")
@@ -260,8 +260,6 @@ def _shares(total: int, jobs: int) -> list[int]:
 def check_config(config: FuzzConfig) -> None:
     """Refuse (``ValueError``) a runtime, backend or engine no plugin of ``config``'s registry
     offers, naming what is offered; nothing is generated or lowered before."""
-    from writeback_core.testing.engines import registry_engines
-
     registry = _registry(config)
     problems = []
     if config.runtime:
@@ -278,7 +276,7 @@ def check_config(config: FuzzConfig) -> None:
             f"no plugin offers backend(s) {', '.join(map(repr, unknown))}; offered: {', '.join(backends) or 'none'}"
         )
     if config.engines:
-        offered = sorted(registry_engines(registry))
+        offered = sorted(registry.engines())
         unknown = [name for name in config.engines if name not in offered]
         if unknown:
             problems.append(

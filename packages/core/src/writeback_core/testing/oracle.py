@@ -3,9 +3,10 @@
 :func:`check_program` builds a :class:`~writeback_core.testing.program.ProgramSpec`,
 runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
 piece of state after each call, and compares each :class:`Target` against
-that record. A target lowers the program through the pipeline the registry
-assembles (``writeback_program_passes``, early write-back among them) and
-runs it in one runtime configuration:
+that record. Every target lowers the program through the one lowering path
+users get (:mod:`writeback_core.lowering`: the same export, partitioning,
+registered passes and ``to_executorch`` as ``writeback run``) and runs it in
+one runtime configuration:
 
 - ``stock``: stock ``executorch.runtime``, memory-planned inputs. It sees
   buffer mutations (read back by name) and mutated inputs as the values it
@@ -13,13 +14,13 @@ runs it in one runtime configuration:
   to the next call).
 - :class:`RuntimeTarget`: any runtime shaped like ``executorch.runtime``
   whose methods write mutated inputs into the caller's tensors (the
-  pybind-runtime): planned inputs, unplanned inputs
-  (``MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False)``),
-  and unplanned with every bindable output bound by ``set_output``.
+  pybind-runtime): inputs and outputs planned; the ``"state"`` plan that
+  ``writeback run`` ships (inputs unplanned, so caller-owned state is used in
+  place); and nothing planned, with every bindable output bound by
+  ``set_output``.
 
-Core imports no sibling package: the ``to_executorch`` step comes from the
-plugin owning ``writeback_to_executorch`` and a runtime from
-``writeback_runtimes`` (:func:`registry_runtime`), so a third party's
+Core imports no sibling package: passes come from ``writeback_program_passes``
+and a runtime from ``writeback_runtimes`` (:func:`registry_runtime`), so a third party's
 runtime is fuzzed the same way. Further targets are :class:`Target` objects
 too (``EXTENSION POINT`` below): a backend's lowering (the contract suite) and
 each aliasing engine's copy-back path (``writeback_core.testing.engines``). A
@@ -40,7 +41,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,8 +49,14 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from writeback_core.registry import Registry
+from writeback_core import lowering
+from writeback_core.lowering import LoweringError, MemoryPlan, export_model
+from writeback_core.mutations import find_mutations
+from writeback_core.pipeline import ATOL, RTOL
+from writeback_core.quiet import known_warnings_ignored
+from writeback_core.registry import Registry, in_place_decisions
 from writeback_core.testing.program import Built, ProgramSpec, build
+from writeback_core.types import BackendSpec
 
 __all__ = [
     "DEFAULT_CALLS",
@@ -74,14 +80,11 @@ __all__ = [
     "eager_reference",
     "eager_run",
     "export_built",
-    "lower_program",
     "registry_runtime",
     "runtime_targets",
 ]
 
 DEFAULT_CALLS = 3
-ATOL = 1e-4
-RTOL = 1e-4
 
 
 @dataclass(frozen=True)
@@ -90,19 +93,6 @@ class Observation:
 
     outputs: tuple[torch.Tensor, ...]
     state: dict[str, torch.Tensor]
-
-
-class LoweringError(RuntimeError):
-    """Export or lowering of a program failed.
-
-    ``upstream`` is True when writeback had no part in it (``torch.export`` or
-    ``to_edge`` failed, or ``to_executorch`` fails without writeback's passes
-    too), False when only the pipeline with writeback's passes fails.
-    """
-
-    def __init__(self, message: str, upstream: bool | None = None) -> None:
-        super().__init__(message)
-        self.upstream = upstream
 
 
 class InvalidProgram(ValueError):
@@ -183,76 +173,111 @@ class ProgramMismatch(AssertionError):
 
 @dataclass
 class Lowered:
-    """One program, exported once and lowered to ``.pte`` bytes per memory plan (cached).
+    """One program, exported once, partitioned once for ``backend`` (None: no delegate), and
+    lowered per memory plan on demand (cached), all through :mod:`writeback_core.lowering`:
+    the ``"state"`` plan's ``.pte`` is byte for byte what ``writeback run`` writes.
 
-    ``edge`` may be given (an ``EdgeProgramManager``, e.g. already partitioned
-    for a backend); else it is made by ``torch.export`` and ``to_edge``.
+    ``registry`` None (or ``with_passes`` False) lowers with exir alone, the baseline a
+    failure is triaged against. ``_edge`` may be given instead of the partition step (an
+    engine's own lowering, ``writeback_lower_for_engine``).
     """
 
     built: Built
     registry: Registry | None
     with_passes: bool = True
+    backend: BackendSpec | None = None
     _edge: Any = None
-    _programs: dict[bool, Any] = field(default_factory=dict)
-    _ptes: dict[bool, bytes] = field(default_factory=dict)
-    _layout: dict[bool, _Layout] = field(default_factory=dict)
+    _lowered: dict[MemoryPlan, lowering.Lowered] = field(default_factory=dict)
+    _layout: dict[MemoryPlan, _Layout] = field(default_factory=dict)
     seconds: float = 0.0
     # Lowerings other targets derive from this program (an engine's), keyed by the target's
     # choice of name, so that two targets sharing one lowering do it once per program.
     derived: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def passes_registry(self) -> Registry | None:
+        """The registry whose passes run (None: exir alone)."""
+        return self.registry if self.with_passes else None
+
     def edge(self) -> Any:
+        """The partitioned edge program (not to be consumed: :meth:`pte` lowers copies)."""
         if self._edge is None:
             start = time.perf_counter()
-            self._edge = _to_edge(self.built)
+            try:
+                exported = export_built(self.built)
+            except Exception as error:
+                raise LoweringError(
+                    f"export failed: {type(error).__name__}: {error}\n--- program ---\n{self.built.source}",
+                    upstream=True,
+                ) from error
+            try:
+                self._edge = lowering.partition(exported, self.registry, self.backend)
+            except LoweringError as error:
+                raise LoweringError(
+                    f"{error}\n--- program ---\n{self.built.source}", upstream=self.backend is None
+                ) from error
             self.seconds += time.perf_counter() - start
         return self._edge
 
-    def pte(self, planned: bool) -> bytes:
-        """The ``.pte`` with inputs and outputs memory planned (``planned``) or not."""
-        if planned not in self._ptes:
-            self.edge()  # timed on its own
+    def lowered(self, plan: MemoryPlan) -> lowering.Lowered:
+        """The program lowered with memory plan ``plan`` (see :data:`~writeback_core.lowering.MemoryPlan`)."""
+        if plan not in self._lowered:
+            edge = self.edge()  # timed on its own
             start = time.perf_counter()
-            # exir's to_executorch edits the edge program's signature in place
-            # (insert_write_back_for_buffers_pass), so a second lowering of one
-            # edge manager fails: lower a copy each time.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch's pytree, deep-copied
-                edge = copy.deepcopy(self.edge())
             try:
-                program = lower_program(edge, self.built.spec, self.registry, planned, self.with_passes)
+                program = lowering.to_executorch(_copy_edge(edge), self.passes_registry, plan)
             except LoweringError as error:
                 raise LoweringError(
-                    f"{error}\n--- program ---\n{self.built.source}",
-                    upstream=self._fails_bare(planned),
+                    f"{error}\n--- program ---\n{self.built.source}", upstream=self._fails_bare(plan)
                 ) from error
-            self._ptes[planned] = bytes(program.buffer)
-            self._programs[planned] = program
-            self._layout[planned] = _layout(program.exported_program(), self.built.spec)
+            final = program.exported_program()
+            self._lowered[plan] = lowering.Lowered(
+                exported=edge.exported_program(),
+                mutations=find_mutations(edge.exported_program()),
+                decisions=in_place_decisions(edge.exported_program()),
+                program=program,
+                pte=bytes(program.buffer),
+                write_back_bytes=lowering.write_back_bytes(final),
+                user_input_mutations=sum(
+                    1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION
+                ),
+                backend=self.backend.name if self.backend is not None else None,
+                plan=plan,
+                passes=lowering.pass_names(self.passes_registry),
+                seconds=time.perf_counter() - start,
+            )
+            self._layout[plan] = _layout(final, self.built.spec)
             self.seconds += time.perf_counter() - start
-        return self._ptes[planned]
+        return self._lowered[plan]
 
-    def _fails_bare(self, planned: bool) -> bool | None:
-        """Whether lowering fails without writeback's passes too (``None``: passes were off)."""
-        if not self.with_passes or self.registry is None:
+    def pte(self, plan: MemoryPlan) -> bytes:
+        """The ``.pte`` lowered with memory plan ``plan``."""
+        return self.lowered(plan).pte
+
+    def _fails_bare(self, plan: MemoryPlan) -> bool | None:
+        """Whether lowering fails without writeback's passes too."""
+        if self.passes_registry is None:
             return True
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            edge = copy.deepcopy(self.edge())
         try:
-            lower_program(edge, self.built.spec, None, planned, with_passes=False)
+            lowering.to_executorch(_copy_edge(self.edge()), None, plan)
         except LoweringError:
             return True
         return False
 
-    def program(self, planned: bool) -> Any:
+    def program(self, plan: MemoryPlan) -> Any:
         """The ``ExecutorchProgramManager`` behind :meth:`pte`."""
-        self.pte(planned)
-        return self._programs[planned]
+        return self.lowered(plan).program
 
-    def layout(self, planned: bool) -> _Layout:
-        self.pte(planned)
-        return self._layout[planned]
+    def layout(self, plan: MemoryPlan) -> _Layout:
+        self.lowered(plan)
+        return self._layout[plan]
+
+
+def _copy_edge(edge: Any) -> Any:
+    # exir's to_executorch edits the edge program's signature in place
+    # (insert_write_back_for_buffers_pass): lower a copy each time.
+    with known_warnings_ignored():
+        return copy.deepcopy(edge)
 
 
 @dataclass(frozen=True)
@@ -265,66 +290,8 @@ class _Layout:
 
 
 def export_built(built: Built) -> ExportedProgram:
-    module = built.new_module()
-    args = (*built.step_inputs(0), *built.make_state())
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.export.export(module, args, strict=False)
-
-
-def _to_edge(built: Built) -> Any:
-    from executorch.exir import to_edge
-
-    try:
-        program = export_built(built)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return to_edge(program)
-    except Exception as error:
-        raise LoweringError(
-            f"export/to_edge failed: {type(error).__name__}: {error}\n--- program ---\n{built.source}",
-            upstream=True,
-        ) from error
-
-
-def lower_program(
-    edge: Any,
-    spec: ProgramSpec,
-    registry: Registry | None,
-    planned: bool,
-    with_passes: bool = True,
-) -> Any:
-    """``to_executorch`` of ``edge`` as ``writeback run`` does it: the plugin that owns the step
-    (``writeback_to_executorch``, writeback-passes) runs the registry's passes.
-
-    Buffers keep their initial contents (``InitializedMutableBufferPass``; by
-    default exir serializes a mutated buffer's shape only) and their names
-    (``emit_mutable_buffer_names``), so a runtime can be compared with eager
-    from the first call. ``planned`` False leaves graph inputs and outputs out
-    of the memory plan. ``edge`` is not changed (exir copies it).
-    """
-    from executorch.exir import ExecutorchBackendConfig
-    from executorch.exir.passes import MemoryPlanningPass
-    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
-
-    # The pass matches placeholder names: ``b_`` plus the FQN with dots as underscores.
-    names = [f"b_{b.name.replace('.', '_')}" for b in spec.buffers]
-    config = ExecutorchBackendConfig(
-        emit_mutable_buffer_names=True,
-        passes=[InitializedMutableBufferPass(names)],
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned, alloc_graph_output=planned),
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            program = None
-            if with_passes and registry is not None:
-                program = registry.hook.writeback_to_executorch(edge_manager=edge, config=config, registry=registry)
-            return program if program is not None else edge.to_executorch(config)
-    except Exception as error:
-        raise LoweringError(
-            f"to_executorch (planned={planned}, passes={with_passes}) failed: {type(error).__name__}: {error}"
-        ) from error
+    """Export a generated program as every command does (:func:`writeback_core.lowering.export_model`)."""
+    return export_model(built.new_module(), (*built.step_inputs(0), *built.make_state()))
 
 
 def _layout(program: ExportedProgram, spec: ProgramSpec) -> _Layout:
@@ -414,8 +381,8 @@ class StockTarget:
     def run(self, lowered: Lowered, calls: int) -> list[Observation]:
         from executorch.runtime import Runtime
 
-        pte = lowered.pte(planned=True)
-        layout = lowered.layout(planned=True)
+        pte = lowered.pte("planned")
+        layout = lowered.layout("planned")
         method = Runtime.get().load_program(pte).load_method("forward")
         spec = lowered.built.spec
         state = dict(zip((s.name for s in spec.inputs), lowered.built.make_state(), strict=True))
@@ -441,19 +408,20 @@ class RuntimeTarget:
 
     ``runtime`` has ``load_program(bytes).load_method(name)``; its methods
     ``execute(inputs)``, ``metadata`` and (when ``bind_outputs``)
-    ``set_output(tensor, index)``. ``planned`` picks the memory plan of graph
-    inputs and outputs; ``bind_outputs`` binds every output that is unplanned,
-    not an input and returned once to a caller tensor before the first call.
+    ``set_output(tensor, index)``. ``plan`` picks the memory plan of graph
+    inputs and outputs (:data:`~writeback_core.lowering.MemoryPlan`); ``bind_outputs``
+    binds every output that is unplanned, not an input and returned once to a caller
+    tensor before the first call.
     """
 
     name: str
     runtime: Any
-    planned: bool
+    plan: MemoryPlan
     bind_outputs: bool = False
 
     def run(self, lowered: Lowered, calls: int) -> list[Observation]:
-        pte = lowered.pte(planned=self.planned)
-        layout = lowered.layout(planned=self.planned)
+        pte = lowered.pte(self.plan)
+        layout = lowered.layout(self.plan)
         method = self.runtime.load_program(pte).load_method("forward")
         if self.bind_outputs:
             self._bind(method)
@@ -505,11 +473,13 @@ def registry_runtime(registry: Registry, name: str | None = None) -> RegistryRun
 
 
 def runtime_targets(runtime: Any, prefix: str = "pybind") -> list[RuntimeTarget]:
-    """The three configurations of a caller-writing runtime: planned, unplanned, unplanned+bound."""
+    """The three configurations of a caller-writing runtime: every input and output planned;
+    caller-owned state unplanned (``"state"``, what ``writeback run`` ships); nothing planned,
+    every bindable output bound by ``set_output``."""
     return [
-        RuntimeTarget(f"{prefix}-planned", runtime, planned=True),
-        RuntimeTarget(f"{prefix}-unplanned", runtime, planned=False),
-        RuntimeTarget(f"{prefix}-unplanned-bound", runtime, planned=False, bind_outputs=True),
+        RuntimeTarget(f"{prefix}-planned", runtime, "planned"),
+        RuntimeTarget(f"{prefix}-state", runtime, "state"),
+        RuntimeTarget(f"{prefix}-unplanned-bound", runtime, "unplanned", bind_outputs=True),
     ]
 
 

@@ -1,0 +1,356 @@
+"""The one lowering path: ``writeback run``, ``bench``, ``explain``, the fuzz oracle, the
+contract suite and the engine targets all lower through these functions, so that what
+the fuzzer certifies is byte for byte what users get.
+
+1. :func:`export_model` (or :func:`export_case`): ``torch.export`` in eval mode under
+   ``no_grad``, strict or not.
+2. :func:`partition`: ``to_edge_transform_and_lower`` with the chosen backend's
+   partitioner (none: plain ``to_edge``). The partitioner asks the registry per
+   mutation (``writeback_accepts_in_place``) and core records the decision.
+3. :func:`to_executorch`: every pass any plugin registers through
+   ``writeback_program_passes`` (core runs them; no plugin has to own the step),
+   mutated buffers that start non-zero keep their initial value
+   (``InitializedMutableBufferPass``; the runtimes zero-fill the others), mutable
+   buffers keep their names, and graph inputs/outputs are memory planned as the
+   :data:`MemoryPlan` says.
+4. :func:`lower`: the three steps and serialization, with what became of each
+   mutation (:class:`Lowered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+from torch.fx.passes.infra.pass_base import PassResult
+
+from writeback_core import meta
+from writeback_core._ops import packet_name
+from writeback_core.mutations import Mutation, find_mutations
+from writeback_core.quiet import known_warnings_ignored
+from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.types import BackendSpec, ProgramPass
+
+if TYPE_CHECKING:
+    from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
+
+    from writeback_core.zoo import ModelCase
+
+__all__ = [
+    "MEMORY_PLANS",
+    "Lowered",
+    "LoweringError",
+    "MemoryPlan",
+    "as_exir_pass",
+    "backend_config",
+    "export_case",
+    "export_model",
+    "initialized_buffers",
+    "lower",
+    "partition",
+    "pass_names",
+    "run_program_passes",
+    "to_executorch",
+    "write_back_bytes",
+    "write_back_positions",
+]
+
+# How graph inputs and outputs are memory planned:
+#   "state":     inputs unplanned (the runtime uses caller-owned state in place), outputs
+#                planned. What `writeback run` ships.
+#   "planned":   inputs and outputs planned (exir's default; stock runtimes copy inputs in).
+#   "unplanned": neither; the caller binds outputs (``Method.set_output``).
+MemoryPlan = Literal["state", "planned", "unplanned"]
+MEMORY_PLANS: Mapping[MemoryPlan, tuple[bool, bool]] = {
+    "state": (False, True),
+    "planned": (True, True),
+    "unplanned": (False, False),
+}
+
+
+class LoweringError(RuntimeError):
+    """Export, partitioning or ``to_executorch`` failed; the message names the step.
+
+    ``upstream`` is True when writeback had no part in it (``torch.export`` or
+    ``to_edge`` failed, or the step fails without writeback's passes too), False
+    when only the path with writeback's passes fails, None when not checked.
+    """
+
+    def __init__(self, message: str, upstream: bool | None = None) -> None:
+        super().__init__(message)
+        self.upstream = upstream
+
+
+def export_model(
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    strict: bool = False,
+    dynamic_shapes: Any = None,
+) -> ExportedProgram:
+    """``torch.export.export`` of ``module`` in eval mode, without grad, quietly.
+
+    The one export helper of writeback: every command and test harness exports
+    through it, so they all see the same graph.
+    """
+    module = module.eval().requires_grad_(False)
+    with known_warnings_ignored(), torch.no_grad():
+        return torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
+
+
+def export_case(case: ModelCase) -> ExportedProgram:
+    """Export a :class:`~writeback_core.zoo.ModelCase` on its step-0 inputs (non-strict)."""
+    return export_model(case.build(), case.example_args(0))
+
+
+def partition(program: ExportedProgram, registry: Registry | None, backend: BackendSpec | None) -> EdgeProgramManager:
+    """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no delegate).
+
+    ``program`` is not changed. :raises LoweringError: naming the backend.
+    """
+    from executorch.exir import to_edge_transform_and_lower
+
+    partitioners = []
+    if backend is not None:
+        if registry is None:
+            raise ValueError(f"backend {backend.name!r} needs a registry to ask per mutation")
+        partitioners.append(backend.partitioner(registry))
+    try:
+        with known_warnings_ignored():
+            return to_edge_transform_and_lower(program, partitioner=partitioners)
+    except Exception as error:
+        name = backend.name if backend is not None else "none"
+        raise LoweringError(f"partitioning for backend {name!r} failed: {type(error).__name__}: {error}") from error
+
+
+def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:
+    """Adapt a ``"before_memory_planning"`` pass to exir's contract (always a ``PassResult``)."""
+
+    def run(gm: torch.fx.GraphModule) -> PassResult:
+        result = program_pass.run(gm)
+        if result is None:
+            return PassResult(gm, True)
+        out = getattr(result, "graph_module", None)
+        if not isinstance(out, torch.fx.GraphModule):
+            raise TypeError(
+                f"pass {program_pass.name!r} returned {type(result).__name__}; a "
+                "'before_memory_planning' pass must return None or an object with a "
+                "'graph_module' (such as torch.fx PassResult)"
+            )
+        return PassResult(out, bool(getattr(result, "modified", True)))
+
+    run.__name__ = program_pass.name
+    return run
+
+
+def _run_edge_passes(edge: EdgeProgramManager, passes: Sequence[ProgramPass]) -> None:
+    for method in edge.methods:
+        program = edge.exported_program(method)
+        for program_pass in passes:
+            result = program_pass.run(program)
+            if result is not None and result is not program:
+                raise TypeError(
+                    f"'edge' pass {program_pass.name!r} returned a new program for method "
+                    f"{method!r}; edge passes run in place, so the pass must edit the program "
+                    "it is given and return it or None"
+                )
+
+
+def _mark_user_inputs(edge: EdgeProgramManager) -> None:
+    """Record on each user-input placeholder that it is one: passes inside exir see only a
+    ``GraphModule``, without the signature that tells inputs from buffers."""
+    for method in edge.methods:
+        program = edge.exported_program(method)
+        user_inputs = set(program.graph_signature.user_inputs)
+        for node in program.graph_module.graph.nodes:
+            if node.op == "placeholder" and node.name in user_inputs:
+                meta.set_custom(node, meta.USER_INPUT, True)
+
+
+def run_program_passes(
+    edge: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry
+) -> ExecutorchProgramManager:
+    """``edge.to_executorch(config)`` with every pass the registry offers, at its stage.
+
+    ``"edge"`` passes run first, in place on each method's edge program;
+    ``"before_memory_planning"`` passes run inside exir after its write-back copies
+    exist, after ``config.passes``, sorted by ``(order, name)``. ``config`` is not
+    changed; ``edge`` is consumed (exir edits its signature).
+
+    :raises TypeError: a registered pass returned something exir cannot use.
+    """
+    _run_edge_passes(edge, registry.program_passes("edge"))
+    _mark_user_inputs(edge)
+    added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning")]
+    return edge.to_executorch(dataclasses.replace(config, passes=[*config.passes, *added]))
+
+
+def initialized_buffers(program: ExportedProgram) -> list[str]:
+    """Placeholder names of the mutated buffers whose initial value is not all zeros.
+
+    The runtimes zero-fill a mutable buffer that carries no data, so only these need
+    their value in the ``.pte``.
+    """
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    found = []
+    for placeholder, target in signature.inputs_to_buffers.items():
+        if target not in mutated:
+            continue
+        value = program.state_dict.get(target, program.constants.get(target))
+        if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
+            found.append(placeholder)
+    return found
+
+
+def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> ExecutorchBackendConfig:
+    """The ``ExecutorchBackendConfig`` writeback lowers with: named mutable buffers, non-zero
+    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+
+    if plan not in MEMORY_PLANS:
+        raise ValueError(f"memory plan must be one of {sorted(MEMORY_PLANS)}, got {plan!r}")
+    inputs, outputs = MEMORY_PLANS[plan]
+    names = sorted({n for m in edge.methods for n in initialized_buffers(edge.exported_program(m))})
+    return ExecutorchBackendConfig(
+        emit_mutable_buffer_names=True,
+        passes=[InitializedMutableBufferPass(names)] if names else [],
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=inputs, alloc_graph_output=outputs),
+    )
+
+
+def to_executorch(
+    edge: EdgeProgramManager, registry: Registry | None, plan: MemoryPlan = "state"
+) -> ExecutorchProgramManager:
+    """``to_executorch`` as writeback does it (:func:`backend_config`), running the registry's
+    passes (``registry`` None: exir alone, the baseline a failure is triaged against).
+
+    ``edge`` is consumed. :raises LoweringError: naming the plan and whether passes ran.
+    """
+    config = backend_config(edge, plan)
+    try:
+        with known_warnings_ignored():
+            if registry is None:
+                return edge.to_executorch(config)
+            return run_program_passes(edge, config, registry)
+    except Exception as error:
+        raise LoweringError(
+            f"to_executorch (memory plan {plan!r}, passes {'on' if registry else 'off'}) failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int]]:
+    """For each write-back ``copy_(placeholder, value)``: ``(copy index, value index, count)``.
+
+    Indices count the graph's ``call_function`` nodes; keys are placeholder names.
+    The one "find the write-back copies" helper.
+    """
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    index = {n: i for i, n in enumerate(calls)}
+    found: dict[str, tuple[int, int, int]] = {}
+    for node in calls:
+        if packet_name(node.target) != "copy_" or len(node.args) < 2:
+            continue
+        dest, value = node.args[0], node.args[1]
+        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
+            value_index = index.get(value, -1) if isinstance(value, torch.fx.Node) else -1
+            found[dest.name] = (index[node], value_index, len(calls))
+    return found
+
+
+def write_back_bytes(program: ExportedProgram) -> dict[str, int]:
+    """Bytes per call of each write-back ``copy_`` into a placeholder, keyed by placeholder."""
+    graph = program.graph_module.graph
+    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    found: dict[str, int] = {}
+    for name in write_back_positions(graph):
+        val = by_name[name].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            found[name] = val.numel() * val.element_size()
+    return found
+
+
+@dataclass
+class Lowered:
+    """A program taken through :func:`lower`: its ``.pte`` and what became of its mutations.
+
+    ``write_back_bytes`` maps each state still written back whole by a ``copy_`` in the
+    final program to the bytes that copy moves per call; ``passes`` names the registered
+    program passes that ran (empty when lowered without a registry).
+    """
+
+    exported: ExportedProgram
+    mutations: list[Mutation]
+    decisions: dict[str, InPlaceDecision]
+    program: ExecutorchProgramManager
+    pte: bytes
+    write_back_bytes: dict[str, int]
+    user_input_mutations: int
+    backend: str | None
+    plan: MemoryPlan
+    passes: tuple[str, ...]
+    seconds: float
+    case: ModelCase | None = None
+
+    @property
+    def copied_per_call(self) -> int:
+        """Bytes of whole-state write-back copies the program makes every call."""
+        return sum(self.write_back_bytes.values())
+
+    @property
+    def passes_run(self) -> bool:
+        """Whether any registered program pass ran."""
+        return bool(self.passes)
+
+
+def lower(
+    exported: ExportedProgram,
+    registry: Registry | None,
+    backend: BackendSpec | None = None,
+    plan: MemoryPlan = "state",
+    case: ModelCase | None = None,
+) -> Lowered:
+    """Partition ``exported`` for ``backend``, run the registry's passes, serialize.
+
+    ``exported`` is not changed. :raises LoweringError: a step failed; the message names it.
+    """
+    start = time.perf_counter()
+    with known_warnings_ignored():
+        mutations = find_mutations(exported.run_decompositions())
+    edge = partition(exported, registry, backend)
+    decisions = in_place_decisions(edge.exported_program())
+    program = to_executorch(edge, registry, plan)
+    final = program.exported_program()
+    signature = final.graph_signature
+    return Lowered(
+        exported=exported,
+        mutations=mutations,
+        decisions=decisions,
+        program=program,
+        pte=bytes(program.buffer),
+        write_back_bytes=write_back_bytes(final),
+        user_input_mutations=sum(1 for s in signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION),
+        backend=backend.name if backend is not None else None,
+        plan=plan,
+        passes=pass_names(registry),
+        seconds=time.perf_counter() - start,
+        case=case,
+    )
+
+
+def pass_names(registry: Registry | None) -> tuple[str, ...]:
+    """Names of the program passes :func:`to_executorch` runs with ``registry``, in order."""
+    if registry is None:
+        return ()
+    return tuple(p.name for stage in ("edge", "before_memory_planning") for p in registry.program_passes(stage))
