@@ -125,8 +125,17 @@ class ExampleRuntimeDelegate:
         handle: dict[str, Any] = {key: read.integer(plan[key], key, 0, count) for key in ("dest", "index", "source")}
         handle["inputs"] = count
         handle["dim"] = read.integer(plan["dim"], "dim", 0)
-        pairs = in_place_outputs(compile_specs, BACKEND_NAME, count, 1)
-        handle["in_place"] = any(input_ == handle["dest"] for _, input_ in pairs)
+        entries = in_place_outputs(compile_specs, BACKEND_NAME, count, 1)
+        for entry in entries:
+            if entry.input != handle["dest"]:
+                # Only the destination can take the result: ignoring the entry would
+                # leave the output unwritten and the input unchanged.
+                raise read.fail(
+                    f"compile_specs[{IN_PLACE_OUTPUTS_SPEC!r}]",
+                    entry._asdict(),
+                    f"the delegate writes its output in place only into its destination (input {handle['dest']})",
+                )
+        handle["in_place"] = bool(entries)
         return handle
 
     def execute(self, handle: dict[str, Any], args: Sequence[Any]) -> None:

@@ -6,6 +6,7 @@ this package never breaks another package's import.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,18 +105,31 @@ def _size(nbytes: int | None) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def _taken_view(program: ExportedProgram) -> PartitionView:
+    """The operators of ``program``'s decomposed graph (where explain's mutations live) MLX runs."""
+    view = _TAKEN.get(program)
+    if view is None:
+        from writeback_mlx_backend.ops import unsupported_reason
+
+        graph = program.run_decompositions().graph_module.graph
+        taken = frozenset(n.name for n in graph.nodes if n.op == "call_function" and unsupported_reason(n) is None)
+        view = _TAKEN[program] = PartitionView(BACKEND_NAME, taken, graph)
+    return view
+
+
+# explain asks once per mutation row; the program is decomposed once.
+_TAKEN: weakref.WeakKeyDictionary[ExportedProgram, PartitionView] = weakref.WeakKeyDictionary()
+
+
 @hookimpl
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """The "mlx" column: what lowering this state to the MLX backend costs per call.
 
     Decided by :func:`in_place_refusal`, the rule ``writeback_accepts_in_place``
-    answers with, over the operators MLX's op table runs (what its partitioner takes).
+    answers with, over the operators MLX's op table runs (what its partitioner
+    takes) in the decomposed program the row's mutation was found in.
     """
-    from writeback_mlx_backend.ops import unsupported_reason
-
-    graph = program.graph_module.graph
-    taken = frozenset(n.name for n in graph.nodes if n.op == "call_function" and unsupported_reason(n) is None)
-    refusal = in_place_refusal(PartitionView(BACKEND_NAME, taken, graph), mutation)
+    refusal = in_place_refusal(_taken_view(program), mutation)
     if refusal is not None:
         return {"mlx": f"copied back, {_size(mutation.nbytes)}/call: {refusal}"}
     if mutation.kind is MutationKind.BUFFER:

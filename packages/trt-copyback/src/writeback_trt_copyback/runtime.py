@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from writeback_core.blob import BlobError, BlobReader, Kind, check_call
+from writeback_core.blob import BlobError, BlobReader, Kind, check_call, in_place_outputs
+from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_trt_copyback._blob import DELEGATE, UPDATES, Blob, Ref, compile_arg, decode_tensor, ops, resolve
 from writeback_trt_copyback.engine import BACKEND_ID
@@ -151,6 +152,25 @@ def _skipped_outputs(blob: Blob, n_outputs: int) -> frozenset[int]:
     return frozenset(skipped)
 
 
+def _check_in_place_spec(blob: Blob, compile_specs: Mapping[str, bytes], n_outputs: int) -> None:
+    """Refuse an in-place compile spec entry the engine's own aliasing does not already perform.
+
+    The engine writes in place exactly what its rule aliased (``aliased_io``); an
+    entry asking for any other write could not be honoured, and ignoring it would
+    leave that output unwritten and its input unchanged.
+    """
+    aliased = {int(b.removeprefix("output")): i for b, i in blob.aliased_io.items() if not b.startswith("update:")}
+    for entry in in_place_outputs(compile_specs, DELEGATE, len(blob.inputs), n_outputs):
+        if aliased.get(entry.output) != entry.input:
+            raise BlobError(
+                DELEGATE,
+                f"compile_specs[{IN_PLACE_OUTPUTS_SPEC!r}]",
+                entry._asdict(),
+                f"the engine aliased only {sorted(aliased.items())} (output, input); a write-back was "
+                "dropped for a write it does not perform in place",
+            )
+
+
 def _update(step: _Update, cache: torch.Tensor, env: dict[str, Any]) -> None:
     """Write one accepted cache update into ``cache`` in place (only the slots it covers)."""
     src = resolve(step.src, env)
@@ -172,6 +192,7 @@ class KVAliasRuntimeDelegate:
         blob = Blob.from_bytes(processed)
         steps, outputs = _compile(blob)
         skipped = _skipped_outputs(blob, len(outputs))
+        _check_in_place_spec(blob, compile_specs, len(outputs))
         constants = {k: decode_tensor(v, f"constants[{k!r}]") for k, v in blob.constants.items()}
         return _Plan(blob, steps, outputs, constants, skipped)
 
