@@ -56,9 +56,19 @@ def test_entry_point_discovery_finds_the_example_third_party_backend() -> None:
     assert "WritebackExampleBackend" in registry.runtime_delegates()
 
 
-def test_no_entry_points_loads_only_core_and_given_plugins() -> None:
+def test_no_entry_points_loads_only_the_given_plugins() -> None:
     registry = load_registry(entry_points=False, plugins=[Silent()])
-    assert registry.plugin_names() == ["silent", "writeback-core"]
+    assert registry.plugin_names() == ["silent"]
+    assert registry.models() == {}
+
+
+def test_core_builtin_is_an_entry_point_and_can_be_given_explicitly() -> None:
+    from writeback_core import default_plugin
+
+    assert "writeback-core" in load_registry().plugin_names()
+    registry = load_registry(entry_points=False, plugins=[default_plugin])
+    assert registry.plugin_names() == ["writeback-core"]
+    assert set(registry.models()) == set(builtin_models())
 
 
 def test_blocked_plugin_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:

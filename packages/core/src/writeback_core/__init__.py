@@ -31,10 +31,10 @@ from writeback_core.registry import (
     load_registry,
 )
 from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
-from writeback_core.zoo import ModelCase, builtin_models
 
 if TYPE_CHECKING:
     from writeback_core.partition import AnnotatingPartitioner, annotating, record_in_place_decisions
+    from writeback_core.zoo import ModelCase, builtin_models
 
 __all__ = [
     "NAME",
@@ -71,6 +71,9 @@ _LAZY = {
     "AnnotatingPartitioner": "writeback_core.partition",
     "annotating": "writeback_core.partition",
     "record_in_place_decisions": "writeback_core.partition",
+    # The zoo is the application's: the contract (registry, hookspecs) never imports it.
+    "ModelCase": "writeback_core.zoo",
+    "builtin_models": "writeback_core.zoo",
 }
 
 

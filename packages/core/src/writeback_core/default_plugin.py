@@ -1,17 +1,27 @@
-"""Core's own defaults, registered as a plugin on the same hooks as everyone else."""
+"""Core's own defaults, the entry point ``writeback-core``: a plugin on the same hooks as everyone else.
+
+It is the application's side of core (zoo models, the CLI's commands), so the
+registry never imports it; ``load_registry`` finds it among the entry points.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import click
 
 from writeback_core.registry import hookimpl
-from writeback_core.zoo import ModelCase, builtin_models
+
+if TYPE_CHECKING:
+    from writeback_core.zoo import ModelCase
 
 writeback_name = "writeback-core"
 
 
 @hookimpl
 def writeback_models() -> dict[str, ModelCase]:
+    from writeback_core.zoo import builtin_models
+
     return builtin_models()
 
 

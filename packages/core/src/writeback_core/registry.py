@@ -1,9 +1,22 @@
 """The plugin registry: one pluggy ``PluginManager`` per :class:`Registry`, never a global.
 
-``load_registry`` builds one; nothing is loaded at import time. Environment:
+``load_registry`` builds one; nothing is loaded at import time, and this module
+imports no part of the application (CLI, pipeline, zoo): core's own commands and
+models are the built-in plugin ``writeback-core``, an entry point like any other.
 
-- ``WRITEBACK_BLOCK_PLUGINS``: comma-separated plugin names (entry-point names)
-  that are never loaded.
+A plugin has one name, its entry point's (the name ``writeback plugins`` lists);
+a plugin object whose ``writeback_name`` says otherwise is an error. Every hook
+is called through pluggy's hook callers, so tracing sees every call.
+
+Environment:
+
+- ``WRITEBACK_LOAD_PLUGINS``: comma-separated entry-point names; when set, only
+  those entry points and the built-in ``writeback-core`` are loaded (set but empty:
+  the built-in alone). A name no installed plugin has is an error that lists the
+  installed ones.
+- ``WRITEBACK_BLOCK_PLUGINS``: comma-separated plugin names that are never loaded,
+  whether entry points or plugins handed to ``load_registry``; it wins over the
+  allow-list. A name no plugin has is warned about.
 - ``WRITEBACK_TRACE_PLUGINS``: when set to ``1``, every hook call is traced to stderr.
 """
 
@@ -11,8 +24,10 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import pluggy
@@ -35,9 +50,12 @@ from writeback_core.types import (
 
 __all__ = [
     "BLOCK_ENV",
+    "BUILTIN_NAME",
+    "LOAD_ENV",
     "TRACE_ENV",
     "InPlaceConflictError",
     "InPlaceDecision",
+    "PluginNameError",
     "Registry",
     "hookimpl",
     "load_registry",
@@ -46,7 +64,9 @@ __all__ = [
 hookimpl = pluggy.HookimplMarker(NAME)
 
 BLOCK_ENV = "WRITEBACK_BLOCK_PLUGINS"
+LOAD_ENV = "WRITEBACK_LOAD_PLUGINS"
 TRACE_ENV = "WRITEBACK_TRACE_PLUGINS"
+# The entry-point name of core's built-in plugin (zoo models, core's CLI commands).
 BUILTIN_NAME = "writeback-core"
 
 
@@ -56,6 +76,10 @@ class InPlaceConflictError(ValueError):
 
 class DuplicateNameError(ValueError):
     """Two plugins offered the same backend, delegate or model name."""
+
+
+class PluginNameError(ValueError):
+    """A plugin has two names, or an environment variable names no installed plugin."""
 
 
 @dataclass(frozen=True)
@@ -102,13 +126,6 @@ class InPlaceDecision:
         )
 
 
-def _plugin_label(plugin: object) -> str | None:
-    name = getattr(plugin, "writeback_name", None)
-    if isinstance(name, str):
-        return name
-    return None
-
-
 class Registry:
     """The plugins of one process, and the hook calls the pipeline makes on them."""
 
@@ -133,12 +150,19 @@ class Registry:
         return sorted(c.name for c in callers)
 
     def _per_plugin(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every impl of a hook, returning ``(plugin name, result)`` sorted by name."""
-        caller = getattr(self.manager.hook, hook_name)
+        """Call a hook once per implementing plugin: ``(plugin name, answer)``, sorted by name.
+
+        Each call goes through a pluggy hook caller narrowed to that plugin (and
+        every hook wrapper), so tracing and wrappers see it as any hook call. A
+        plugin that returned ``None`` answers ``None`` (pluggy's list drops it).
+        """
+        impls = getattr(self.manager.hook, hook_name).get_hookimpls()
+        answering = [impl for impl in impls if not (impl.hookwrapper or impl.wrapper)]
         results: list[tuple[str, Any]] = []
-        for impl in caller.get_hookimpls():
-            result = impl.function(*(kwargs[arg] for arg in impl.argnames))
-            results.append((impl.plugin_name, result))
+        for impl in answering:
+            others = [other.plugin for other in answering if other is not impl]
+            answer = self.manager.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+            results.append((impl.plugin_name, answer[0] if answer else None))
         return sorted(results, key=lambda item: item[0])
 
     def _unique(self, hook_name: str, key: str, what: str) -> dict[str, tuple[str, Any]]:
@@ -256,34 +280,112 @@ def in_place_decisions(program: ExportedProgram) -> dict[str, InPlaceDecision]:
     return found
 
 
-def load_registry(entry_points: bool = True, plugins: Sequence[object] = ()) -> Registry:
-    """Build a registry: core's built-in plugin, entry points, then ``plugins``.
+def _names(variable: str) -> list[str] | None:
+    """The comma-separated names in environment ``variable``; ``None`` when it is unset."""
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
 
-    :param entry_points: load plugins from the ``writeback`` entry-point group.
+
+def _distribution(point: metadata.EntryPoint) -> str:
+    dist = getattr(point, "dist", None)
+    return "an unknown distribution" if dist is None else f"distribution {dist.name}"
+
+
+def _installed() -> dict[str, metadata.EntryPoint]:
+    """The ``writeback`` entry points, keyed by name (the plugins' names)."""
+    found: dict[str, metadata.EntryPoint] = {}
+    for point in metadata.entry_points(group=NAME):
+        seen = found.get(point.name)
+        if seen is not None and seen.value != point.value:
+            raise PluginNameError(
+                f"two installed plugins are called {point.name!r}: {seen.value} ({_distribution(seen)}) "
+                f"and {point.value} ({_distribution(point)}); uninstall one of them"
+            )
+        found[point.name] = point
+    return found
+
+
+def _own_name(plugin: object) -> str | None:
+    name = getattr(plugin, "writeback_name", None)
+    return name if isinstance(name, str) else None
+
+
+def _register(manager: pluggy.PluginManager, plugin: object, name: str | None) -> None:
+    """Register ``plugin`` under ``name`` (an entry point's), or under its own ``writeback_name``."""
+    own = _own_name(plugin)
+    if name is not None and own is not None and own != name:
+        raise PluginNameError(
+            f"plugin {name!r} (entry point {name} in group {NAME!r}) calls itself {own!r} "
+            f"(writeback_name = {own!r}); a plugin has one name, its entry point's: "
+            f"set writeback_name = {name!r} or rename the entry point to {own!r}"
+        )
+    try:
+        manager.register(plugin, name=name if name is not None else own)
+    except ValueError as error:
+        raise PluginNameError(
+            f"{error}. A plugin is registered once, under one name: do not also pass an "
+            "installed plugin in plugins= (load_registry(entry_points=False, plugins=...) "
+            f"takes only the given ones), and give each plugin its own writeback_name"
+        ) from error
+
+
+def _check_env_names(installed: dict[str, metadata.EntryPoint], given: Iterable[str | None]) -> None:
+    """Refuse an allow-list naming no installed plugin; warn about a block list that blocks nothing."""
+    available = ", ".join(sorted(installed))
+    unknown = sorted(set(_names(LOAD_ENV) or ()) - set(installed))
+    if unknown:
+        raise PluginNameError(
+            f"{LOAD_ENV} names {', '.join(map(repr, unknown))}, which no installed plugin is "
+            f"called; installed plugins: {available}. Use the names `{NAME} plugins` lists."
+        )
+    known = set(installed) | {name for name in given if name is not None}
+    stray = sorted(set(_names(BLOCK_ENV) or ()) - known)
+    if stray:
+        warnings.warn(
+            f"{BLOCK_ENV} names {', '.join(map(repr, stray))}, which no plugin is called, so it "
+            f"blocks nothing; installed plugins: {available}. Use the names `{NAME} plugins` lists.",
+            stacklevel=3,
+        )
+
+
+def load_registry(entry_points: bool = True, plugins: Sequence[object] = ()) -> Registry:
+    """Build a registry: the installed plugins (core's built-in among them), then ``plugins``.
+
+    :param entry_points: load the plugins of the ``writeback`` entry-point group,
+        each under its entry-point name, as ``WRITEBACK_LOAD_PLUGINS`` and
+        ``WRITEBACK_BLOCK_PLUGINS`` allow. Without them only ``plugins`` are
+        registered; pass ``writeback_core.default_plugin`` there to have core's
+        built-in models and commands.
     :param plugins: extra plugin objects (a class instance or module); each is
-        registered under its ``writeback_name`` attribute if it has one.
+        registered under its ``writeback_name`` attribute if it has one, unless
+        ``WRITEBACK_BLOCK_PLUGINS`` names it.
+    :raises PluginNameError: an entry-point plugin's ``writeback_name`` is not its
+        entry-point name, one plugin is registered twice, or
+        ``WRITEBACK_LOAD_PLUGINS`` names a plugin that is not installed.
     :raises pluggy.PluginValidationError: a hookimpl matches no hookspec, or
         its signature does not fit the spec.
     """
-    from writeback_core import default_plugin
-
+    installed = _installed()
+    labels = [_own_name(plugin) for plugin in plugins]
+    _check_env_names(installed, labels)
+    blocked = set(_names(BLOCK_ENV) or ())
+    allowed = _names(LOAD_ENV)
     manager = pluggy.PluginManager(NAME)
     manager.add_hookspecs(hookspecs)
-    blocked = {n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()}
     for name in blocked:
         manager.set_blocked(name)
     if os.environ.get(TRACE_ENV) == "1":
         manager.trace.root.setwriter(sys.stderr.write)
         manager.enable_tracing()
-    if BUILTIN_NAME not in blocked:
-        manager.register(default_plugin, name=BUILTIN_NAME)
     if entry_points:
-        manager.load_setuptools_entrypoints(NAME)
-    for plugin in plugins:
-        label = _plugin_label(plugin)
-        if label is not None and label in blocked:
-            continue
-        manager.register(plugin, name=label)
+        wanted = set(installed) if allowed is None else {*allowed, BUILTIN_NAME}
+        for name in sorted(wanted & set(installed) - blocked):
+            _register(manager, installed[name].load(), name)
+    for plugin, label in zip(plugins, labels, strict=True):
+        if label is None or label not in blocked:
+            _register(manager, plugin, None)
     try:
         manager.check_pending()
     except pluggy.PluginValidationError as error:

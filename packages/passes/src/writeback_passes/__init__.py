@@ -1,28 +1,37 @@
-"""writeback-passes: graph passes that place and drop state write-backs."""
+"""writeback-passes: graph passes that place and drop state write-backs.
+
+The passes need ExecuTorch's exir (which imports torchao), so their names are
+imported on first use: ``import writeback_passes`` (and its entry-point plugin,
+which every ``writeback`` start loads) imports neither.
+"""
 
 from __future__ import annotations
 
-from writeback_passes.early_write_back import (
-    EarlyWriteBack,
-    WriteBackPlacement,
-    insert_write_back_early,
-)
-from writeback_passes.memory_report import (
-    MemoryPlanReport,
-    MethodPlan,
-    WriteBackLifetime,
-    memory_plan_report,
-)
-from writeback_passes.pipeline import EARLY_WRITE_BACK_ORDER, early_write_back_pass, to_executorch
-from writeback_passes.reinplace_delegate import (
-    IN_PLACE_OUTPUTS_SPEC,
-    REINPLACE_DELEGATE_ORDER,
-    DroppedWriteBack,
-    KeptWriteBack,
-    ReinplaceReport,
-    reinplace_delegate_input_mutations,
-    reinplace_delegate_pass,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from writeback_passes.early_write_back import (
+        EarlyWriteBack,
+        WriteBackPlacement,
+        insert_write_back_early,
+    )
+    from writeback_passes.memory_report import (
+        MemoryPlanReport,
+        MethodPlan,
+        WriteBackLifetime,
+        memory_plan_report,
+    )
+    from writeback_passes.pipeline import EARLY_WRITE_BACK_ORDER, early_write_back_pass, to_executorch
+    from writeback_passes.reinplace_delegate import (
+        IN_PLACE_OUTPUTS_SPEC,
+        REINPLACE_DELEGATE_ORDER,
+        DroppedWriteBack,
+        KeptWriteBack,
+        ReinplaceReport,
+        reinplace_delegate_input_mutations,
+        reinplace_delegate_pass,
+    )
 
 __all__ = [
     "EARLY_WRITE_BACK_ORDER",
@@ -43,3 +52,30 @@ __all__ = [
     "reinplace_delegate_pass",
     "to_executorch",
 ]
+
+_LAZY = {
+    "EarlyWriteBack": "writeback_passes.early_write_back",
+    "WriteBackPlacement": "writeback_passes.early_write_back",
+    "insert_write_back_early": "writeback_passes.early_write_back",
+    "MemoryPlanReport": "writeback_passes.memory_report",
+    "MethodPlan": "writeback_passes.memory_report",
+    "WriteBackLifetime": "writeback_passes.memory_report",
+    "memory_plan_report": "writeback_passes.memory_report",
+    "EARLY_WRITE_BACK_ORDER": "writeback_passes.pipeline",
+    "early_write_back_pass": "writeback_passes.pipeline",
+    "to_executorch": "writeback_passes.pipeline",
+    "IN_PLACE_OUTPUTS_SPEC": "writeback_passes.reinplace_delegate",
+    "REINPLACE_DELEGATE_ORDER": "writeback_passes.reinplace_delegate",
+    "DroppedWriteBack": "writeback_passes.reinplace_delegate",
+    "KeptWriteBack": "writeback_passes.reinplace_delegate",
+    "ReinplaceReport": "writeback_passes.reinplace_delegate",
+    "reinplace_delegate_input_mutations": "writeback_passes.reinplace_delegate",
+    "reinplace_delegate_pass": "writeback_passes.reinplace_delegate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'writeback_passes' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

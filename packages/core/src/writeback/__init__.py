@@ -1,0 +1,3 @@
+"""``python -m writeback``: the ``writeback`` command line (the library is ``writeback_core``)."""
+
+from __future__ import annotations
