@@ -26,14 +26,16 @@ SIBLINGS = [
     "writeback_trt_copyback",
     "writeback_pybind_runtime",
     "writeback_example_backend",
+    "writeback_testing",
 ]
 PLUGIN = {
     "writeback_core": "writeback-core",
     "writeback_passes": "passes",
-    "writeback_mlx_backend": "mlx",
+    "writeback_mlx_backend": "mlx-backend",
     "writeback_trt_copyback": "trt-copyback",
     "writeback_pybind_runtime": "pybind-runtime",
     "writeback_example_backend": "example-backend",
+    "writeback_testing": "writeback-testing",
 }
 
 
@@ -65,6 +67,9 @@ def explain(*rows: str) -> None:
 
 def core() -> None:
     explain()
+
+
+def testing() -> None:
     expect(writeback("fuzz", "--programs", "2", "--seed", "1", "--jobs", "1"), "0 mismatches")
 
 
@@ -105,11 +110,12 @@ def _delegated_blob(partitioner: object) -> tuple[bytes, torch.nn.Module]:
 
 def mlx_backend() -> None:
     import torch
+    from writeback_core import annotating
     from writeback_core.registry import load_registry
     from writeback_mlx_backend import MLXDelegate, MLXPartitioner, empty
 
     explain("mlx")
-    blob, eager = _delegated_blob(MLXPartitioner(load_registry()))
+    blob, eager = _delegated_blob(annotating(MLXPartitioner(), "mlx", load_registry()))
     delegate = MLXDelegate()
     handle = delegate.init(blob, {})
     for step in range(3):
@@ -124,10 +130,9 @@ def mlx_backend() -> None:
 
 
 def example_backend() -> None:
-    from writeback_core.registry import load_registry
     from writeback_example_backend.backend import ExamplePartitioner
 
-    blob, _ = _delegated_blob(ExamplePartitioner(load_registry()))
+    blob, _ = _delegated_blob(ExamplePartitioner())
     assert blob
 
 
@@ -138,6 +143,7 @@ SMOKES: dict[str, Callable[[], None]] = {
     "writeback_trt_copyback": trt_copyback,
     "writeback_pybind_runtime": pybind_runtime,
     "writeback_example_backend": example_backend,
+    "writeback_testing": testing,
 }
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+# pytest's own fixture for testing pytest plugins (writeback-testing's contract plugin).
+pytest_plugins = ["pytester"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -141,13 +141,10 @@ def test_out_variants_after_to_executorch_alias_their_out_argument(edge) -> None
 
 def test_delegate_call_is_conservative(export) -> None:  # type: ignore[no-untyped-def]
     from executorch.exir import to_edge_transform_and_lower
-    from writeback_core import load_registry
     from writeback_example_backend.backend import ExamplePartitioner
 
     ep = export(Cache(), (torch.ones(1, 2, 1, 4), torch.tensor([3])))
-    lowered = to_edge_transform_and_lower(
-        ep, partitioner=[ExamplePartitioner(load_registry(entry_points=False))]
-    ).exported_program()
+    lowered = to_edge_transform_and_lower(ep, partitioner=[ExamplePartitioner()]).exported_program()
     graph = lowered.graph_module.graph
     nodes = {n.name: n for n in graph.nodes}
     (call,) = [n for n in graph.nodes if "call_delegate" in str(n.target)]

@@ -9,6 +9,7 @@ import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
 from writeback_core import (
     PartitionView,
+    annotating,
     builtin_models,
     find_mutations,
     in_place_decisions,
@@ -38,7 +39,7 @@ def test_partitioner_answer_reaches_the_annotation_through_lowering(name: str) -
 
     registry = load_registry()  # the example backend comes through its entry point
     program = export_case(builtin_models()[name])
-    lowered = to_edge_transform_and_lower(program, partitioner=[ExamplePartitioner(registry)])
+    lowered = to_edge_transform_and_lower(program, partitioner=[annotating(ExamplePartitioner(), "example", registry)])
     found = in_place_decisions(lowered.exported_program())
     targets = {m.target for m in find_mutations(program.run_decompositions())}
     assert set(found) == targets
@@ -73,7 +74,9 @@ def test_example_backend_runs_from_pte_and_writes_the_cache() -> None:
     case = builtin_models()["decoder-caller-cache"]
     from writeback_example_backend.backend import ExamplePartitioner
 
-    lowered = to_edge_transform_and_lower(export_case(case), partitioner=[ExamplePartitioner(registry)])
+    lowered = to_edge_transform_and_lower(
+        export_case(case), partitioner=[annotating(ExamplePartitioner(), "example", registry)]
+    )
     graph_module = lowered.exported_program().graph_module
     blobs = [m for _, m in graph_module.named_children() if hasattr(m, "processed_bytes")]
     assert blobs

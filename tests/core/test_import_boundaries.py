@@ -13,15 +13,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 _APPLICATION = (
     "writeback_core.bench",
     "writeback_core.cli",
     "writeback_core.default_plugin",
     "writeback_core.explain",
+    "writeback_core.lowering",
     "writeback_core.pipeline",
     "writeback_core.run",
     "writeback_core.testing",
     "writeback_core.zoo",
+    "writeback_testing",
+)
+
+# What a plugin author imports: the contract.
+_CONTRACT = (
+    "writeback_core",
+    "writeback_core.alias",
+    "writeback_core.blob",
+    "writeback_core.hookspecs",
+    "writeback_core.meta",
+    "writeback_core.mutations",
+    "writeback_core.ops",
+    "writeback_core.partition",
+    "writeback_core.quiet",
+    "writeback_core.registry",
+    "writeback_core.types",
 )
 
 _HEAVY = ("executorch.exir", "torchao", "mlx", "writeback_pybind_runtime._native")
@@ -34,9 +53,10 @@ def _modules_after(code: str) -> set[str]:
     return set(json.loads(done.stdout.splitlines()[-1]))
 
 
-def test_importing_the_registry_imports_no_application_module() -> None:
-    loaded = _modules_after("import writeback_core.registry")
-    assert "writeback_core.registry" in loaded
+@pytest.mark.parametrize("module", _CONTRACT)
+def test_importing_a_contract_module_imports_no_application_module(module: str) -> None:
+    loaded = _modules_after(f"import {module}")
+    assert module in loaded
     assert sorted(loaded & set(_APPLICATION)) == []
 
 

@@ -17,7 +17,7 @@ from writeback_core import (
     hookimpl,
     load_registry,
 )
-from writeback_core.explain import export_case
+from writeback_core.lowering import export_case
 
 
 def _decoder_mutation() -> tuple[Mutation, torch.fx.Graph]:

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
-from writeback_core.testing.oracle import Lowered, built_from_case
 from writeback_core.zoo import builtin_models
+from writeback_testing.oracle import Lowered, built_from_case
 
 
 @pytest.mark.parametrize(("model", "backend"), [("ema", "none"), ("decoder-caller-cache", "mlx"), ("decoder", "mlx")])

@@ -34,11 +34,14 @@ def _export() -> torch.export.ExportedProgram:
         return torch.export.export(module, (torch.tensor([2]), torch.ones(1, 2)), strict=False)
 
 
-def test_backend_spec_partitioner_is_wrapped_and_core_records_the_decisions() -> None:
+def test_backend_spec_partitioner_only_tags_and_core_records_the_decisions() -> None:
     registry = load_registry()  # the example backend through its real entry point
-    partitioner = registry.backends()["example"].partitioner(registry)
+    spec = registry.backends()["example"]
+    plain = spec.partitioner(registry)
+    assert isinstance(plain, ExamplePartitioner) and not hasattr(plain, "registry")
+    # What the one lowering path (writeback_core.lowering.partition) does with it.
+    partitioner = annotating(plain, spec.name, registry)
     assert isinstance(partitioner, AnnotatingPartitioner)
-    assert isinstance(partitioner.partitioner, ExamplePartitioner) and partitioner.partitioner.registry is None
     edge = to_edge_transform_and_lower(_export(), partitioner=[partitioner])
     # Worked out by hand: the index_copy is the example's one partition and it accepts;
     # the slice write is in no partition, so no plugin is asked and nothing is recorded.
@@ -47,7 +50,6 @@ def test_backend_spec_partitioner_is_wrapped_and_core_records_the_decisions() ->
     ]
     recorded = in_place_decisions(edge.exported_program())
     assert {t: d.accepted for t, d in recorded.items()} == {"cache": True}
-    assert partitioner.partitioner.registry is None  # the backend itself never saw the registry
 
 
 def test_wrapping_twice_is_one_wrapper_and_another_backend_is_refused() -> None:

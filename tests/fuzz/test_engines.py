@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 from writeback_core.cli import main
-from writeback_core.testing.fuzz import FuzzConfig, run_fuzz, summary
+from writeback_testing.fuzz import FuzzConfig, run_fuzz, summary
 
 from .conftest import FUZZ_PLUGINS
 from .refusing_engine import REASON

@@ -31,7 +31,7 @@ run, ~+470 s of CPU, ~+4 min on two idle cores.
 from __future__ import annotations
 
 import pytest
-from writeback_core.testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
+from writeback_testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
 
 from .conftest import CI_PROGRAMS, ENGINE_PLUGINS
 

@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from writeback_core import ProgramPass, hookimpl
 from writeback_core.registry import Registry, load_registry
-from writeback_core.testing.oracle import (
+from writeback_testing.oracle import (
     ProgramMismatch,
     StockTarget,
     TargetError,
@@ -19,7 +19,7 @@ from writeback_core.testing.oracle import (
     registry_runtime,
     runtime_targets,
 )
-from writeback_core.testing.program import ProgramSpec, Read, Source, State, Write, build
+from writeback_testing.program import ProgramSpec, Read, Source, State, Write, build
 
 from .conftest import FUZZ_PLUGINS
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from writeback_core.testing.oracle import InvalidProgram, check_program, eager_run
-from writeback_core.testing.overlap import OverlappingWrite
-from writeback_core.testing.program import (
+from writeback_testing.oracle import InvalidProgram, check_program, eager_run
+from writeback_testing.overlap import OverlappingWrite
+from writeback_testing.program import (
     Derive,
     ProgramSpec,
     Read,
@@ -23,13 +23,14 @@ from writeback_core.testing.program import (
     build,
     render_source,
 )
-from writeback_core.testing.strategies import ALL_WRITES, programs
+from writeback_testing.strategies import ALL_WRITES, programs
 
 
 def test_import_writeback_core_does_not_import_hypothesis() -> None:
-    """hypothesis is the ``testing`` extra: core and its CLI module must import without it."""
+    """Every `writeback` start loads writeback-testing's plugin and its command module: neither
+    may import hypothesis (only `writeback fuzz` needs it)."""
     code = (
-        "import sys, writeback_core, writeback_core.cli, writeback_core.testing.cli\n"
+        "import sys, writeback_core, writeback_core.cli, writeback_testing.plugin, writeback_testing.cli\n"
         "assert 'hypothesis' not in sys.modules, 'hypothesis imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

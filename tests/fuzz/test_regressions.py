@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from writeback_core.lowering import MemoryPlan
 from writeback_core.registry import Registry
-from writeback_core.testing.oracle import Lowered, check_program, registry_runtime, runtime_targets
-from writeback_core.testing.program import ProgramSpec, Source, State, Write, build
+from writeback_testing.oracle import Lowered, check_program, registry_runtime, runtime_targets
+from writeback_testing.program import ProgramSpec, Source, State, Write, build
 
 # Found by the fuzzer (pybind-unplanned target): with graph outputs left out of the memory
 # plan (alloc_graph_output=False), early write-back returned the state placeholder itself

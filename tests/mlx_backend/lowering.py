@@ -1,27 +1,22 @@
-"""Helpers of the MLX backend tests: real export, real exir lowering with the MLX partitioner
-and the registered passes, real pybind-runtime, real MLX."""
+"""Helpers of the MLX backend tests: real export and lowering through core's one lowering
+path (MLX partitioner, registered passes), real pybind-runtime, real MLX."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import writeback_mlx_backend.plugin as mlx_plugin
-import writeback_passes
 import writeback_passes.plugin as passes_plugin
-from executorch.exir import (
-    ExecutorchBackendConfig,
-    ExecutorchProgramManager,
-    to_edge_transform_and_lower,
-)
+from executorch.exir import ExecutorchProgramManager
 from executorch.exir.delegate import executorch_call_delegate
-from executorch.exir.passes import MemoryPlanningPass
 from torch.export import ExportedProgram
-from writeback_core.registry import Registry, load_registry
-from writeback_mlx_backend import MLXDelegate, MLXPartitioner
+from writeback_core import lowering
+from writeback_core.registry import InPlaceDecision, Registry, load_registry
+from writeback_mlx_backend import MLXDelegate
 from writeback_pybind_runtime import Method, Runtime
 
 
@@ -31,19 +26,16 @@ def registry(*extra: object) -> Registry:
 
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:
-    """torch.export as the project does: eval, no grad, non-strict."""
-    module = module.eval().requires_grad_(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.export.export(module, args, strict=False)
+    """torch.export as the project does (:func:`writeback_core.lowering.export_model`)."""
+    return lowering.export_model(module, args)
 
 
 @dataclass
 class Lowered:
-    """A module lowered to MLX and to ExecuTorch, with the partitioner that did it."""
+    """A module lowered to MLX and to ExecuTorch, with core's in-place decisions."""
 
     program: ExecutorchProgramManager
-    partitioner: MLXPartitioner
+    decisions: list[InPlaceDecision]
     registry: Registry
 
     @property
@@ -106,20 +98,19 @@ def lower_mlx(
     own_buffers: bool = True,
     passes: bool = True,
 ) -> Lowered:
-    """Export ``module``, lower it with :class:`MLXPartitioner` and run ``to_executorch``.
+    """Export ``module`` and lower it for MLX through core's lowering path.
 
-    With ``passes`` the registered passes run (``writeback_passes.to_executorch``),
-    so write-backs the delegate accepted are dropped; without, stock exir.
+    With ``passes`` the registered passes run, so write-backs the delegate accepted are
+    dropped; without, exir alone. ``planned_inputs`` picks the ``"planned"`` memory plan
+    over ``"state"`` (caller-owned state unplanned).
     """
     reg = registry_ if registry_ is not None else registry()
-    partitioner = MLXPartitioner(reg, own_buffers=own_buffers)
-    program = export_module(module, args)
-    config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
-        if passes:
-            manager = writeback_passes.to_executorch(edge, config, registry=reg)
-        else:
-            manager = edge.to_executorch(config)
-    return Lowered(manager, partitioner, reg)
+    spec = reg.backends()["mlx"]
+    if not own_buffers:
+        factory = spec.partitioner
+        spec = dataclasses.replace(spec, partitioner=lambda r: factory(r, own_buffers=False))
+    partitioned = lowering.partition(export_module(module, args), reg, spec)
+    manager = lowering.to_executorch(
+        partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state"
+    )
+    return Lowered(manager, list(partitioned.decisions.values()), reg)

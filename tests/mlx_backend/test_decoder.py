@@ -17,8 +17,8 @@ def test_decoder_with_delegate_owned_cache_matches_eager() -> None:
     case = decoder_case(CONFIG)
     lowered = lower_mlx(case.build(), case.example_args(0))
     assert lowered.only_delegate_runs()
-    assert {d.accepted for d in lowered.partitioner.decisions} == {True}
-    assert len(lowered.partitioner.decisions) == 2 * CONFIG.layers
+    assert {d.accepted for d in lowered.decisions} == {True}
+    assert len(lowered.decisions) == 2 * CONFIG.layers
     method = lowered.method()
     model = case.build().eval()
     for step in range(STEPS):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from executorch.exir import to_edge_transform_and_lower
-from writeback_core import find_mutations
+from writeback_core import annotating, find_mutations
 
 from tests.mlx_backend.lowering import export_module, registry
 
@@ -34,7 +34,7 @@ def test_buffer_also_returned_is_copied_back_in_explain_as_in_the_pipeline() -> 
     program = export_module(ReturnsItsCache(), args)
 
     # What the pipeline records: the backend's partitioner, wrapped by core.
-    partitioner = reg.backends()["mlx"].partitioner(reg)
+    partitioner = annotating(reg.backends()["mlx"].partitioner(reg), "mlx", reg)
     edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
     # (An owned buffer's placeholder moves into the delegate, so read the decisions made.)
     accepted = {d.target: d.accepted for d in partitioner.decisions}

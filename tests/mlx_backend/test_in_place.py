@@ -198,7 +198,7 @@ def test_backend_declining_one_mutation_keeps_that_copy_and_drops_the_other() ->
             return kc.sum() + vc.sum()
 
     lowered = lower_mlx(Slice(), args)
-    decisions = {d.target: d.accepted for d in lowered.partitioner.decisions}
+    decisions = {d.target: d.accepted for d in lowered.decisions}
     assert decisions == {"kc": True, "vc": False}
     assert lowered.write_backs() == ["vc"]
     method = lowered.method()

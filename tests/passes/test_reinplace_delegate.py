@@ -15,7 +15,7 @@ import writeback_mlx_backend.plugin as mlx_plugin
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.delegate import executorch_call_delegate
 from torch.fx.passes.infra.pass_base import PassResult
-from writeback_core import Mutation, PartitionView, hookimpl, load_registry
+from writeback_core import Mutation, PartitionView, Registry, annotating, hookimpl, load_registry
 from writeback_mlx_backend import MLXPartitioner
 from writeback_passes import (
     IN_PLACE_OUTPUTS_SPEC,
@@ -46,6 +46,11 @@ class DeclineAll:
         return False if backend == "mlx" else None
 
 
+def _mlx(registry: Registry | None) -> Any:
+    """The MLX partitioner as core's lowering path uses it (bare: no decision recorded)."""
+    return MLXPartitioner() if registry is None else annotating(MLXPartitioner(), "mlx", registry)
+
+
 def _run(plugins: list[object] | None, edit: Edit | None = None) -> tuple[ReinplaceReport, Any]:
     """Lower ``TwoCaches`` to MLX and run the pass where exir runs ``config.passes``.
 
@@ -56,7 +61,7 @@ def _run(plugins: list[object] | None, edit: Edit | None = None) -> tuple[Reinpl
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(module, ARGS, strict=False)
-        edge = to_edge_transform_and_lower(program, partitioner=[MLXPartitioner(registry)])
+        edge = to_edge_transform_and_lower(program, partitioner=[_mlx(registry)])
     reports: list[ReinplaceReport] = []
 
     def stage(gm: torch.fx.GraphModule) -> PassResult:
@@ -198,7 +203,7 @@ def _lower_to_example(registry: Any, planned: bool) -> Any:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(module, args, strict=False)
-        edge = to_edge_transform_and_lower(program, partitioner=[ExamplePartitioner(registry)])
+        edge = to_edge_transform_and_lower(program, partitioner=[annotating(ExamplePartitioner(), "example", registry)])
         config = ExecutorchBackendConfig(
             memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned, alloc_graph_output=planned)
         )
@@ -211,7 +216,7 @@ def test_delegate_whose_only_results_were_dropped_write_backs_still_runs(planned
     and exir's dead-code elimination deleted it, so the state was never written. The call
     must survive to the .pte with zero write-back copies, and the real runtime must write the
     caller's cache and the buffer as eager PyTorch does, call after call."""
-    from writeback_core.testing.oracle import registry_runtime
+    from writeback_testing.oracle import registry_runtime
 
     registry = _example_registry()
     manager = _lower_to_example(registry, planned)

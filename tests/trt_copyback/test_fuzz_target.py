@@ -13,14 +13,14 @@ import warnings
 import pytest
 import torch
 from writeback_core.registry import Registry, load_registry
-from writeback_core.testing.engines import engine_targets
-from writeback_core.testing.oracle import (
+from writeback_testing.engines import engine_targets
+from writeback_testing.oracle import (
     check_program,
     check_source,
     export_built,
     registry_runtime,
 )
-from writeback_core.testing.program import Derive, ProgramSpec, Read, Source, State, Write, build
+from writeback_testing.program import Derive, ProgramSpec, Read, Source, State, Write, build
 from writeback_trt_copyback import (
     KVAliasEngine,
     UninitializedCopyBackWarning,

@@ -49,7 +49,7 @@ def test_writeback_engines_hook_takes_an_inline_plugin() -> None:
 
 
 def test_two_plugins_offering_one_engine_name_is_an_error_naming_both() -> None:
-    from writeback_trt_copyback import DuplicateEngineError, engines_of
+    from writeback_core.registry import DuplicateNameError
 
     class Twin:
         def __init__(self, label: str) -> None:
@@ -60,9 +60,9 @@ def test_two_plugins_offering_one_engine_name_is_an_error_naming_both() -> None:
             return [KVAliasEngine()]
 
     registry = load_registry(entry_points=False, plugins=[Twin("twin-b"), Twin("twin-a")])
-    with pytest.raises(DuplicateEngineError, match="'kv-alias' is offered by both plugin 'twin-a' and plugin 'twin-b'"):
-        engines_of(registry)
-    assert "kv-alias" in engines_of(load_registry())
+    with pytest.raises(DuplicateNameError, match="'kv-alias' is offered by both plugin 'twin-a' and plugin 'twin-b'"):
+        registry.engines()
+    assert "kv-alias" in load_registry().engines()
 
 
 def test_runtime_delegate_is_offered_under_the_engine_backend_id() -> None:

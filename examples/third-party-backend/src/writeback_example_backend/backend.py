@@ -11,7 +11,7 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from writeback_core import Registry, in_place_outputs, meta, record_in_place_decisions
+from writeback_core import in_place_outputs, meta
 from writeback_core.blob import BlobReader, load_json
 from writeback_core.ops import packet_name
 
@@ -47,17 +47,14 @@ def _single_index_dim(node: torch.fx.Node) -> int | None:
 class ExamplePartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped: its bases are Any
     """Delegates each one-index ``index_put`` node (the exported form of ``index_copy_``).
 
-    It only tags nodes, as every exir partitioner does: the backend's
-    ``BackendSpec.partitioner`` wraps it with :func:`writeback_core.annotating`,
-    and core then asks ``writeback_accepts_in_place`` about each mutation a
-    partition touches and records the decision. ``registry`` is for code that
-    builds this class by hand: given one, ``partition`` records the decisions
-    as the wrapper does.
+    It only tags nodes, as every exir partitioner does: core's lowering path
+    wraps it with :func:`writeback_core.annotating`, which asks
+    ``writeback_accepts_in_place`` about each mutation a partition touches and
+    records the decision.
     """
 
-    def __init__(self, registry: Registry | None = None, **options: Any) -> None:
+    def __init__(self, **options: Any) -> None:
         super().__init__()
-        self.registry = registry
         self.options = options
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
@@ -68,8 +65,6 @@ class ExamplePartitioner(Partitioner):  # type: ignore[misc]  # executorch is un
             tag = f"{BACKEND_NAME}_{len(tags)}"
             node.meta["delegation_tag"] = tag
             tags[tag] = DelegationSpec(BACKEND_ID, [])
-        if self.registry is not None:
-            record_in_place_decisions(exported_program, BACKEND_NAME, self.registry, tags)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 

@@ -23,12 +23,10 @@ writeback_name = "example-backend"
 
 def _partitioner(registry: Registry, **options: Any) -> Any:
     # exir is imported here, not at the top: loading this plugin stays cheap.
-    from writeback_core import annotating
-
     from writeback_example_backend.backend import ExamplePartitioner
 
-    # Our partitioner only tags nodes; core records the per-mutation decisions.
-    return annotating(ExamplePartitioner(**options), BACKEND_NAME, registry)
+    # Our partitioner only tags nodes; core wraps it and records the per-mutation decisions.
+    return ExamplePartitioner(**options)
 
 
 @hookimpl

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from writeback_core import meta
-from writeback_core._ops import aten_op, schema_of
+from writeback_core.ops import aten_op, schema_of
 
 __all__ = ["AliasAnalysis"]
 

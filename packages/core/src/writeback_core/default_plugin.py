@@ -36,7 +36,3 @@ def writeback_cli_commands(group: click.Group) -> None:
 
     group.add_command(run_command)
     group.add_command(bench_command)
-    # ``fuzz`` imports hypothesis only when it runs (the ``testing`` extra).
-    from writeback_core.testing.cli import fuzz_command
-
-    group.add_command(fuzz_command)

@@ -32,10 +32,10 @@ from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.pass_base import PassResult
 
 from writeback_core import meta
-from writeback_core._ops import packet_name
 from writeback_core.mutations import Mutation, find_mutations
+from writeback_core.ops import write_back_copies
 from writeback_core.quiet import known_warnings_ignored
-from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
+from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec, ProgramPass
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ __all__ = [
     "Lowered",
     "LoweringError",
     "MemoryPlan",
+    "Partitioned",
     "as_exir_pass",
     "backend_config",
     "export_case",
@@ -111,24 +112,44 @@ def export_case(case: ModelCase) -> ExportedProgram:
     return export_model(case.build(), case.example_args(0))
 
 
-def partition(program: ExportedProgram, registry: Registry | None, backend: BackendSpec | None) -> EdgeProgramManager:
-    """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no delegate).
+@dataclass
+class Partitioned:
+    """A program partitioned for a backend: the edge program and every in-place decision core
+    recorded, keyed by target (including those of buffers that moved into a delegate, whose
+    placeholders the edge program no longer has)."""
+
+    edge: EdgeProgramManager
+    decisions: dict[str, InPlaceDecision]
+
+
+def partition(program: ExportedProgram, registry: Registry | None, backend: BackendSpec | None) -> Partitioned:
+    """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
+    delegate), wrapped by :func:`writeback_core.annotating` so core records a decision per
+    mutation a partition touches.
 
     ``program`` is not changed. :raises LoweringError: naming the backend.
     """
     from executorch.exir import to_edge_transform_and_lower
 
-    partitioners = []
+    from writeback_core.partition import annotating
+
+    wrapped = None
     if backend is not None:
         if registry is None:
             raise ValueError(f"backend {backend.name!r} needs a registry to ask per mutation")
-        partitioners.append(backend.partitioner(registry))
+        # The backend's partitioner only tags; core records the per-mutation decisions.
+        wrapped = annotating(backend.partitioner(registry), backend.name, registry)
     try:
         with known_warnings_ignored():
-            return to_edge_transform_and_lower(program, partitioner=partitioners)
+            edge = to_edge_transform_and_lower(program, partitioner=[wrapped] if wrapped is not None else [])
+    except InPlaceConflictError:
+        raise  # the plugins' disagreement, named by core: not a failure of the lowering
     except Exception as error:
         name = backend.name if backend is not None else "none"
         raise LoweringError(f"partitioning for backend {name!r} failed: {type(error).__name__}: {error}") from error
+    decisions = {d.target: d for d in wrapped.decisions} if wrapped is not None else {}
+    decisions.update(in_place_decisions(edge.exported_program()))
+    return Partitioned(edge, decisions)
 
 
 def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:
@@ -259,13 +280,12 @@ def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int
     calls = [n for n in graph.nodes if n.op == "call_function"]
     index = {n: i for i, n in enumerate(calls)}
     found: dict[str, tuple[int, int, int]] = {}
-    for node in calls:
-        if packet_name(node.target) != "copy_" or len(node.args) < 2:
+    for node in write_back_copies(graph):
+        if len(node.args) < 2:
             continue
-        dest, value = node.args[0], node.args[1]
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
-            value_index = index.get(value, -1) if isinstance(value, torch.fx.Node) else -1
-            found[dest.name] = (index[node], value_index, len(calls))
+        value = node.args[1]
+        value_index = index.get(value, -1) if isinstance(value, torch.fx.Node) else -1
+        found[str(node.args[0])] = (index[node], value_index, len(calls))
     return found
 
 
@@ -328,15 +348,14 @@ def lower(
     start = time.perf_counter()
     with known_warnings_ignored():
         mutations = find_mutations(exported.run_decompositions())
-    edge = partition(exported, registry, backend)
-    decisions = in_place_decisions(edge.exported_program())
-    program = to_executorch(edge, registry, plan)
+    partitioned = partition(exported, registry, backend)
+    program = to_executorch(partitioned.edge, registry, plan)
     final = program.exported_program()
     signature = final.graph_signature
     return Lowered(
         exported=exported,
         mutations=mutations,
-        decisions=decisions,
+        decisions=partitioned.decisions,
         program=program,
         pte=bytes(program.buffer),
         write_back_bytes=write_back_bytes(final),

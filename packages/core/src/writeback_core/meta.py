@@ -20,10 +20,6 @@ CUSTOM = "custom"
 # partitioner asks; read by the passes that drop write-backs and by ``explain``.
 IN_PLACE = "writeback.in_place"
 
-# On a write-back ``copy_`` node: the name of the buffer or input it writes.
-# Written by the early write-back pass; read by ``explain`` and the reports.
-WRITE_BACK_OF = "writeback.write_back_of"
-
 # On a graph output value: this output is a copy-back value of a buffer that an
 # engine must not alias. Written by trt-copyback; checked after lowering.
 NO_ALIAS = "writeback.no_alias"

@@ -21,7 +21,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from writeback_core._ops import aten_op, op_name, packet_name
+from writeback_core.ops import aten_op, op_name, packet_name, write_back_copies
 
 __all__ = [
     "Dynamic",
@@ -391,14 +391,7 @@ def _shape(node: torch.fx.Node) -> tuple[tuple[int | Dynamic, ...], torch.dtype]
 
 def _write_back_copies(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     """The last ``copy_(placeholder, value)`` of each placeholder, keyed by its name."""
-    found: dict[str, torch.fx.Node] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or packet_name(node.target) != "copy_":
-            continue
-        dest = node.args[0] if node.args else None
-        if isinstance(dest, torch.fx.Node) and dest.op == "placeholder":
-            found[dest.name] = node
-    return found
+    return {str(node.args[0]): node for node in write_back_copies(graph)}
 
 
 def find_mutations(ep: ExportedProgram) -> list[Mutation]:

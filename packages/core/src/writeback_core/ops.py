@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 
-__all__ = ["aten_op", "is_aten", "op_name", "packet_name", "schema_of"]
+__all__ = ["aten_op", "is_aten", "op_name", "packet_name", "schema_of", "write_back_copies"]
 
 
 def aten_op(target: Any) -> Any:
@@ -52,3 +53,20 @@ def packet_name(target: Any) -> str | None:
     if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
         return str(op._opname)
     return None
+
+
+def write_back_copies(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Every write-back: a ``copy_(placeholder, value)`` node (aten or edge), in graph order.
+
+    exir writes a mutated buffer or input back this way; the one helper every pass,
+    report and check uses to find them.
+    """
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and packet_name(node.target) == "copy_"
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op == "placeholder"
+    ]

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 import torch.fx
+from writeback_core.ops import aten_op
 
 __all__ = [
     "MX_DTYPES",
@@ -84,11 +85,8 @@ class OpHandler:
 
 def op_key(target: Any) -> str:
     """``"aten.mm.default"`` for an aten op or its edge wrapper; ``""`` for anything else."""
-    inner = getattr(target, "_op", None)
-    op = inner if isinstance(inner, torch._ops.OpOverload) else target
-    if isinstance(op, torch._ops.OpOverload):
-        return str(op)
-    return ""
+    op = aten_op(target)
+    return str(op) if isinstance(op, torch._ops.OpOverload) else ""
 
 
 # -- metadata checks ------------------------------------------------------------

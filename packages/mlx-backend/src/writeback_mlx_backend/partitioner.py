@@ -17,8 +17,6 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
-from writeback_core.partition import record_in_place_decisions
-from writeback_core.registry import InPlaceDecision, Registry
 
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
 from writeback_mlx_backend.ops import unsupported_reason
@@ -41,20 +39,16 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
 
     Buffers a partition mutates become delegate-owned when ``own_buffers`` (they
     then live in MLX across calls). The partitioner only tags: the in-place
-    decision per mutation is core's, recorded by the wrapper
-    :func:`writeback_core.partition.annotating` that the backend's
-    ``BackendSpec.partitioner`` returns. ``registry`` is for code that builds
-    this class by hand: given one, ``partition`` records the decisions just as
-    the wrapper does (in ``decisions``); without one, no mutation is annotated
-    (every write-back is kept).
+    decision per mutation is core's: its lowering path wraps this partitioner in
+    :func:`writeback_core.annotating`, which asks every plugin per mutation and
+    records the decision. Used bare, no mutation is annotated (every write-back
+    is kept).
     """
 
-    def __init__(self, registry: Registry | None = None, own_buffers: bool = True) -> None:
+    def __init__(self, own_buffers: bool = True) -> None:
         super().__init__()
-        self.registry = registry
         self.own_buffers = own_buffers
         self.delegation_spec = DelegationSpec(WritebackMLXBackend.__name__, [])
-        self.decisions: list[InPlaceDecision] = []
         assert WritebackMLXBackend.__name__ == BACKEND_ID
 
     def ops_to_not_decompose(
@@ -64,7 +58,7 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         return list(_KEEP), lambda node: node.target not in _KEEP or (unsupported_reason(node) is None)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        """Tag supported nodes, owned buffers and constants (and, given a registry, record decisions)."""
+        """Tag supported nodes, owned buffers and constants."""
         gm = exported_program.graph_module
         partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
         tags: dict[str, DelegationSpec] = {}
@@ -77,8 +71,6 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
             tag_mutated_buffer(exported_program)
             _keep_returned_buffers_outside(exported_program)
         tag_constant_data(exported_program)
-        if self.registry is not None:
-            self.decisions = record_in_place_decisions(exported_program, BACKEND_NAME, self.registry, tags)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 

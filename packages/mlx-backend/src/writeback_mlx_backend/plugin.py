@@ -33,12 +33,10 @@ _IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, Wri
 
 
 def _partitioner(registry: Registry, **options: Any) -> Any:
-    from writeback_core.partition import annotating
-
     from writeback_mlx_backend.partitioner import MLXPartitioner
 
-    # The partitioner only tags; core records the per-mutation decisions.
-    return annotating(MLXPartitioner(None, **options), BACKEND_NAME, registry)
+    # The partitioner only tags; core wraps it and records the per-mutation decisions.
+    return MLXPartitioner(**options)
 
 
 @hookimpl

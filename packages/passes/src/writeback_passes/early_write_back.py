@@ -17,6 +17,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from writeback_core import AliasAnalysis, meta
+from writeback_core.ops import aten_op, packet_name, write_back_copies
 
 __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
 
@@ -27,16 +28,6 @@ __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
 _BECOMES_VIEW = frozenset({"view_copy"})
 
 _COPY_PACKET = "copy_"
-
-
-def _packet(target: object) -> str | None:
-    """``"copy_"`` for ``aten.copy_.default`` or its edge wrapper; ``None`` for non-aten targets."""
-    # An edge op wraps its aten overload in ``_op``; an aten overload's own ``_op``
-    # is a C++ builtin, so only unwrap what is not already an overload.
-    op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", None)
-    if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
-        return str(op._opname)
-    return None
 
 
 @dataclass(frozen=True)
@@ -94,11 +85,9 @@ def _write_backs(graph: torch.fx.Graph) -> list[_WriteBack]:
     output = graph.output_node()
     returned = set(output.all_input_nodes)
     found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or _packet(node.target) != _COPY_PACKET:
-            continue
+    for node in write_back_copies(graph):
         dest, value = (*node.args, None, None)[:2]
-        if not (isinstance(dest, torch.fx.Node) and dest.op == "placeholder" and isinstance(value, torch.fx.Node)):
+        if not (isinstance(dest, torch.fx.Node) and isinstance(value, torch.fx.Node)):
             continue
         if node in returned or (dest in returned and not node.users):
             found.append(_WriteBack(node, dest, value))
@@ -126,12 +115,12 @@ class _Storage:
             group = self.alias.aliases(current) or frozenset({current})
             seen.update(group)
             for member in group:
-                if _packet(member.target) in _BECOMES_VIEW and member.args:
+                if packet_name(member.target) in _BECOMES_VIEW and member.args:
                     base = member.args[0]
                     if isinstance(base, torch.fx.Node):
                         frontier.append(base)
                 frontier.extend(
-                    u for u in member.users if _packet(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
+                    u for u in member.users if packet_name(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
                 )
         result = frozenset(seen)
         for member in result:
@@ -244,7 +233,7 @@ def _move_to_end(write_backs: Sequence[_WriteBack], graph: torch.fx.Graph) -> bo
 
 def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
     """The argument an aten in-place op writes and returns (``copy_``, ``index_put_``, ...), if any."""
-    op = node.target if isinstance(node.target, torch._ops.OpOverload) else getattr(node.target, "_op", None)
+    op = aten_op(node.target)
     if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
     schema = op._schema
@@ -344,7 +333,9 @@ def _needs_write_backs(program: ExportedProgram) -> bool:
             continue
         # A copy_ is exir's write-back; a placeholder is one this pass already
         # moved (or a state written fully in place, which needs none).
-        if not (isinstance(node, torch.fx.Node) and (node.op == "placeholder" or _packet(node.target) == _COPY_PACKET)):
+        if not (
+            isinstance(node, torch.fx.Node) and (node.op == "placeholder" or packet_name(node.target) == _COPY_PACKET)
+        ):
             return True
     return False
 

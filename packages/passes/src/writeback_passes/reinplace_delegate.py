@@ -11,7 +11,6 @@ reader.
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass, meta
+from writeback_core.blob import encode_in_place_outputs, in_place_outputs
+from writeback_core.ops import packet_name, schema_of, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
 from writeback_passes.early_write_back import _user_input_test
@@ -66,28 +67,8 @@ class ReinplaceReport:
     kept: list[KeptWriteBack] = field(default_factory=list)
 
 
-def _aten(target: object) -> object:
-    """The ``OpOverload`` behind an edge op (which wraps one), else ``target``."""
-    inner = getattr(target, "_op", None)
-    return inner if isinstance(inner, torch._ops.OpOverload) else target
-
-
 def _is_packet(node: torch.fx.Node, name: str) -> bool:
-    op = _aten(node.target)
-    return (
-        node.op == "call_function"
-        and isinstance(op, torch._ops.OpOverload)
-        and op.namespace == "aten"
-        and op._opname == name
-    )
-
-
-def _write_backs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [
-        n
-        for n in graph.nodes
-        if _is_packet(n, "copy_") and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"
-    ]
+    return node.op == "call_function" and packet_name(node.target) == name
 
 
 def _returns_alias(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
@@ -97,8 +78,8 @@ def _returns_alias(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
     if node.target is executorch_call_delegate:
         # A delegate writes its results into outputs the runtime allocated.
         return False
-    schema = getattr(_aten(node.target), "_schema", None)
-    if not isinstance(schema, torch.FunctionSchema) or not schema.name.startswith("aten::"):
+    schema = schema_of(node.target)
+    if schema is None or not schema.name.startswith("aten::"):
         return True  # unknown callable (memory.view, a custom op): assume it aliases
     returns = {s for r in schema.returns if r.alias_info for s in r.alias_info.after_set}
     for position, argument in enumerate(schema.arguments):
@@ -256,13 +237,17 @@ def _release_output(call: torch.fx.Node, output: int) -> None:
 def _record(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int, input_index: int) -> None:
     lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]  # args[0] is a get_attr node
     specs: list[CompileSpec] = lowered.compile_specs
-    entries: list[dict[str, int]] = []
-    for spec in list(specs):
-        if spec.key == IN_PLACE_OUTPUTS_SPEC:
-            entries = json.loads(spec.value)
-            specs.remove(spec)
-    entries.append({"output": output, "input": input_index})
-    specs.append(CompileSpec(IN_PLACE_OUTPUTS_SPEC, json.dumps(entries).encode()))
+    vals = call.meta.get("val")
+    n_outputs = len(vals) if isinstance(vals, (list, tuple)) else 1
+    # Read back what earlier drops recorded with the one parser of the spec, then re-encode.
+    pairs = [
+        (entry.output, entry.input)
+        for entry in in_place_outputs(
+            {s.key: bytes(s.value) for s in specs}, lowered.backend_id, len(call.args) - 1, n_outputs
+        )
+    ]
+    specs[:] = [s for s in specs if s.key != IN_PLACE_OUTPUTS_SPEC]
+    specs.append(CompileSpec(IN_PLACE_OUTPUTS_SPEC, encode_in_place_outputs([*pairs, (output, input_index)])))
 
 
 def reinplace_delegate_input_mutations(
@@ -314,7 +299,7 @@ def reinplace_delegate_input_mutations(
     graph = gm.graph
     is_user_input = _user_input_test(graph, program)
     report = ReinplaceReport()
-    for copy in _write_backs(graph):
+    for copy in write_back_copies(graph):
         placeholder = copy.args[0]
         assert isinstance(placeholder, torch.fx.Node)
         decision = InPlaceDecision.from_node(placeholder)

@@ -48,10 +48,10 @@ class _Mlp(torch.nn.Module):
 def _export(module: torch.nn.Module, args: tuple[Any, ...], planned_inputs: bool) -> bytes:
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from executorch.exir.passes import MemoryPlanningPass
+    from writeback_core.lowering import export_model
 
-    module = module.eval().requires_grad_(False)
-    with known_warnings_ignored(), torch.no_grad():
-        program = torch.export.export(module, args, strict=False)
+    program = export_model(module, args)
+    with known_warnings_ignored():
         config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=planned_inputs))
         return bytes(to_edge(program).to_executorch(config).buffer)
 

@@ -41,10 +41,10 @@ class _Big(torch.nn.Module):
 
 def _export(module: torch.nn.Module) -> bytes:
     from executorch.exir import to_edge
+    from writeback_core.lowering import export_model
 
-    module = module.eval().requires_grad_(False)
-    with known_warnings_ignored(), torch.no_grad():
-        program = torch.export.export(module, (torch.zeros(4),), strict=False)
+    program = export_model(module, (torch.zeros(4),))
+    with known_warnings_ignored():
         return bytes(to_edge(program).to_executorch().buffer)
 
 

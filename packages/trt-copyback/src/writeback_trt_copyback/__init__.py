@@ -43,7 +43,6 @@ from writeback_trt_copyback.lift import (
     Mode,
     lift_mutated_buffers,
 )
-from writeback_trt_copyback.registry import DuplicateEngineError, engines_of
 from writeback_trt_copyback.rule import TensorRTCacheRule
 from writeback_trt_copyback.settle import settle_aliased
 
@@ -55,7 +54,6 @@ __all__ = [
     "Bounds",
     "BufferClass",
     "CompiledProgram",
-    "DuplicateEngineError",
     "EngineAliasing",
     "KVAliasEngine",
     "Lifted",
@@ -70,7 +68,6 @@ __all__ = [
     "declare_copy_back",
     "engine_aliasing",
     "engine_write",
-    "engines_of",
     "lift_mutated_buffers",
     "old_value_readers",
     "op_excluded",

@@ -38,6 +38,7 @@ from writeback_core.blob import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
+from writeback_core.ops import aten_op
 
 FORMAT = "writeback-kv-alias/2"  # 2: constants as raw bytes with dtype and shape (1 held torch.save bytes)
 DELEGATE = "kv-alias"
@@ -183,9 +184,9 @@ def op_key(target: Any) -> str:
     """``aten.add.Tensor`` for an aten (or edge-wrapped) op; ``getitem`` for ``operator.getitem``."""
     if target is operator.getitem:
         return "getitem"
-    inner = getattr(target, "_op", target)
-    if isinstance(inner, torch._ops.OpOverload):
-        return str(inner)
+    op = aten_op(target)
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
     raise TypeError(f"the kv-alias engine cannot run {target!r}")
 
 

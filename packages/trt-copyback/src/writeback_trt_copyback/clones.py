@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from writeback_core._ops import aten_op
+from writeback_core.ops import aten_op
 
 __all__ = ["peel_input_clones", "peeled_input"]
 

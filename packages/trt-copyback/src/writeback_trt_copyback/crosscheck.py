@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import meta
-from writeback_core._ops import packet_name
+from writeback_core.ops import packet_name
 from writeback_core.types import AliasingEngine
 
 from writeback_trt_copyback.clones import peeled_input

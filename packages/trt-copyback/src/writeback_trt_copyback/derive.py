@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch.fx
 from writeback_core import meta
-from writeback_core._ops import packet_name
 from writeback_core.mutations import Dynamic, WriteKind, WriteShape, classify_write
+from writeback_core.ops import packet_name
 from writeback_core.types import EngineWrite
 
 from writeback_trt_copyback.clones import peeled_input

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core import meta
-from writeback_core._ops import packet_name
+from writeback_core.ops import packet_name
 
 from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones

@@ -1,82 +1,33 @@
-"""Differential fuzzing of stateful programs and the backend contract suite.
+"""Moved: the fuzzer and the backend contract suite are now the writeback-testing distribution.
 
-Needs the ``testing`` extra (``writeback-core[testing]``: hypothesis, pytest).
-Names are imported lazily, so ``writeback_core.testing.cli`` (which the
-``writeback`` CLI loads) costs nothing until ``writeback fuzz`` runs.
-
-- ``program``: :class:`ProgramSpec` (state, statements, outputs), rendered to
-  Python source by :func:`render_source` and built by :func:`build`.
-- ``strategies``: :func:`programs`, the hypothesis strategy.
-- ``oracle``: :func:`check_program` (eager against every :class:`Target`),
-  :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
-- ``engines``: :func:`engine_targets` (:class:`EngineTarget`: each program
-  through an aliasing engine's copy-back path, reached through hooks).
-- ``overlap``: the eager check that refuses in-place writes reading what they write.
-- ``contract``: :func:`check_backend_contract`, :func:`zoo_cases`,
-  :func:`backend_names`.
-- ``fuzz``: :func:`run_fuzz` with a :class:`FuzzConfig` (``writeback fuzz``).
+Import :mod:`writeback_testing` (``pip install writeback-testing``, or the
+``writeback-core[testing]`` extra, which installs it). This name, and its
+submodules (``writeback_core.testing.oracle`` and the rest), stay importable
+for code written against the old home while writeback-testing is installed;
+core itself never imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
-__all__ = [
-    "Built",
-    "ContractViolation",
-    "EngineTarget",
-    "FuzzConfig",
-    "FuzzReport",
-    "ProgramMismatch",
-    "ProgramSpec",
-    "RuntimeTarget",
-    "StockTarget",
-    "Target",
-    "TargetSkipped",
-    "backend_names",
-    "build",
-    "check_backend_contract",
-    "check_program",
-    "check_source",
-    "engine_targets",
-    "programs",
-    "registry_runtime",
-    "render_source",
-    "run_fuzz",
-    "runtime_targets",
-    "zoo_cases",
-]
+_SUBMODULES = ("cli", "contract", "engines", "fuzz", "oracle", "overlap", "program", "strategies")
 
-_HOME = {
-    "Built": "program",
-    "ProgramSpec": "program",
-    "build": "program",
-    "render_source": "program",
-    "programs": "strategies",
-    "ProgramMismatch": "oracle",
-    "RuntimeTarget": "oracle",
-    "StockTarget": "oracle",
-    "Target": "oracle",
-    "TargetSkipped": "oracle",
-    "EngineTarget": "engines",
-    "engine_targets": "engines",
-    "check_program": "oracle",
-    "check_source": "oracle",
-    "registry_runtime": "oracle",
-    "runtime_targets": "oracle",
-    "ContractViolation": "contract",
-    "backend_names": "contract",
-    "check_backend_contract": "contract",
-    "zoo_cases": "contract",
-    "FuzzConfig": "fuzz",
-    "FuzzReport": "fuzz",
-    "run_fuzz": "fuzz",
-}
+try:
+    _home = importlib.import_module("writeback_testing")
+except ModuleNotFoundError as error:
+    raise ModuleNotFoundError(
+        "writeback_core.testing moved to the writeback-testing distribution: "
+        "install it (pip install writeback-testing) and import writeback_testing"
+    ) from error
+
+for _name in _SUBMODULES:
+    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"writeback_testing.{_name}")
+
+__all__ = list(_home.__all__)
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'writeback_core.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"writeback_core.testing.{home}"), name)
+    return getattr(_home, name)

@@ -19,7 +19,7 @@ For every backend the registry knows, on the zoo and on generated programs,
 
 A third-party backend runs the suite against itself from its own tests::
 
-    from writeback_core.testing.contract import backend_names, check_backend_contract, zoo_cases
+    from writeback_testing.contract import backend_names, check_backend_contract, zoo_cases
 
     @pytest.mark.parametrize("case", zoo_cases(), ids=lambda c: c.name)
     @pytest.mark.parametrize("backend", backend_names(registry))
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.export.graph_signature import OutputKind
-
 from writeback_core.lowering import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
-from writeback_core.testing.oracle import (
+
+from writeback_testing.oracle import (
     DEFAULT_CALLS,
     Lowered,
     ProgramMismatch,
@@ -51,7 +51,7 @@ from writeback_core.testing.oracle import (
     eager_reference,
     registry_runtime,
 )
-from writeback_core.testing.program import Built, ProgramSpec, build
+from writeback_testing.program import Built, ProgramSpec, build
 
 __all__ = [
     "ContractCase",

@@ -1,8 +1,8 @@
 """``writeback fuzz``: differential fuzzing from the command line.
 
-Added to the CLI by core's built-in plugin through ``writeback_cli_commands``.
-This module imports neither hypothesis nor exir at import time, so the
-``writeback`` command works without the ``testing`` extra until ``fuzz`` runs.
+Added to the CLI by writeback-testing's plugin through ``writeback_cli_commands``.
+This module imports neither hypothesis nor exir at import time, so every
+``writeback`` start stays cheap until ``fuzz`` runs.
 """
 
 from __future__ import annotations
@@ -103,15 +103,11 @@ def fuzz_command(
     """
     if no_engines and engines:
         raise click.UsageError("--engine and --no-engines exclude each other")
-    try:
-        import hypothesis  # noqa: F401 - only to fail early with a clear message
-    except ImportError as error:
-        raise click.UsageError("writeback fuzz needs hypothesis: install writeback-core[testing]") from error
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from writeback_core.cli import progress_bar
-    from writeback_core.testing.fuzz import FuzzConfig, check_config, default_jobs, run_fuzz, summary
+
+    from writeback_testing.fuzz import FuzzConfig, check_config, default_jobs, run_fuzz, summary
 
     config = FuzzConfig(
         programs=n_programs,

@@ -113,7 +113,7 @@ def _registry(config: FuzzConfig) -> Any:
 
 
 def _runtime(config: FuzzConfig, registry: Any) -> Any:
-    from writeback_core.testing.oracle import registry_runtime
+    from writeback_testing.oracle import registry_runtime
 
     if config.runtime == "":
         return None
@@ -122,7 +122,7 @@ def _runtime(config: FuzzConfig, registry: Any) -> Any:
 
 def _engine_targets(config: FuzzConfig, registry: Any, runtime: Any) -> tuple[list[Any], str | None]:
     """The engine targets to run, or why there are none although engines were asked for."""
-    from writeback_core.testing.engines import engine_targets
+    from writeback_testing.engines import engine_targets
 
     if config.engines == ():
         return [], None
@@ -139,8 +139,8 @@ def _run_share(config: FuzzConfig, job: int, count: int, progress: Callable[[int
 
     from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
-    from writeback_core.testing.contract import ContractViolation, check_backend_contract
-    from writeback_core.testing.oracle import (
+    from writeback_testing.contract import ContractViolation, check_backend_contract
+    from writeback_testing.oracle import (
         InvalidProgram,
         LoweringError,
         ProgramMismatch,
@@ -150,7 +150,7 @@ def _run_share(config: FuzzConfig, job: int, count: int, progress: Callable[[int
         check_program,
         runtime_targets,
     )
-    from writeback_core.testing.strategies import programs
+    from writeback_testing.strategies import programs
 
     # torch's pytree deprecation, raised while exir deep-copies programs (the root pytest
     # configuration filters the same one); it would print once per program.

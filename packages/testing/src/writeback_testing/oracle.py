@@ -1,6 +1,6 @@
 """The differential oracle: eager PyTorch against lowered programs, call by call.
 
-:func:`check_program` builds a :class:`~writeback_core.testing.program.ProgramSpec`,
+:func:`check_program` builds a :class:`~writeback_testing.program.ProgramSpec`,
 runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
 piece of state after each call, and compares each :class:`Target` against
 that record. Every target lowers the program through the one lowering path
@@ -23,12 +23,12 @@ Core imports no sibling package: passes come from ``writeback_program_passes``
 and a runtime from ``writeback_runtimes`` (:func:`registry_runtime`), so a third party's
 runtime is fuzzed the same way. Further targets are :class:`Target` objects
 too (``EXTENSION POINT`` below): a backend's lowering (the contract suite) and
-each aliasing engine's copy-back path (``writeback_core.testing.engines``). A
+each aliasing engine's copy-back path (``writeback_testing.engines``). A
 target that cannot take a program raises :class:`TargetSkipped`, which is
 recorded with its reason, never counted as a pass.
 
 The eager reference refuses programs whose in-place writes read what they
-write (``writeback_core.testing.overlap``): eager's answer depends on the
+write (``writeback_testing.overlap``): eager's answer depends on the
 kernel's element order there, so nothing can be compared with it.
 
 A mismatch raises :class:`ProgramMismatch`, whose message is the program's
@@ -48,15 +48,15 @@ from typing import Any, Protocol
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-
 from writeback_core import lowering
 from writeback_core.lowering import LoweringError, MemoryPlan, export_model
 from writeback_core.mutations import find_mutations
 from writeback_core.pipeline import ATOL, RTOL
 from writeback_core.quiet import known_warnings_ignored
-from writeback_core.registry import Registry, in_place_decisions
-from writeback_core.testing.program import Built, ProgramSpec, build
+from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec
+
+from writeback_testing.program import Built, ProgramSpec, build
 
 __all__ = [
     "DEFAULT_CALLS",
@@ -166,7 +166,7 @@ class ProgramMismatch(AssertionError):
         verdict = (verdicts or UPSTREAM_VERDICTS)[upstream]
         super().__init__(
             f"{target}: call {call}: {what} differs from eager ({verdict})\n{detail}\n"
-            f"--- reproducer (a complete module; see writeback_core.testing.check_source) ---\n"
+            f"--- reproducer (a complete module; see writeback_testing.check_source) ---\n"
             f"{source}"
         )
 
@@ -187,6 +187,7 @@ class Lowered:
     with_passes: bool = True
     backend: BackendSpec | None = None
     _edge: Any = None
+    _decisions: dict[str, InPlaceDecision] = field(default_factory=dict)
     _lowered: dict[MemoryPlan, lowering.Lowered] = field(default_factory=dict)
     _layout: dict[MemoryPlan, _Layout] = field(default_factory=dict)
     seconds: float = 0.0
@@ -211,7 +212,8 @@ class Lowered:
                     upstream=True,
                 ) from error
             try:
-                self._edge = lowering.partition(exported, self.registry, self.backend)
+                partitioned = lowering.partition(exported, self.registry, self.backend)
+                self._edge, self._decisions = partitioned.edge, partitioned.decisions
             except LoweringError as error:
                 raise LoweringError(
                     f"{error}\n--- program ---\n{self.built.source}", upstream=self.backend is None
@@ -234,7 +236,7 @@ class Lowered:
             self._lowered[plan] = lowering.Lowered(
                 exported=edge.exported_program(),
                 mutations=find_mutations(edge.exported_program()),
-                decisions=in_place_decisions(edge.exported_program()),
+                decisions=dict(self._decisions) or in_place_decisions(edge.exported_program()),
                 program=program,
                 pte=bytes(program.buffer),
                 write_back_bytes=lowering.write_back_bytes(final),
@@ -322,9 +324,9 @@ def eager_run(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
     """Run the program eagerly ``calls`` times; every output and state is cloned at once.
 
     :raises OverlappingWrite: an in-place write reads elements it writes, so eager's
-        answer depends on iteration order (``writeback_core.testing.overlap``).
+        answer depends on iteration order (``writeback_testing.overlap``).
     """
-    from writeback_core.testing.overlap import NoOverlappingWrites
+    from writeback_testing.overlap import NoOverlappingWrites
 
     module = built.new_module()
     state = built.make_state()
@@ -357,7 +359,7 @@ class Target(Protocol):
 
     EXTENSION POINT: a backend-lowered target (MLX through
     ``to_edge_transform_and_lower`` with the backend's partitioner) or a
-    copy-back engine target (``writeback_core.testing.engines``) implements
+    copy-back engine target (``writeback_testing.engines``) implements
     this protocol and is passed to :func:`check_program` in ``targets``. A
     target that cannot take a program raises :class:`TargetSkipped`; a target
     may set ``verdicts`` (see :class:`ProgramMismatch`) when its path without
@@ -604,7 +606,7 @@ def built_from_case(case: Any) -> Built:
     Its buffers and caller-owned state are read off a fresh instance; its
     "source" names the case (zoo models are code in the repository already).
     """
-    from writeback_core.testing.program import State
+    from writeback_testing.program import State
 
     module = case.build()
     buffers = tuple(State(name, "buffer", tuple(b.shape)) for name, b in module.named_buffers())
@@ -630,7 +632,7 @@ def check_source(
     spec = ProgramSpec(states=(), statements=(), outputs=())
     # A reproducer carries no spec: describe its state from the module itself.
     instance = module.__dict__["FuzzModule"]()
-    from writeback_core.testing.program import State
+    from writeback_testing.program import State
 
     buffers = tuple(State(n, "buffer", tuple(b.shape)) for n, b in instance.named_buffers())
     state = module.__dict__["make_state"]()

@@ -28,7 +28,8 @@ from typing import Any
 
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
-from writeback_core.testing.oracle import (
+
+from writeback_testing.oracle import (
     Lowered,
     LoweringError,
     Observation,
@@ -65,7 +66,7 @@ class EngineTarget:
     ``registry`` supplies the engine, its lowering and its delegate (it must
     hold the plugin owning the engine, whatever registry the oracle lowers
     with); ``runtime`` loads programs with that registry's delegates
-    (:class:`~writeback_core.testing.oracle.RegistryRuntime`). The stock
+    (:class:`~writeback_testing.oracle.RegistryRuntime`). The stock
     variant loads each program through ``runtime`` once first, which registers
     the delegate, then runs it in stock ``executorch.runtime``.
     """

@@ -1,0 +1,86 @@
+"""writeback-testing: differential fuzzing of stateful programs and the backend contract suite.
+
+Every target lowers through writeback's one lowering path
+(:mod:`writeback_core.lowering`), so what passes here is what ``writeback run``
+ships. Names are imported lazily, so ``writeback_testing.cli`` (which the
+``writeback`` CLI loads through this package's plugin) costs nothing until
+``writeback fuzz`` runs.
+
+- ``program``: :class:`ProgramSpec` (state, statements, outputs), rendered to
+  Python source by :func:`render_source` and built by :func:`build`.
+- ``strategies``: :func:`programs`, the hypothesis strategy.
+- ``oracle``: :func:`check_program` (eager against every :class:`Target`),
+  :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
+- ``engines``: :func:`engine_targets` (:class:`EngineTarget`: each program
+  through an aliasing engine's copy-back path, reached through hooks).
+- ``overlap``: the eager check that refuses in-place writes reading what they write.
+- ``contract``: :func:`check_backend_contract`, :func:`zoo_cases`,
+  :func:`backend_names`.
+- ``fuzz``: :func:`run_fuzz` with a :class:`FuzzConfig` (``writeback fuzz``).
+- ``pytest_plugin``: the contract as a pytest plugin a third-party backend
+  enables in its own suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "Built",
+    "ContractViolation",
+    "EngineTarget",
+    "FuzzConfig",
+    "FuzzReport",
+    "ProgramMismatch",
+    "ProgramSpec",
+    "RuntimeTarget",
+    "StockTarget",
+    "Target",
+    "TargetSkipped",
+    "backend_names",
+    "build",
+    "check_backend_contract",
+    "check_program",
+    "check_source",
+    "engine_targets",
+    "programs",
+    "registry_runtime",
+    "render_source",
+    "run_fuzz",
+    "runtime_targets",
+    "zoo_cases",
+]
+
+_HOME = {
+    "Built": "program",
+    "ProgramSpec": "program",
+    "build": "program",
+    "render_source": "program",
+    "programs": "strategies",
+    "ProgramMismatch": "oracle",
+    "RuntimeTarget": "oracle",
+    "StockTarget": "oracle",
+    "Target": "oracle",
+    "TargetSkipped": "oracle",
+    "EngineTarget": "engines",
+    "engine_targets": "engines",
+    "check_program": "oracle",
+    "check_source": "oracle",
+    "registry_runtime": "oracle",
+    "runtime_targets": "oracle",
+    "ContractViolation": "contract",
+    "backend_names": "contract",
+    "check_backend_contract": "contract",
+    "zoo_cases": "contract",
+    "FuzzConfig": "fuzz",
+    "FuzzReport": "fuzz",
+    "run_fuzz": "fuzz",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'writeback_testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"writeback_testing.{home}"), name)
