@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
+import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 
-__all__ = ["KNOWN_WARNINGS", "NOISE", "known_warnings_ignored", "quiet_upstream_noise"]
+__all__ = [
+    "KNOWN_WARNINGS",
+    "NATIVE_NOISE",
+    "NOISE",
+    "known_warnings_ignored",
+    "native_stderr_filtered",
+    "quiet_upstream_noise",
+]
 
 # (message regex, category): what raises it and why it is harmless.
 KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
@@ -80,3 +90,37 @@ def quiet_upstream_noise() -> None:
     for name, pattern in NOISE:
         logging.getLogger(name).addFilter(_Drop(pattern))
     _installed = True
+
+
+# Lines the C++ runtime libraries print on stderr, below Python: the threadpool of stock
+# ``executorch.runtime`` (its own static copy of the runtime, whose log sink writeback's
+# runtime cannot replace) logs five lines about /sys CPU files the first time a kernel
+# runs in parallel, in either of its two formats.
+NATIVE_NOISE = re.compile(r"^(\[cpuinfo_utils\.cpp:\d+\]|[DI] [\d:.]+ executorch:cpuinfo_utils\.cpp:\d+\]) ")
+
+
+@contextlib.contextmanager
+def native_stderr_filtered(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[None]:
+    """Inside the block, what anything in this process writes to file descriptor 2 (C++
+    libraries included) goes to a temporary file; at the end every line not matching
+    ``pattern`` is written to stderr, in order. Errors are delayed to the end of the block,
+    never dropped. For work in a process of its own (a fuzz worker), where a native
+    library's log lines cannot be stopped where they are made.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [
+                line for line in capture.read().decode(errors="replace").splitlines(True) if not pattern.match(line)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()

@@ -22,6 +22,7 @@ from writeback_pybind_runtime._runtime import (  # noqa: E402 - after the versio
     Runtime,
     ValueMetadata,
     Verification,
+    set_log_level,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "Runtime",
     "ValueMetadata",
     "Verification",
+    "set_log_level",
 ]

@@ -23,6 +23,7 @@
 #include <executorch/runtime/executor/method.h>
 #include <executorch/runtime/executor/method_meta.h>
 #include <executorch/runtime/executor/program.h>
+#include <executorch/runtime/platform/platform.h>
 #include <executorch/runtime/platform/runtime.h>
 
 #include <fcntl.h>
@@ -33,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -1555,11 +1557,63 @@ class NativeMethod {
   std::atomic<bool> busy_{false};
 };
 
+// The runtime's log sink. ExecuTorch's default one prints every message, Info included,
+// to stderr: the threadpool logs five lines about /sys CPU files the first time a kernel
+// runs in parallel. Messages below the minimum level are dropped at the source; the rest
+// (errors: a kernel refusing its arguments, a delegate failing) print as ExecuTorch prints
+// them. The minimum starts at Error, or at WRITEBACK_RUNTIME_LOG (debug, info, error).
+std::atomic<char> g_min_log_level{'E'};
+
+int log_rank(char level) {
+  switch (level) {
+    case 'D': return 0;
+    case 'I': return 1;
+    case 'E': return 2;
+    case 'F': return 3;
+    default: return 2;  // unknown levels print, as errors do
+  }
+}
+
+void emit_log_message(et_timestamp_t timestamp, et_pal_log_level_t level, const char* filename,
+                      const char* function, size_t line, const char* message, size_t length) {
+  (void)function;
+  if (log_rank(static_cast<char>(level)) < log_rank(g_min_log_level.load())) {
+    return;
+  }
+  const char* base = std::strrchr(filename, '/');
+  const et_tick_ratio_t ratio = etr::pal_ticks_to_ns_multiplier();
+  const unsigned long long us = static_cast<unsigned long long>(timestamp) * ratio.numerator /
+                                (ratio.denominator == 0 ? 1 : ratio.denominator) / 1000ULL;
+  std::fprintf(stderr, "%c %02llu:%02llu:%02llu.%06llu executorch:%s:%zu] %.*s\n", static_cast<char>(level),
+               us / 3600000000ULL, us / 60000000ULL % 60, us / 1000000ULL % 60, us % 1000000ULL,
+               base != nullptr ? base + 1 : filename, line, static_cast<int>(length), message);
+  std::fflush(stderr);
+}
+
+char parse_log_level(const std::string& name) {
+  if (name == "debug") return 'D';
+  if (name == "info") return 'I';
+  if (name == "error") return 'E';
+  throw py::value_error("runtime log level must be 'debug', 'info' or 'error', got '" + name + "'");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "ExecuTorch runtime bindings of writeback-pybind-runtime (see _runtime.py for the API).";
+  if (const char* env = std::getenv("WRITEBACK_RUNTIME_LOG"); env != nullptr && *env != '\0') {
+    try {
+      g_min_log_level = parse_log_level(env);
+    } catch (const py::value_error& error) {
+      throw py::value_error(std::string("WRITEBACK_RUNTIME_LOG: ") + error.what());
+    }
+  }
+  etr::register_pal(etr::PalImpl::create(&emit_log_message, __FILE__));
   etr::runtime_init();
+  m.def("set_log_level", [](const std::string& name) { g_min_log_level = parse_log_level(name); },
+        py::arg("level"),
+        "The lowest level of ExecuTorch runtime log message printed to stderr: 'debug', 'info' "
+        "or 'error' (the default; WRITEBACK_RUNTIME_LOG sets it at import).");
 
   g_delegate_error = PyExc_RuntimeError;
   g_program_error = PyExc_ValueError;

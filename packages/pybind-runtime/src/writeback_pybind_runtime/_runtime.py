@@ -48,6 +48,7 @@ __all__ = [
     "Runtime",
     "ValueMetadata",
     "Verification",
+    "set_log_level",
 ]
 
 
@@ -234,6 +235,20 @@ class Program:
     def metadata(self, name: str) -> MethodMetadata:
         """The metadata of method ``name`` (loads it)."""
         return self.load_method(name).metadata
+
+
+def set_log_level(level: str) -> None:
+    """The lowest level of ExecuTorch runtime log message printed to stderr, process-wide:
+    ``"error"`` (the default: errors and fatal messages only), ``"info"`` or ``"debug"``.
+
+    ``WRITEBACK_RUNTIME_LOG`` sets it when the runtime library loads. Below the level,
+    messages are dropped where the runtime emits them (the runtime's log sink), so that
+    ExecuTorch's informational lines (its threadpool reading CPU files) do not reach a
+    user's terminal while errors still do.
+
+    :raises ValueError: ``level`` is none of the three.
+    """
+    native().set_log_level(level)
 
 
 class Runtime:

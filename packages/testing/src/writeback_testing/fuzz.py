@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from writeback_core.quiet import native_stderr_filtered, quiet_upstream_noise
+
 __all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "check_config", "run_fuzz"]
 
 
@@ -249,7 +251,9 @@ def _worker(config: FuzzConfig, job: int, count: int, queue: Any) -> None:
     # Spawned workers inherit the ignored SIGINT from ``_run_parallel``; say it here too
     # for start methods that do not exec (fork, forkserver).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
+    quiet_upstream_noise()
+    with native_stderr_filtered():
+        report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
     queue.put(("done", report))
 
 
