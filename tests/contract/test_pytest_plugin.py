@@ -17,6 +17,7 @@ def _suite(pytester: pytest.Pytester, ini_backends: str | None) -> None:
         pytester.makeini(f"[pytest]\nwriteback_backends = {ini_backends}\n")
 
 
+@pytest.mark.slow
 def test_the_plugin_runs_the_contract_on_every_builtin_model_for_the_ini_backend(pytester: pytest.Pytester) -> None:
     _suite(pytester, "example")
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
@@ -32,6 +33,7 @@ def test_an_unknown_backend_is_a_usage_error_listing_what_is_offered(pytester: p
     assert "no installed plugin offers backend(s) ['nope']; offered: ['example', 'mlx']" in result.stderr.str()
 
 
+@pytest.mark.slow
 def test_a_broken_setup_fails_the_plugins_tests(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin's tests can fail: with writeback-passes blocked, nothing drops the write-backs
     of the mutations the example backend accepts, so its contract is broken."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CODE = """
 import os, sys
 from writeback_core.quiet import native_stderr_filtered
@@ -29,6 +31,7 @@ def test_native_noise_is_dropped_and_errors_come_through_in_order() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_fuzz_with_workers_prints_no_library_noise() -> None:
     script = str(Path(sys.executable).with_name("writeback"))
     done = subprocess.run(

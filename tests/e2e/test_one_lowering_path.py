@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
 from writeback_core.zoo import builtin_models
-from writeback_testing.oracle import Lowered, built_from_case
+from writeback_testing.oracle import Lowerings, built_from_case
 
 
 @pytest.mark.parametrize(("model", "backend"), [("ema", "none"), ("decoder-caller-cache", "mlx"), ("decoder", "mlx")])
@@ -21,7 +21,7 @@ def test_run_writes_byte_for_byte_the_pte_the_oracle_checks(tmp_path: Path, mode
     assert result.exit_code == 0, result.output
     registry = load_registry()
     spec = None if backend == "none" else registry.backends()[backend]
-    oracle = Lowered(built_from_case(builtin_models()[model]), registry, backend=spec)
+    oracle = Lowerings(built_from_case(builtin_models()[model]), registry, backend=spec)
     checked = oracle.pte("state")
     written = pte.read_bytes()
     assert len(written) == len(checked), f"run wrote {len(written)} bytes, the oracle checks {len(checked)}"
@@ -36,6 +36,6 @@ def test_the_oracle_without_passes_lowers_a_different_program(tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     registry = load_registry()
     case = builtin_models()["decoder-caller-cache"]
-    bare = Lowered(built_from_case(case), registry, with_passes=False, backend=registry.backends()["mlx"])
+    bare = Lowerings(built_from_case(case), registry, with_passes=False, backend=registry.backends()["mlx"])
     assert bare.lowered("state").write_back_bytes, "without passes the cache write-backs stay"
     assert pte.read_bytes() != bare.pte("state")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from writeback_core.lowering import MemoryPlan
 from writeback_core.registry import Registry
-from writeback_testing.oracle import Lowered, check_program, registry_runtime, runtime_targets
+from writeback_testing.oracle import Lowerings, check_program, registry_runtime, runtime_targets
 from writeback_testing.program import ProgramSpec, Source, State, Write, build
 
 # Found by the fuzzer (pybind-unplanned target): with graph outputs left out of the memory
@@ -22,14 +22,14 @@ BUFFER_EQUAL_TO_A_CONSTANT = ProgramSpec(
 )
 
 
-def _buffer_planned(lowered: Lowered, plan: MemoryPlan) -> bool:
+def _buffer_planned(lowered: Lowerings, plan: MemoryPlan) -> bool:
     graph = lowered.program(plan).exported_program().graph
     (placeholder,) = [n for n in graph.nodes if n.name == "b_s0"]
     return getattr(placeholder.meta.get("spec"), "mem_id", None) is not None
 
 
 def test_unplanned_outputs_keep_mutated_buffer_planned(fuzz_registry: Registry) -> None:
-    lowered = Lowered(build(BUFFER_EQUAL_TO_A_CONSTANT), fuzz_registry)
+    lowered = Lowerings(build(BUFFER_EQUAL_TO_A_CONSTANT), fuzz_registry)
     assert _buffer_planned(lowered, "planned")
     assert _buffer_planned(lowered, "unplanned"), "the mutable buffer lost its planned slot"
     assert _buffer_planned(lowered, "state"), "the mutable buffer lost its planned slot"

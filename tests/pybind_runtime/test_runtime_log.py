@@ -32,6 +32,7 @@ def test_run_prints_nothing_on_stderr_by_default() -> None:
     assert done.stderr == ""
 
 
+@pytest.mark.slow
 def test_info_level_shows_the_runtime_cpu_probe_lines() -> None:
     """The filter can fail: at the info level the same run prints ExecuTorch's lines."""
     done = _run({"WRITEBACK_RUNTIME_LOG": "info"})
@@ -40,6 +41,7 @@ def test_info_level_shows_the_runtime_cpu_probe_lines() -> None:
     assert lines and all(line.startswith("I ") for line in lines), done.stderr
 
 
+@pytest.mark.slow
 def test_a_runtime_error_still_prints_at_the_default_level() -> None:
     """An input of the wrong shape: the kernel's error message reaches stderr (ExecuTorch's
     'E' line) and the call raises; nothing informational is printed."""

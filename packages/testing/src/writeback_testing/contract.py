@@ -31,7 +31,6 @@ and on generated programs with ``@given(strategies.programs(...))``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +40,7 @@ from writeback_core.registry import InPlaceDecision, Registry
 
 from writeback_testing.oracle import (
     DEFAULT_CALLS,
-    Lowered,
+    Lowerings,
     ProgramMismatch,
     RuntimeTarget,
     StockTarget,
@@ -59,7 +58,6 @@ __all__ = [
     "ContractViolation",
     "backend_names",
     "check_backend_contract",
-    "generated_cases",
     "write_backs",
     "zoo_cases",
 ]
@@ -147,7 +145,7 @@ def check_backend_contract(
                 "no plugin offers a runtime (writeback_runtimes); install writeback-pybind-runtime or pass runtime="
             )
     spec = registry.backends()[backend]
-    lowered = Lowered(built, registry, backend=spec)
+    lowered = Lowerings(built, registry, backend=spec)
     report = ContractReport(backend)
     # The program `writeback run --backend <backend>` ships: caller-owned state unplanned.
     final = lowered.program("state")
@@ -191,7 +189,7 @@ def check_backend_contract(
     return report
 
 
-def _state_written(lowered: Lowered, decision: InPlaceDecision) -> bool:
+def _state_written(lowered: Lowerings, decision: InPlaceDecision) -> bool:
     """Whether the program still writes ``decision``'s state at all (it may be dead code now)."""
     program = lowered.program("state")
 
@@ -200,8 +198,3 @@ def _state_written(lowered: Lowered, decision: InPlaceDecision) -> bool:
         str(spec.target) == decision.target and spec.kind in kinds
         for spec in program.exported_program().graph_signature.output_specs
     )
-
-
-def generated_cases(specs: Sequence[ProgramSpec]) -> list[ContractCase]:
-    """Generated programs as contract cases (named by position)."""
-    return [ContractCase(f"generated-{i}", build(spec)) for i, spec in enumerate(specs)]

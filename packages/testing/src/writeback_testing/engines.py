@@ -16,7 +16,7 @@ reaches one only through hooks, so a third party's engine is fuzzed the same way
    and stock ``executorch.runtime`` (outputs, and every buffer read back by
    name), which finds that delegate in the process-wide backend registry.
 
-Both targets of one engine share one lowering per program (``Lowered.derived``).
+Both targets of one engine share one lowering per program (``Lowerings.derived``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 
 from writeback_testing.oracle import (
-    Lowered,
     LoweringError,
+    Lowerings,
     Observation,
     RuntimeTarget,
     StockTarget,
@@ -78,7 +78,7 @@ class EngineTarget:
     stock: bool = False
     verdicts: dict[bool | None, str] | None = None
 
-    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+    def run(self, lowered: Lowerings, calls: int) -> list[Observation]:
         """Lower ``lowered``'s program for the engine (once per program) and run ``calls`` calls.
 
         :raises TargetSkipped: the engine's plugin refused the program (its reason).
@@ -96,7 +96,7 @@ class EngineTarget:
         finally:
             lowered.seconds += derived.seconds - before
 
-    def _derived(self, lowered: Lowered) -> Lowered:
+    def _derived(self, lowered: Lowerings) -> Lowerings:
         key = f"engine:{self.engine}:{lowered.with_passes}"
         if key not in lowered.derived:
             start = time.perf_counter()
@@ -105,10 +105,10 @@ class EngineTarget:
         derived = lowered.derived[key]
         if isinstance(derived, _Refused):
             raise TargetSkipped(self.name, derived.reason)
-        assert isinstance(derived, Lowered)
+        assert isinstance(derived, Lowerings)
         return derived
 
-    def _lower(self, lowered: Lowered) -> Lowered | _Refused:
+    def _lower(self, lowered: Lowerings) -> Lowerings | _Refused:
         engines = self.registry.engines()
         if self.engine not in engines:
             raise LookupError(f"no plugin offers engine {self.engine!r}; offered: {sorted(engines)}")
@@ -132,7 +132,7 @@ class EngineTarget:
             )
         if isinstance(result, str):
             return _Refused(result)
-        derived = Lowered(lowered.built, lowered.registry, lowered.with_passes)
+        derived = Lowerings(lowered.built, lowered.registry, lowered.with_passes)
         derived._edge = result
         return derived
 

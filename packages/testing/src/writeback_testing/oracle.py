@@ -62,8 +62,8 @@ __all__ = [
     "DEFAULT_CALLS",
     "UPSTREAM_VERDICTS",
     "InvalidProgram",
-    "Lowered",
     "LoweringError",
+    "Lowerings",
     "Observation",
     "OracleReport",
     "ProgramMismatch",
@@ -172,7 +172,7 @@ class ProgramMismatch(AssertionError):
 
 
 @dataclass
-class Lowered:
+class Lowerings:
     """One program, exported once, partitioned once for ``backend`` (None: no delegate), and
     lowered per memory plan on demand (cached), all through :mod:`writeback_core.lowering`:
     the ``"state"`` plan's ``.pte`` is byte for byte what ``writeback run`` writes.
@@ -370,7 +370,7 @@ class Target(Protocol):
     def name(self) -> str:
         """How reports name this target."""
 
-    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+    def run(self, lowered: Lowerings, calls: int) -> list[Observation]:
         """Run ``calls`` calls of ``lowered``; observations hold only what this target can see."""
 
 
@@ -380,7 +380,7 @@ class StockTarget:
 
     name: str = "stock"
 
-    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+    def run(self, lowered: Lowerings, calls: int) -> list[Observation]:
         from executorch.runtime import Runtime
 
         pte = lowered.pte("planned")
@@ -421,7 +421,7 @@ class RuntimeTarget:
     plan: MemoryPlan
     bind_outputs: bool = False
 
-    def run(self, lowered: Lowered, calls: int) -> list[Observation]:
+    def run(self, lowered: Lowerings, calls: int) -> list[Observation]:
         pte = lowered.pte(self.plan)
         layout = lowered.layout(self.plan)
         method = self.runtime.load_program(pte).load_method("forward")
@@ -552,7 +552,7 @@ def check_program(
     built = program if isinstance(program, Built) else build(program)
     targets = list(targets) if targets is not None else [StockTarget()]
     expected = eager_reference(built, calls)
-    lowered = Lowered(built, registry)
+    lowered = Lowerings(built, registry)
     report = OracleReport(built.source)
     for target in targets:
         start = time.perf_counter()
@@ -583,7 +583,7 @@ def check_program(
 def _fails_bare(built: Built, target: Target, calls: int) -> bool:
     """Whether ``target`` also fails with an error on the program lowered by exir alone."""
     try:
-        target.run(Lowered(built, None, with_passes=False), calls)
+        target.run(Lowerings(built, None, with_passes=False), calls)
     except Exception:
         return True
     return False
@@ -592,7 +592,7 @@ def _fails_bare(built: Built, target: Target, calls: int) -> bool:
 def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
     """Whether the same target is also wrong at ``call`` with exir alone (no writeback passes)."""
     try:
-        bare = Lowered(built, None, with_passes=False)
+        bare = Lowerings(built, None, with_passes=False)
         observed = target.run(bare, calls)
     except Exception:
         return None

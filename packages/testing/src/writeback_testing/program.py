@@ -165,11 +165,9 @@ class ProgramSpec:
     ``temps`` records each temp's shape (the renderer needs none of it; the
     generator and the contract suite read it). ``offset_initial`` shifts
     initial state off the values constants take (floats by 0.125, ints by
-    100). It was the default while one bug was open (early write-back under
-    unplanned outputs let exir store a mutated buffer as constant data, merged
-    with an equal constant, fixed in 85daf0f and pinned by
-    ``tests/fuzz/test_regressions.py``); drawn programs now start on the
-    constants' grid, where such merges would show.
+    100). Drawn programs start on the constants' grid, where a mutated buffer
+    merged with an equal constant would show
+    (``tests/fuzz/test_regressions.py`` pins that case).
     """
 
     states: tuple[State, ...]

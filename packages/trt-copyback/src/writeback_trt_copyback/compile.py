@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.export import ExportedProgram
+from writeback_core.quiet import known_warnings_ignored
 from writeback_core.types import AliasingEngine
 
 from writeback_trt_copyback.crosscheck import EngineAliasing, check_aliasing, check_markers
@@ -102,9 +102,9 @@ def compile_for_engine(
         # Only engines that lower offer partitioner(); the AliasingEngine protocol does not declare it.
         partitioners = [] if dryrun else [engine.partitioner()]  # type: ignore[attr-defined]  # see above
     config = EdgeCompileConfig()
-    with warnings.catch_warnings():
-        # exir's own deprecation chatter while retracing; ours are raised outside this block.
-        warnings.simplefilter("ignore", FutureWarning)
+    with known_warnings_ignored():
+        # exir's known chatter while retracing (named in writeback_core.quiet); ours are
+        # raised outside this block.
         edge = to_edge_transform_and_lower(declared, partitioner=list(partitioners), compile_config=config)
     lowered = edge.exported_program()
     if mode is Mode.PREDICT and not dryrun:
