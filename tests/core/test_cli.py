@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 from writeback_core.cli import main
 
@@ -128,3 +129,52 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
     assert "a plugin's model" in result.output
     assert "saw ticks" in result.output
     assert "16 B" in result.output  # 4 fp32 values copied back each call
+
+
+def test_explain_of_a_many_layer_model_keeps_every_name_whole_in_100_columns(tmp_path: Path) -> None:
+    """Two caches per layer, six layers: twelve states, each named in full (an explain that
+    cut them to `layers.1…` left a user unable to tell the layers apart), one row each, and
+    no line wider than the terminal."""
+    source = tmp_path / "layers.py"
+    source.write_text(
+        "import torch\n"
+        "class Attn(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('key_cache', torch.zeros(1, 2, 8, 4))\n"
+        "        self.register_buffer('value_cache', torch.zeros(1, 2, 8, 4))\n"
+        "    def forward(self, x, pos):\n"
+        "        self.key_cache.index_copy_(2, pos, x)\n"
+        "        self.value_cache.index_copy_(2, pos, x * 2)\n"
+        "        return self.key_cache.sum() + self.value_cache.sum()\n"
+        "class Layer(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.self_attn = Attn()\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layers = torch.nn.ModuleList(Layer() for _ in range(6))\n"
+        "    def forward(self, x, pos):\n"
+        "        return sum(layer.self_attn(x, pos) for layer in self.layers)\n"
+        "def make():\n"
+        "    return Model(), (torch.ones(1, 2, 1, 4), torch.tensor([3]))\n"
+    )
+    result = CliRunner(env={"COLUMNS": "100"}).invoke(main, ["explain", f"{source}:make"])
+    assert result.exit_code == 0, result.output
+    names = [f"layers.{i}.self_attn.{kind}_cache" for i in range(6) for kind in ("key", "value")]
+    rows = [line for line in result.output.splitlines() if "self_attn" in line]
+    for name in names:
+        assert sum(1 for line in rows if name in line) == 1, (name, result.output)
+    assert max(len(line) for line in result.output.splitlines()) <= 100, result.output
+
+
+@pytest.mark.slow
+def test_explain_prints_nothing_on_stderr() -> None:
+    """explain's columns lower the model several ways; the upstream warnings each lowering
+    raises (torch's pytree deprecation, once per deep copy) are named and silenced."""
+    script = Path(sys.executable).with_name("writeback")
+    done = subprocess.run([str(script), "explain", "decoder"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "blocks.0.k_cache" in done.stdout
+    assert done.stderr == ""

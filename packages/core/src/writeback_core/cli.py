@@ -246,14 +246,18 @@ def plugins_command(ctx: click.Context) -> None:
 def explain_command(ctx: click.Context, model: str) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
     from writeback_core.explain import explain_rows, export_case
+    from writeback_core.quiet import known_warnings_ignored
 
     registry = _registry(ctx)
     case = resolve_model_option(registry, model)
     program = export_case(case)
-    rows = explain_rows(program)
-    for row in rows:
-        for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
-            row.columns.update(extra or {})
+    # Columns lower the program their own ways (stock exir, memory plans, an engine's path):
+    # the upstream warnings every lowering raises are named in writeback_core.quiet.
+    with known_warnings_ignored():
+        rows = explain_rows(program)
+        for row in rows:
+            for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
+                row.columns.update(extra or {})
     console = Console(width=130)
     if not rows:
         console.print(f"{case.name}: no mutated state")
@@ -271,10 +275,19 @@ def explain_command(ctx: click.Context, model: str) -> None:
             if title != "state":
                 table.add_row(title, *(row.columns.get(title, "") for row in rows))
     else:
-        for title in titles:
-            table.add_column(title)
-        for row in rows:
-            table.add_row(*(row.columns.get(t, "") for t in titles))
+        # Many states (a decoder has two per layer): one row per state, its full name never
+        # cut, the short facts in columns and every longer column as a "title: value" line,
+        # so the table reads in a terminal of 100 columns.
+        console = Console(width=max(80, min(console.width, Console().width)))
+        longer = [t for t in titles if t not in ("state", "kind", "write", "shape")]
+        names = [row.columns.get("state", row.mutation.target) for row in rows]
+        table.add_column("state", no_wrap=True, min_width=max(len(n) for n in names))
+        table.add_column("shape", no_wrap=True)
+        table.add_column("write, and where its write-back goes")
+        for name, row in zip(names, rows, strict=True):
+            first = " ".join(row.columns[t] for t in ("kind", "write") if row.columns.get(t))
+            details = [first, *(f"{t}: {row.columns[t]}" for t in longer if row.columns.get(t))]
+            table.add_row(name, row.columns.get("shape", ""), "\n".join(d for d in details if d))
     console.print(table)
 
 
