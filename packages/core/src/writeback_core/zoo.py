@@ -8,11 +8,15 @@ any caller-owned state tensors (which the model mutates in place).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 __all__ = [
     "CallerCacheDecoder",
@@ -277,10 +281,25 @@ class CounterNoInput(nn.Module):
 
 @dataclass
 class ModelCase:
-    """A built-in model: how to build it and what to feed it at call ``step``.
+    """A model: how to build it, how to export it and what to feed it at call ``step``.
 
-    ``forward(*step_inputs(step), *state)`` where ``state`` is a fresh set of
-    caller-owned state tensors from ``make_state()`` (empty for buffer-only models).
+    The call is ``forward(*step_inputs(step), *state, **step_kwargs(step))`` where
+    ``state`` is a fresh set of caller-owned state tensors from ``make_state()``
+    (empty for buffer-only models). The exported program's inputs are those
+    arguments flattened as ``torch.export`` flattens them (positional first, then
+    keyword arguments in the order ``step_kwargs`` gives them).
+
+    How it is exported (:func:`writeback_core.lowering.export_case`):
+
+    - ``strict`` and ``dynamic_shapes`` are handed to ``torch.export.export``;
+      strict export is what Hugging Face's ExecuTorch integration uses;
+    - ``exported``, when given, returns an ``ExportedProgram`` the case made itself
+      (its own export recipe); the pipeline takes it from there.
+
+    ``contenders`` are other ways upstream exports the same model (for instance
+    ExecuTorch's custom KV-cache ops): name -> a function returning an
+    ``ExportedProgram`` that takes the same inputs. ``writeback bench`` runs each
+    beside writeback's own lowering.
     """
 
     name: str
@@ -288,10 +307,19 @@ class ModelCase:
     build: Callable[[], nn.Module]
     step_inputs: Callable[[int], tuple[torch.Tensor, ...]]
     make_state: Callable[[], tuple[torch.Tensor, ...]] = field(default=lambda: ())
+    step_kwargs: Callable[[int], dict[str, Any]] = field(default=lambda step: {})
+    strict: bool = False
+    dynamic_shapes: Any = None
+    exported: Callable[[], ExportedProgram] | None = None
+    contenders: Mapping[str, Callable[[], ExportedProgram]] = field(default_factory=dict)
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
-        """Arguments for ``torch.export``: the step's inputs and a fresh state."""
+        """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""
         return (*self.step_inputs(step), *self.make_state())
+
+    def example_kwargs(self, step: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``torch.export`` (and every call) at ``step``."""
+        return dict(self.step_kwargs(step))
 
 
 def _token_inputs(cfg: DecoderConfig) -> Callable[[int], tuple[torch.Tensor, ...]]:
