@@ -48,7 +48,10 @@ def writeback_backends() -> Sequence[BackendSpec]:
 
 @hookspec
 def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
-    """Called per mutation that a partition of ``backend`` touches, while partitioning.
+    """Called per mutation that a partition of ``backend`` touches, while partitioning (and,
+    for a backend whose ``BackendSpec.kernel_writes`` is set, per mutation no partition
+    touches, with ``partition.kernels`` True: the view of the operators outside every
+    partition).
 
     Every plugin is asked (this is not ``firstresult``); core gathers the answers,
     records the decision on the mutated placeholder under

@@ -12,7 +12,11 @@ backend's ``partition`` has run, the wrapper:
 3. asks every plugin's ``writeback_accepts_in_place`` about each of them
    (:meth:`Registry.decide_in_place <writeback_core.registry.Registry.decide_in_place>`)
    and records the decision on the mutated placeholder under
-   ``writeback_core.meta.IN_PLACE``.
+   ``writeback_core.meta.IN_PLACE``;
+4. for a backend whose ``BackendSpec.kernel_writes`` is set, asks the same
+   about every mutation no partition touches, with one view (``kernels=True``)
+   of the operators outside every partition: the stock runtime's kernels run
+   those writes, and a pass may make them in place.
 
 So a backend answers the per-mutation hook and never calls back into core to
 record its answer. Placeholders a partitioner tags to hand state or constants
@@ -54,7 +58,7 @@ def partition_views(program: ExportedProgram, backend: str, tags: Iterable[str])
 
 
 def record_in_place_decisions(
-    program: ExportedProgram, backend: str, registry: Registry, tags: Iterable[str]
+    program: ExportedProgram, backend: str, registry: Registry, tags: Iterable[str], kernels: bool = False
 ) -> list[InPlaceDecision]:
     """Decide and record, per partition tagged with one of ``tags``, every mutation it touches.
 
@@ -65,19 +69,30 @@ def record_in_place_decisions(
     :param backend: the backend's name (``BackendSpec.name``), passed to the hook.
     :param registry: whose plugins answer ``writeback_accepts_in_place``.
     :param tags: the delegation tags the partitioner returned (``PartitionResult.partition_tags``).
+    :param kernels: also decide the mutations no partition touches, with a view of the
+        operators outside every partition (``PartitionView.kernels``), last.
     :return: the decisions, partition by partition, each in ``find_mutations`` order.
     :raises writeback_core.registry.InPlaceConflictError: two plugins disagree on a mutation.
     """
+    tags = list(tags)
     views = partition_views(program, backend, tags)
-    if not views:
+    if not views and not kernels:
         return []
     mutations = find_mutations(program)
     graph = program.graph_module.graph
     decisions: list[InPlaceDecision] = []
+    untouched = list(mutations)
     for view in views:
         touched = [m for m in mutations if view.contains(m.write.node or m.value)]
+        untouched = [m for m in untouched if m not in touched]
         if touched:
             decisions += registry.annotate_in_place(graph, backend, view, touched)
+    if kernels and untouched:
+        outside = frozenset(
+            n.name for n in graph.nodes if n.op == "call_function" and n.meta.get(DELEGATION_TAG) not in tags
+        )
+        view = PartitionView(backend, outside, graph, kernels=True)
+        decisions += registry.annotate_in_place(graph, backend, view, untouched)
     return decisions
 
 
@@ -117,7 +132,9 @@ class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is
                 f"{type(result).__name__} from partition(); it must return an exir PartitionResult"
             )
         program = result.tagged_exported_program
-        self.decisions = record_in_place_decisions(program, self.backend, self.registry, result.partition_tags)
+        spec = self.registry.backends().get(self.backend)
+        kernels = spec is not None and spec.kernel_writes
+        self.decisions = record_in_place_decisions(program, self.backend, self.registry, result.partition_tags, kernels)
         return result
 
 

@@ -40,14 +40,21 @@ class BackendSpec:
 
     ``name`` is what users pick (``--backend mlx``); ``backend_id`` is the
     ExecuTorch backend id its delegate blobs carry (the ``BackendDetails``
-    subclass name); ``partitioner`` builds a fresh exir ``Partitioner`` given
-    the registry (so it can ask the per-mutation hook) and keyword options.
+    subclass name; empty for a backend with no delegate); ``partitioner``
+    builds a fresh exir ``Partitioner`` given the registry (so it can ask the
+    per-mutation hook) and keyword options. ``kernel_writes``: the backend
+    also answers for the state writes that run outside every partition, on
+    the stock runtime's kernels (a pass may make them in place); core then
+    asks ``writeback_accepts_in_place`` about each mutation no partition
+    touches, with a :class:`PartitionView` of those operators whose
+    ``kernels`` is True.
     """
 
     name: str
     backend_id: str
     partitioner: Callable[..., Any]
     description: str = ""
+    kernel_writes: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,11 +63,15 @@ class PartitionView:
 
     ``nodes`` are the names of the nodes the partition takes; ``graph`` the
     whole graph being partitioned (read only: hookimpls must not edit it).
+    ``kernels`` is True for the view of the operators outside every partition
+    (run by the stock runtime's kernels), asked only for a backend whose
+    ``BackendSpec.kernel_writes`` is set.
     """
 
     backend: str
     nodes: frozenset[str]
     graph: torch.fx.Graph = field(compare=False, repr=False)
+    kernels: bool = False
 
     def contains(self, node: torch.fx.Node | str) -> bool:
         """Whether the partition takes ``node``."""
