@@ -20,7 +20,7 @@ from writeback_core.ops import packet_name
 
 from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones
-from writeback_trt_copyback.derive import engine_write, resolve_bounds
+from writeback_trt_copyback.derive import Bounds, engine_write, resolve_bounds
 from writeback_trt_copyback.engine import BACKEND_ID, KVAliasEngine, op_excluded
 
 __all__ = ["KVAliasPartitioner", "WritebackKVAliasBackend"]
@@ -114,6 +114,27 @@ def _owned_tensor(program: ExportedProgram, name: str) -> torch.Tensor:
     return value
 
 
+def _check_slice_source(node: torch.fx.Node, cache_shape: tuple[object, ...], bounds: Bounds) -> None:
+    """Refuse a slice write whose value does not have the shape of the clamped slots it lands in.
+
+    The engine writes ``src`` into exactly ``bounds.length`` slots from
+    ``bounds.start``; a value of another shape would be broadcast into them
+    (or fail half-way), never what eager PyTorch computes.
+    """
+    src = node.args[1]
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or bounds.dim is None:
+        return
+    expected = tuple(bounds.length if d == bounds.dim else s for d, s in enumerate(cache_shape))
+    if tuple(val.shape) != expected:
+        raise ValueError(
+            f"kv-alias engine: slice write {node.name} lands {bounds.length} slot(s) of dim {bounds.dim} "
+            f"from {bounds.start} (its bounds clamped to the cache), expected a value of shape "
+            f"{list(expected)}, got {list(val.shape)}; the graph is inconsistent: re-export the model "
+            "(torch.export checks this shape) or exclude the write from the engine"
+        )
+
+
 def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) -> dict[str, Any] | None:
     """The in-place update for write ``node`` into input ``position``, or ``None`` if refused."""
     if not isinstance(meta.get_custom(node, meta.COPY_BACK_CLASS), dict):
@@ -129,6 +150,7 @@ def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) ->
     step: dict[str, Any] = {"name": node.name, "input": position}
     packet = packet_name(node.target)
     if packet == "slice_scatter":
+        _check_slice_source(node, write.shape, bounds)
         step.update(
             update="slice",
             dim=bounds.dim,

@@ -25,8 +25,12 @@ class TensorRTCacheRule:
     """Alias a write only when TensorRT's KV-cache update layer could express it.
 
     The layer writes ``length`` consecutive slots of a 4-D ``[batch, heads,
-    seq, head_dim]`` cache along the sequence dim, at static bounds taken as
-    written, into a cache that is a network input. So, in order, a write is
+    seq, head_dim]`` cache along the sequence dim, at static bounds, into a
+    cache that is a network input. Bounds are first clamped to the cache as
+    Python slicing does (a negative bound counts from the end; an open end,
+    written as ``2**63-1``, or a bound past the end stops at the dim's size),
+    as Torch-TensorRT does before it aliases such a write; the
+    engine then writes exactly the clamped slots. So, in order, a write is
     refused when it:
 
     1. carries the no-alias marker;
@@ -34,10 +38,10 @@ class TensorRTCacheRule:
        bound, or a dim that does not index the cache (:func:`resolve_bounds`);
     3. targets a cache that is not ``rank``-D, or writes a dim other than
        ``seq_dim``, or the cache has a runtime size;
-    4. (slices) has a bound outside the cache as written (an open end), is
-       strided, or writes no slot. TensorRT itself ignores the step and lands a
-       strided write in consecutive slots; refusing it sends the write to
-       copy-back, which is correct;
+    4. (slices) is strided, or writes no slot once clamped (``cache[:, :, 20:]``
+       of 16 slots). TensorRT itself ignores the step and lands a strided write
+       in consecutive slots; refusing it sends the write to copy-back, which is
+       correct;
     5. reaches the engine other than as a direct input.
     """
 
@@ -61,15 +65,10 @@ class TensorRTCacheRule:
         if any(isinstance(s, Dynamic) for s in write.shape):
             return "the cache has a runtime size"
         if write.write.kind is WriteKind.SLICE_SCATTER:
-            if write.clamped:
-                return (
-                    "a bound as written lies outside the cache (an open end is written "
-                    "as 2**63-1); the KV update takes its bounds as written"
-                )
             if bounds.step != 1:
                 return f"it is strided (step {bounds.step}); the KV update writes consecutive slots"
             if not bounds.length:
-                return "it writes no slot"
+                return f"it writes no slot once its bounds are clamped to the cache ({write.write.describe()})"
         if not write.direct_input:
             return (
                 "the cache does not reach the engine as a direct input: another node "

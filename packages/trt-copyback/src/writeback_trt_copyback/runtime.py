@@ -171,10 +171,34 @@ def _check_in_place_spec(blob: Blob, compile_specs: Mapping[str, bytes], n_outpu
             )
 
 
+def _check_slots(step: _Update, cache: torch.Tensor, src: Any) -> None:
+    """Before a slice update writes: its slots lie inside ``cache`` and ``src`` fills them exactly.
+
+    ``copy_`` would broadcast a smaller ``src`` over the slots, a silent wrong
+    answer; a region past the cache's end would fail after nothing was checked.
+    """
+    where = f"kv-alias delegate: slice update {step.name!r} into input {step.input}"
+    if not isinstance(src, torch.Tensor):
+        raise ValueError(f"{where}: its value is a {type(src).__name__}, not a tensor")
+    if step.dim >= cache.dim() or step.start + step.length > cache.shape[step.dim]:
+        raise ValueError(
+            f"{where}: slots {step.start}:{step.start + step.length} of dim {step.dim} lie outside "
+            f"the input of shape {list(cache.shape)}; the blob does not fit the program it was loaded with"
+        )
+    expected = [step.length if d == step.dim else n for d, n in enumerate(cache.shape)]
+    if list(src.shape) != expected:
+        raise ValueError(
+            f"{where}: expected a value of shape {expected} for slots {step.start}:{step.start + step.length} "
+            f"of dim {step.dim}, got {list(src.shape)}; this update wrote nothing (re-lower the model: the blob "
+            "and its program disagree)"
+        )
+
+
 def _update(step: _Update, cache: torch.Tensor, env: dict[str, Any]) -> None:
     """Write one accepted cache update into ``cache`` in place (only the slots it covers)."""
     src = resolve(step.src, env)
     if step.kind == "slice":
+        _check_slots(step, cache, src)
         cache.narrow(step.dim, step.start, step.length).copy_(src)
     elif step.kind == "index_put":
         torch.ops.aten.index_put_.default(cache, resolve(step.index, env), src)
