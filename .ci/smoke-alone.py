@@ -27,6 +27,7 @@ SIBLINGS = [
     "writeback_pybind_runtime",
     "writeback_example_backend",
     "writeback_testing",
+    "writeback_decoders",
 ]
 PLUGIN = {
     "writeback_core": "writeback-core",
@@ -36,6 +37,7 @@ PLUGIN = {
     "writeback_pybind_runtime": "pybind-runtime",
     "writeback_example_backend": "example-backend",
     "writeback_testing": "writeback-testing",
+    "writeback_decoders": "decoders",
 }
 
 
@@ -136,6 +138,13 @@ def example_backend() -> None:
     assert blob
 
 
+def decoders() -> None:
+    # Installed with its `hf` extra (install-alone installs a package's extras): every model is offered.
+    listed = writeback("explain", "et-llama")
+    expect(listed, "layers.0.attention.kv_cache.k_cache", "stock write-back")
+    expect(writeback("explain", "hf-llama"), "key_cache_0", "stock write-back")
+
+
 SMOKES: dict[str, Callable[[], None]] = {
     "writeback_core": core,
     "writeback_passes": passes,
@@ -144,6 +153,7 @@ SMOKES: dict[str, Callable[[], None]] = {
     "writeback_pybind_runtime": pybind_runtime,
     "writeback_example_backend": example_backend,
     "writeback_testing": testing,
+    "writeback_decoders": decoders,
 }
 
 

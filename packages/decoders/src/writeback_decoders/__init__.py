@@ -1,0 +1,46 @@
+"""writeback-decoders: real decoder architectures as writeback models.
+
+- ``et_llama``: ExecuTorch's Llama example with its KV cache (:func:`et_llama_case`,
+  :class:`ETLlamaConfig`), with ExecuTorch's custom-op export as the
+  ``et-custom-ops`` contender.
+- ``hf``: Hugging Face causal LMs with a ``StaticCache``, exported as transformers'
+  ExecuTorch integration does (:func:`hf_case` for a local folder or a config,
+  :func:`hf_model_case` for the named defaults; needs the ``hf`` extra).
+- ``models``: what the plugin offers (:func:`decoder_models`) and each model at a
+  K+V cache size in MiB (:func:`sized_case`).
+- ``steps``: :class:`GreedyTokens`, the decode steps greedy decoding makes.
+"""
+
+from __future__ import annotations
+
+from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
+from writeback_decoders.hf import (
+    HF_ARCHITECTURES,
+    HFArchitecture,
+    TransformersMissingError,
+    hf_available,
+    hf_case,
+    hf_config,
+    hf_model_case,
+    require_transformers,
+)
+from writeback_decoders.models import decoder_models, sized_case, sizers
+from writeback_decoders.steps import GreedyTokens, cache_positions
+
+__all__ = [
+    "HF_ARCHITECTURES",
+    "ETLlamaConfig",
+    "GreedyTokens",
+    "HFArchitecture",
+    "TransformersMissingError",
+    "cache_positions",
+    "decoder_models",
+    "et_llama_case",
+    "hf_available",
+    "hf_case",
+    "hf_config",
+    "hf_model_case",
+    "require_transformers",
+    "sized_case",
+    "sizers",
+]

@@ -1,0 +1,166 @@
+"""ExecuTorch's own Llama example (``executorch.examples.models.llama``, shipped in the
+executorch wheel) with its KV cache, as a writeback model.
+
+The model is ``llama_transformer.construct_transformer(ModelArgs(use_kv_cache=True,
+...))``: each layer's ``KVCache`` holds ``k_cache`` and ``v_cache`` buffers
+``[1, n_kv_heads, max_context_len, head_dim]`` written at ``input_pos`` by slice
+assignment. It is called as ExecuTorch's ``export_llama`` calls it:
+``model(tokens, {"input_pos": input_pos})`` (here with the options dict passed by
+keyword, ``attn_options``), exported non-strict.
+
+Its contender ``et-custom-ops`` is ExecuTorch's own export of the same model (same
+seed, same weights) with its source transformations: the custom KV cache
+(``torch.ops.llama.update_cache``) and the custom SDPA op
+(``torch.ops.llama.custom_sdpa``), from ``executorch.extension.llm.custom_ops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from writeback_core.zoo import ModelCase
+
+from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+__all__ = ["ETLlamaConfig", "et_llama_case"]
+
+
+@dataclass(frozen=True)
+class ETLlamaConfig:
+    """Sizes of the ExecuTorch Llama example (fp32, batch 1).
+
+    ``head_dim`` is set apart from ``dim`` (``ModelArgs.head_dim``), so a large
+    cache needs few positions: the example keeps a ``[max_seq, max_seq]`` causal
+    mask per layer, which would outgrow the cache at long contexts.
+    """
+
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    hidden: int = 128
+    vocab: int = 128
+    max_seq: int = 32
+    seed: int = 0
+
+    @classmethod
+    def for_cache_mib(cls, cache_mib: float, seed: int = 0) -> ETLlamaConfig:
+        """A 4-layer config (16 heads of 128) whose K+V caches hold ``cache_mib`` MiB together
+        (64 KiB per position: 512 positions at 32 MiB)."""
+        layers, kv_heads, head_dim = 4, 16, 128
+        max_seq = cache_positions(cache_mib, layers, kv_heads, head_dim)
+        return cls(
+            dim=128,
+            layers=layers,
+            heads=16,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden=256,
+            vocab=256,
+            max_seq=max_seq,
+            seed=seed,
+        )
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes of every layer's K and V cache together."""
+        return self.layers * 2 * self.kv_heads * self.max_seq * self.head_dim * 4
+
+
+def _model_args(cfg: ETLlamaConfig) -> Any:
+    from executorch.examples.models.llama.model_args import ModelArgs
+
+    return ModelArgs(
+        dim=cfg.dim,
+        n_layers=cfg.layers,
+        n_heads=cfg.heads,
+        n_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_dim=cfg.hidden,
+        vocab_size=cfg.vocab,
+        max_batch_size=1,
+        max_seq_len=cfg.max_seq,
+        max_context_len=cfg.max_seq,
+        use_kv_cache=True,
+    )
+
+
+def _build(cfg: ETLlamaConfig) -> nn.Module:
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+
+    module: nn.Module = seeded(cfg.seed, lambda: construct_transformer(_model_args(cfg)))
+    return module
+
+
+def _inputs(token: int, position: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    return (torch.tensor([[token]], dtype=torch.int64),), {
+        "attn_options": {"input_pos": torch.tensor([position], dtype=torch.int64)}
+    }
+
+
+def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
+    args, kwargs = _inputs(token, position)
+    logits: torch.Tensor = module(*args, **kwargs)
+    return logits
+
+
+def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
+    """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights)."""
+    from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
+        replace_kv_cache_with_custom_kv_cache,
+    )
+    from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
+    from writeback_core.lowering import export_model
+
+    module = replace_sdpa_with_custom_op(replace_kv_cache_with_custom_kv_cache(_build(cfg)))
+    args, kwargs = _inputs(1, 0)
+    return export_model(module, args, kwargs, strict=False)
+
+
+def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None = None) -> ModelCase:
+    """ExecuTorch's Llama example as a :class:`~writeback_core.zoo.ModelCase`.
+
+    :param cache_mib: size the K+V cache to this many MiB (a 4-layer model, see
+        :meth:`ETLlamaConfig.for_cache_mib`); ``None``: ``config``, or the tiny default
+        (2 layers, dim 64, 32 positions).
+    :param config: the sizes, when ``cache_mib`` is not given.
+
+    Weights are random, drawn from a fixed seed inside ``build`` (two builds are
+    identical; nothing is downloaded). Step ``s`` feeds one token at position
+    ``s % max_seq``: token 1 first, then the greedy token eager PyTorch produced at
+    the step before (:class:`~writeback_decoders.steps.GreedyTokens`, computed once
+    and cached in the case). The call is ``model(tokens, attn_options={"input_pos":
+    pos})``; the program's inputs are ``tokens`` and ``input_pos``; it returns the
+    logits ``[1, vocab]``.
+    """
+    if cache_mib is not None:
+        config = ETLlamaConfig.for_cache_mib(cache_mib)
+    cfg = config or ETLlamaConfig()
+    greedy = GreedyTokens(lambda: _build(cfg), _call, cfg.max_seq)
+
+    def step_inputs(step: int) -> tuple[torch.Tensor, ...]:
+        return _inputs(greedy.token(step), greedy.position(step))[0]
+
+    def step_kwargs(step: int) -> dict[str, Any]:
+        return _inputs(greedy.token(step), greedy.position(step))[1]
+
+    return ModelCase(
+        name="et-llama",
+        description=(
+            f"ExecuTorch's Llama example, {cfg.layers} layers, dim {cfg.dim}, KV cache "
+            f"{cfg.max_seq} positions ({cfg.cache_nbytes / (1 << 20):.3g} MiB K+V) in buffers, "
+            "seeded random weights, greedy tokens"
+        ),
+        build=lambda: _build(cfg),
+        step_inputs=step_inputs,
+        step_kwargs=step_kwargs,
+        strict=False,
+        contenders={"et-custom-ops": lambda: _custom_ops_program(cfg)},
+    )

@@ -1,0 +1,334 @@
+"""Hugging Face causal LMs with a ``StaticCache``, exported as transformers' own ExecuTorch
+integration exports them (needs the ``hf`` extra: ``pip install 'writeback-decoders[hf]'``).
+
+The module is ``transformers.integrations.executorch.TorchExportableModuleWithStaticCache``
+around the model: the cache's tensors are registered buffers (``key_cache_i``,
+``value_cache_i``, ``cumulative_length_i``), its ``forward(input_ids=None,
+inputs_embeds=None, cache_position=None)`` takes keyword arguments, and it is
+exported with ``strict=True``, as ``convert_and_export_with_cache`` and
+``TorchExportableModuleForDecoderOnlyLM.export`` do (non-strict export of it leaves
+the cache as lifted constants and no buffer mutation).
+
+transformers is imported only when a model is built or :func:`hf_case` is
+called, so this package imports, and offers its other models, without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+from writeback_core.zoo import ModelCase
+
+from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "HF_ARCHITECTURES",
+    "HFArchitecture",
+    "TransformersMissingError",
+    "hf_available",
+    "hf_case",
+    "hf_config",
+    "hf_model_case",
+    "require_transformers",
+]
+
+INSTALL_HINT = "pip install 'writeback-decoders[hf]'"
+
+
+class TransformersMissingError(ModuleNotFoundError):
+    """transformers is not installed: the Hugging Face models need the ``hf`` extra."""
+
+
+def hf_available() -> bool:
+    """Whether transformers can be imported (checked without importing it)."""
+    return importlib.util.find_spec("transformers") is not None
+
+
+def require_transformers(what: str) -> Any:
+    """The ``transformers`` module, imported.
+
+    :raises TransformersMissingError: it is not installed; the message names ``what``
+        needed it and how to install the ``hf`` extra.
+    """
+    try:
+        import transformers
+    except ImportError as error:
+        raise TransformersMissingError(
+            f"{what} needs transformers, which is not installed: {INSTALL_HINT} "
+            f"(the 'hf' extra; transformers>=5.23,<6). ExecuTorch's Llama example (et-llama) runs without it."
+        ) from error
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """One Hugging Face architecture: its config class and the extra settings of its tiny
+    and sized configs (beyond the shared sizes)."""
+
+    name: str
+    config_class: str
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def config(self, **sizes: Any) -> Any:
+        """``config_class(**sizes, **extra)``; imports transformers."""
+        transformers = require_transformers(f"the {self.name} architecture")
+        return getattr(transformers, self.config_class)(**sizes, **dict(self.extra))
+
+
+# Gemma 3 alternates sliding-window and global layers: the tiny config has one of
+# each (the integration's static cache keeps every position of both).
+HF_ARCHITECTURES: dict[str, HFArchitecture] = {
+    a.name: a
+    for a in (
+        HFArchitecture("llama", "LlamaConfig"),
+        HFArchitecture("qwen3", "Qwen3Config"),
+        HFArchitecture("gemma", "Gemma3TextConfig", (("query_pre_attn_scalar", 16),)),
+    )
+}
+
+
+def _sizes(architecture: str, cache_mib: float | None) -> dict[str, Any]:
+    """The config keywords of :func:`hf_config` (worked out without transformers)."""
+    if architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; known: {', '.join(sorted(HF_ARCHITECTURES))}")
+    if cache_mib is None:
+        layers, heads, kv_heads, head_dim, hidden, vocab, max_seq = 2, 4, 2, 16, 64, 128, 32
+    else:
+        layers, heads, kv_heads, head_dim, hidden, vocab = 4, 16, 16, 128, 128, 256
+        max_seq = cache_positions(cache_mib, layers, kv_heads, head_dim)
+    sizes: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_seq,
+    }
+    if architecture == "gemma":
+        sizes["sliding_window"] = max(1, max_seq // 2)
+        sizes["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    return sizes
+
+
+def hf_config(architecture: str, cache_mib: float | None = None) -> Any:
+    """A config of ``architecture`` (``HF_ARCHITECTURES``), tiny or sized to ``cache_mib``.
+
+    Tiny: 2 layers, hidden 64, 4 heads of 16 (2 KV heads), 32 cache positions.
+    Sized: 4 layers, hidden 128, 16 heads of 128, as many positions as make a K+V
+    cache of ``cache_mib`` MiB (64 KiB per position: 512 at 32 MiB). The cache
+    length is the config's ``max_position_embeddings``.
+    """
+    return HF_ARCHITECTURES[architecture].config(**_sizes(architecture, cache_mib))
+
+
+def _load(source: Any, seed: int, dtype: torch.dtype) -> nn.Module:
+    """The causal LM: from a local folder (safetensors weights, no remote code) or a config."""
+    transformers = require_transformers("a Hugging Face model")
+    if isinstance(source, (str, os.PathLike)):
+        folder = Path(source)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"no model folder {str(folder)!r}: hf_case takes a local folder holding config.json and "
+                "*.safetensors (nothing is downloaded), or a transformers config"
+            )
+        # Nothing read from the folder may become code: no remote code, no pickled weights.
+        model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, trust_remote_code=False, use_safetensors=True
+        )
+        return model
+    built: nn.Module = seeded(seed, lambda: transformers.AutoModelForCausalLM.from_config(source, dtype=dtype))
+    return built
+
+
+def _static_generation(model: Any, max_cache_len: int) -> Any:
+    """``model`` set up for a static cache of ``max_cache_len`` positions, batch 1, as the
+    integration requires (``generation_config.cache_implementation == "static"``)."""
+    from transformers import GenerationConfig
+
+    model.config.use_cache = True
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+        use_cache=True,
+        cache_implementation="static",
+        cache_config={"batch_size": 1, "max_cache_len": max_cache_len},
+    )
+    return model
+
+
+def _wrap(model: Any, max_cache_len: int) -> nn.Module:
+    """The integration's exportable module around ``model``, with a static cache of ``max_cache_len``."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    wrapped: nn.Module = TorchExportableModuleWithStaticCache(_static_generation(model, max_cache_len))
+    return wrapped.eval().requires_grad_(False)
+
+
+def _kwargs(token: int, position: int) -> dict[str, Any]:
+    return {
+        "input_ids": torch.tensor([[token]], dtype=torch.int64),
+        "cache_position": torch.tensor([position], dtype=torch.int64),
+    }
+
+
+def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
+    logits: torch.Tensor = module(**_kwargs(token, position))
+    return logits
+
+
+def _config_of(source: Any) -> Any:
+    if isinstance(source, (str, os.PathLike)):
+        transformers = require_transformers("a Hugging Face model")
+        folder = Path(source)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no model folder with a config.json at {str(folder)!r}: hf_case takes a local folder holding "
+                "config.json and *.safetensors (nothing is downloaded), or a transformers config"
+            )
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    return source
+
+
+def _case(
+    source: Callable[[], Any],
+    name: str,
+    description: str,
+    max_cache_len: int,
+    seed: int,
+    dtype: torch.dtype,
+    prompt_token: int,
+    integration_export: bool,
+) -> ModelCase:
+    """The case; ``source()`` gives the folder or config (called only when a model is built)."""
+
+    def model() -> Any:
+        return _load(source(), seed, dtype)
+
+    def build() -> nn.Module:
+        return _wrap(model(), max_cache_len)
+
+    greedy = GreedyTokens(build, _call, max_cache_len, prompt=prompt_token)
+    exported: Callable[[], Any] | None = None
+    if integration_export:
+
+        def exported() -> Any:
+            from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+            causal_lm = cast("PreTrainedModel", _static_generation(model(), max_cache_len))
+            recipe = TorchExportableModuleForDecoderOnlyLM(causal_lm, batch_size=1, max_cache_len=max_cache_len)
+            with torch.no_grad():
+                return recipe.export(**_kwargs(prompt_token, 0), strict=True)
+
+    return ModelCase(
+        name=name,
+        description=description,
+        build=build,
+        step_inputs=lambda step: (),
+        step_kwargs=lambda step: _kwargs(greedy.token(step), greedy.position(step)),
+        strict=True,
+        exported=exported,
+    )
+
+
+_EXPORTED_AS = "exported as transformers' ExecuTorch integration does (strict, keyword inputs), greedy tokens"
+
+
+def hf_case(
+    source: str | os.PathLike[str] | Any,
+    *,
+    name: str | None = None,
+    max_cache_len: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    prompt_token: int = 1,
+    integration_export: bool = False,
+) -> ModelCase:
+    """A Hugging Face causal LM with a ``StaticCache`` as a :class:`~writeback_core.zoo.ModelCase`.
+
+    :param source: a local model folder (``config.json`` and ``*.safetensors``:
+        ``AutoModelForCausalLM.from_pretrained(folder)``, never downloading, never
+        running code from the folder or unpickling weights), or a transformers config
+        (random weights drawn from ``seed`` inside ``build``: two builds are identical).
+    :param name: the case's name; default ``hf-<model_type>``.
+    :param max_cache_len: cache positions; default the config's
+        ``max_position_embeddings``, at most 256.
+    :param dtype: weights and cache dtype (float32: the run compares with eager at fp32
+        tolerances).
+    :param prompt_token: the token fed at step 0.
+    :param integration_export: hand the pipeline the program transformers' own
+        ``TorchExportableModuleForDecoderOnlyLM(...).export(...)`` makes (``exported=``)
+        instead of letting writeback export the same module strictly with the same
+        keyword inputs.
+
+    Step ``s`` calls ``module(input_ids=[[token]], cache_position=[s % max_cache_len])``;
+    the token is ``prompt_token`` at step 0, then the greedy token eager PyTorch
+    produced at the step before (:class:`~writeback_decoders.steps.GreedyTokens`,
+    computed once and cached in the case). It returns the logits ``[1, 1, vocab]``.
+
+    :raises TransformersMissingError: transformers is not installed (the message says
+        how to install it).
+    """
+    require_transformers("hf_case")
+    config = _config_of(source)
+    text = config.get_text_config()
+    if max_cache_len is None:
+        max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or 256), 256)
+    if max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be at least 1, got {max_cache_len}")
+    model_type = getattr(text, "model_type", "") or type(text).__name__
+    where = f"from {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else "seeded random weights"
+    description = (
+        f"Hugging Face {model_type}, {getattr(text, 'num_hidden_layers', '?')} layers, "
+        f"StaticCache of {max_cache_len} positions, {where}, {_EXPORTED_AS}"
+    )
+    # A config the caller holds is not read again: the case keeps its own copy.
+    kept = source if isinstance(source, (str, os.PathLike)) else copy.deepcopy(config)
+    return _case(
+        lambda: kept,
+        name or f"hf-{model_type}",
+        description,
+        max_cache_len,
+        seed,
+        dtype,
+        prompt_token,
+        integration_export,
+    )
+
+
+def hf_model_case(architecture: str, cache_mib: float | None = None) -> ModelCase:
+    """The named default ``hf-<architecture>``: tiny, or sized to ``cache_mib`` (see :func:`hf_config`).
+
+    transformers is imported only when the model is built, so the case can be offered
+    (and listed) cheaply; building it without transformers raises
+    :class:`TransformersMissingError`.
+    """
+    sizes = _sizes(architecture, cache_mib)
+    max_seq = sizes["max_position_embeddings"]
+    arch = HF_ARCHITECTURES[architecture]
+    nbytes = sizes["num_hidden_layers"] * 2 * sizes["num_key_value_heads"] * sizes["head_dim"] * max_seq * 4
+    description = (
+        f"Hugging Face {arch.config_class.removesuffix('Config')}, {sizes['num_hidden_layers']} layers, "
+        f"hidden {sizes['hidden_size']}, StaticCache of {max_seq} positions ({nbytes / (1 << 20):.3g} MiB K+V), "
+        f"seeded random weights, {_EXPORTED_AS}"
+    )
+    return _case(
+        lambda: hf_config(architecture, cache_mib),
+        f"hf-{architecture}",
+        description,
+        max_seq,
+        seed=0,
+        dtype=torch.float32,
+        prompt_token=1,
+        integration_export=False,
+    )

@@ -1,0 +1,20 @@
+"""Entry-point plugin of writeback-decoders: offers the real decoders through ``writeback_models``
+(thin: transformers and ExecuTorch's Llama example are imported only when a model is built)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from writeback_core import hookimpl
+
+if TYPE_CHECKING:
+    from writeback_core.zoo import ModelCase
+
+writeback_name = "decoders"
+
+
+@hookimpl
+def writeback_models() -> dict[str, ModelCase]:
+    from writeback_decoders.models import decoder_models
+
+    return decoder_models()

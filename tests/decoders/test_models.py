@@ -1,0 +1,108 @@
+"""writeback-decoders' models in eager PyTorch: offered through the entry point, seeded weights,
+greedy decode steps worked out by an independent eager loop, caches sized to the MiB asked for,
+local model folders loaded without running or unpickling anything from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from writeback_core.registry import load_registry
+from writeback_decoders import (
+    ETLlamaConfig,
+    GreedyTokens,
+    et_llama_case,
+    sized_case,
+)
+
+from tests.decoders.cases import cache_bytes, call, fed
+
+NAMES = ["et-llama", "hf-llama", "hf-qwen3", "hf-gemma"]
+# Importing transformers alone takes 10 s or more here: the Hugging Face models run in the slow tier.
+MODELS = [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("hf-") else []) for n in NAMES]
+
+
+def test_the_entry_point_offers_every_model_beside_the_zoo() -> None:
+    models = load_registry().models()
+    assert set(NAMES) <= set(models)
+    assert "decoder" in models  # core's zoo is still there
+    for name in NAMES:
+        assert models[name].name == name
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_build_twice_gives_the_same_seeded_weights(name: str) -> None:
+    case = load_registry().models()[name]
+    first, second = case.build().state_dict(), case.build().state_dict()
+    assert first.keys() == second.keys()
+    weights = [k for k, v in first.items() if v.is_floating_point() and v.dim() == 2 and "cache" not in k]
+    assert weights
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    assert any(first[k].abs().sum() > 0 for k in weights)
+
+
+def test_another_seed_gives_other_weights() -> None:
+    first = et_llama_case(config=ETLlamaConfig(seed=0)).build().state_dict()
+    other = et_llama_case(config=ETLlamaConfig(seed=1)).build().state_dict()
+    assert not torch.equal(first["tok_embeddings.weight"], other["tok_embeddings.weight"])
+
+
+def test_build_leaves_the_callers_random_stream_as_it_was() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    load_registry().models()["et-llama"].build()
+    assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_step_feeds_back_the_token_eager_picked_at_the_step_before(name: str) -> None:
+    case = load_registry().models()[name]
+    module = case.build().eval()
+    token, position = fed(case, 0)
+    assert (token, position) == (1, 0)
+    for step in range(6):
+        logits = call(case, module, step)
+        expected = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+        assert fed(case, step + 1) == (expected, step + 1), step
+    tokens = [fed(case, s)[0] for s in range(7)]
+    assert len(set(tokens)) > 1, f"{name} feeds one token every step: {tokens}"
+
+
+def test_inputs_are_a_pure_function_of_the_step() -> None:
+    case = load_registry().models()["et-llama"]
+    later = [fed(case, s) for s in (5, 2, 0, 5)]
+    assert later[0] == later[3]
+    assert [p for _, p in later] == [5, 2, 0, 5]
+
+
+def test_positions_start_over_once_every_cache_slot_is_written() -> None:
+    greedy = GreedyTokens(lambda: torch.nn.Identity(), lambda m, t, p: torch.zeros(1, 4), max_seq=32)
+    assert [greedy.position(s) for s in (0, 31, 32, 33, 65)] == [0, 31, 0, 1, 1]
+
+
+def test_greedy_tokens_refuse_a_negative_step() -> None:
+    greedy = GreedyTokens(lambda: torch.nn.Identity(), lambda m, t, p: torch.zeros(1, 4), max_seq=8)
+    with pytest.raises(ValueError, match="decode step must be >= 0, got -1"):
+        greedy.token(-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "mib", "positions"),
+    [
+        ("et-llama", 2, 32),
+        pytest.param("hf-llama", 1, 16, marks=pytest.mark.slow),
+        pytest.param("hf-gemma", 4, 64, marks=pytest.mark.slow),
+    ],
+)
+def test_sized_cache_holds_the_mib_asked_for(name: str, mib: float, positions: int) -> None:
+    # 4 layers x (K + V) x 16 heads x 128 x fp32 = 64 KiB per position.
+    case = sized_case(name, mib)
+    module = case.build()
+    assert cache_bytes(module) == mib * (1 << 20)
+    assert f"{positions} positions" in case.description
+
+
+def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
+    with pytest.raises(ValueError, match=r"no sized model 'decoder'; writeback-decoders sizes: et-llama, hf-gemma"):
+        sized_case("decoder", 1)
