@@ -4,6 +4,7 @@ same program are byte for byte the same. Real CLI, real plugins, real exir."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,16 @@ def test_the_oracle_without_passes_lowers_a_different_program(tmp_path: Path) ->
     bare = Lowerings(built_from_case(case), registry, with_passes=False, backend=registry.backends()["mlx"])
     assert bare.lowered("state").write_back_bytes, "without passes the cache write-backs stay"
     assert pte.read_bytes() != bare.pte("state")
+
+
+@pytest.mark.parametrize(
+    "how", [{"strict": True}, {"step_kwargs": lambda step: {"scale": 2.0}}, {"dynamic_shapes": {"x": {}}}]
+)
+def test_the_oracle_refuses_a_case_exported_its_own_way_rather_than_check_another_program(
+    how: dict[str, object],
+) -> None:
+    """The oracle exports positionally and non-strict; a case that says otherwise would be
+    certified as a program no command ships."""
+    case = dataclasses.replace(builtin_models()["ema"], **how)  # type: ignore[arg-type]  # each field's own type
+    with pytest.raises(ValueError, match="model 'ema' says how it is exported"):
+        built_from_case(case)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 from writeback_core.cli import main
@@ -19,13 +20,35 @@ def test_run_default_model_matches_eager_and_writes_the_pte(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     assert "decoder-caller-cache" in result.output
     assert "backend mlx, runtime pybind" in result.output
-    assert "written in place by the backend: caches_0, caches_1" in result.output
-    assert "whole-state write-backs left in the program: none" in result.output
+    assert "whole-state copies left per call: none" in result.output
+    for name in ("caches_0", "caches_1"):
+        assert f"{name} (2.0 KiB): caller tensor, written in place by delegate 0 (mlx); no copy left" in result.output
     assert "all 3 steps match eager PyTorch" in result.output
     # The table has one row per step; its state write-back column shows no copy.
     rows = [line for line in result.output.splitlines() if line.startswith("│")]
     assert len(rows) == 3 and all("0 B" in row for row in rows)
     assert pte.read_bytes()[4:8] == b"ET12"  # an ExecuTorch flatbuffer program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "place", "copies"),
+    [
+        # The MLX delegate takes the caches with it: they live inside it, written in place.
+        ("mlx", "inside delegate 0 (mlx), written in place; no copy left", "none"),
+        # No delegate: mutable buffers of the .pte, copied back whole every call (2 KiB each).
+        ("none", "program buffer; whole-state copy left (2.0 KiB/call)", "2 (4.0 KiB/call)"),
+    ],
+)
+def test_run_says_where_each_cache_of_the_buffer_decoder_lives_and_what_copy_is_left(
+    backend: str, place: str, copies: str
+) -> None:
+    result = CliRunner().invoke(main, ["run", "decoder", "--backend", backend, "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"whole-state copies left per call: {copies}" in result.output
+    for name in ("blocks.0.k_cache", "blocks.0.v_cache"):
+        assert f"{name} (2.0 KiB): {place}" in result.output
+    assert "written in place by the backend" not in result.output
 
 
 def test_run_cache_is_updated_in_place_in_caller_memory_like_eager() -> None:

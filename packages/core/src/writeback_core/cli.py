@@ -246,11 +246,15 @@ def plugins_command(ctx: click.Context) -> None:
 def explain_command(ctx: click.Context, model: str) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
     from writeback_core.explain import explain_rows, export_case
+    from writeback_core.lowering import LoweringError
     from writeback_core.quiet import known_warnings_ignored
 
     registry = _registry(ctx)
     case = resolve_model_option(registry, model)
-    program = export_case(case)
+    try:
+        program = export_case(case)
+    except LoweringError as error:  # state lifted as constants: the message says what to do
+        raise click.ClickException(str(error)) from error
     # Columns lower the program their own ways (stock exir, memory plans, an engine's path):
     # the upstream warnings every lowering raises are named in writeback_core.quiet.
     with known_warnings_ignored():

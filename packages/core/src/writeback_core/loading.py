@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from writeback_core._name import NAME
 from writeback_core.zoo import ModelCase
@@ -140,18 +141,45 @@ def _from_file(spec: str) -> ModelCase:
         raise _code_error(spec, f"{factory_name}()", error) from error
     if isinstance(made, ModelCase):
         return made
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], tuple):
-        module_obj, args = made
-        return ModelCase(
-            name=spec,
-            description=f"{factory_name} from {path.name}",
-            build=lambda: module_obj,
-            step_inputs=lambda step: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
+    fixed = _fixed_inputs(made)
+    if fixed is None:
+        raise ValueError(
+            f"model {spec!r}: {factory_name}() returned {_shape_of(made)}; return a "
+            "writeback_core.zoo.ModelCase (how to give each step its own inputs, keyword arguments, "
+            "strict export or an ExportedProgram), or a tuple (nn.Module, args) or (nn.Module, args, kwargs) "
+            "whose inputs every step reuses"
         )
-    raise ValueError(
-        f"model {spec!r}: {factory_name}() returned {type(made).__name__}; return a "
-        "writeback_core.zoo.ModelCase or a tuple (nn.Module, example_args)"
+    module_obj, args, kwargs = fixed
+    return ModelCase(
+        name=spec,
+        description=f"{factory_name} from {path.name}",
+        build=lambda: module_obj,
+        step_inputs=lambda step: _cloned(args),
+        step_kwargs=lambda step: _cloned(kwargs),
+        same_inputs_every_step=True,
     )
+
+
+def _shape_of(made: Any) -> str:
+    if isinstance(made, tuple):
+        return "a tuple (" + ", ".join(type(item).__name__ for item in made) + ")"
+    return type(made).__name__
+
+
+def _fixed_inputs(made: Any) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+    """``(module, args)`` or ``(module, args, kwargs)`` as its three parts; ``None`` for anything else."""
+    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
+        return None
+    args = made[1]
+    kwargs = made[2] if len(made) == 3 else {}
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        return None
+    return made[0], args, kwargs
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor in it cloned, so that no step sees another step's writes."""
+    return pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
 def resolve_model(name: str, models: dict[str, ModelCase]) -> ModelCase:

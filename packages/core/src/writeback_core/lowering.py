@@ -32,8 +32,8 @@ from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.pass_base import PassResult
 
 from writeback_core import meta
-from writeback_core.mutations import Mutation, find_mutations
-from writeback_core.ops import write_back_copies
+from writeback_core.mutations import Mutation, MutationKind, find_mutations
+from writeback_core.ops import op_name, schema_of, write_back_copies
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec, ProgramPass
@@ -49,8 +49,10 @@ __all__ = [
     "LoweringError",
     "MemoryPlan",
     "Partitioned",
+    "StatePlace",
     "as_exir_pass",
     "backend_config",
+    "check_lifted_state",
     "export_case",
     "export_model",
     "initialized_buffers",
@@ -58,6 +60,7 @@ __all__ = [
     "partition",
     "pass_names",
     "run_program_passes",
+    "state_places",
     "to_executorch",
     "write_back_bytes",
     "write_back_positions",
@@ -96,20 +99,130 @@ def export_model(
     *,
     strict: bool = False,
     dynamic_shapes: Any = None,
+    name: str | None = None,
 ) -> ExportedProgram:
     """``torch.export.export`` of ``module`` in eval mode, without grad, quietly.
 
     The one export helper of writeback: every command and test harness exports
-    through it, so they all see the same graph.
+    through it, so they all see the same graph. ``name`` (the model's) is what an
+    error names; default: the module's class.
+
+    :raises LoweringError: the program holds state as lifted constants (see
+        :func:`check_lifted_state`): lowering it would fail or answer wrongly.
     """
     module = module.eval().requires_grad_(False)
     with known_warnings_ignored(), torch.no_grad():
-        return torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
+        program = torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
+    check_lifted_state(program, module, name or f"module {type(module).__name__}", strict)
+    return program
 
 
 def export_case(case: ModelCase) -> ExportedProgram:
-    """Export a :class:`~writeback_core.zoo.ModelCase` on its step-0 inputs (non-strict)."""
-    return export_model(case.build(), case.example_args(0))
+    """Export a :class:`~writeback_core.zoo.ModelCase` as the case says: the program its
+    ``exported`` returns when it gives one, else :func:`export_model` of a fresh module on
+    the step-0 inputs (``example_args(0)``, ``example_kwargs(0)``) with the case's
+    ``strict`` and ``dynamic_shapes``. Every command exports a case through this.
+
+    :raises LoweringError: the program holds state as lifted constants (see
+        :func:`check_lifted_state`).
+    :raises TypeError: ``exported`` returned something else than an ``ExportedProgram``.
+    """
+    what = f"model {case.name!r}"
+    if case.exported is not None:
+        program = case.exported()
+        if not isinstance(program, ExportedProgram):
+            raise TypeError(
+                f"{what}: its exported() returned {type(program).__name__}; it must return the "
+                "torch.export.ExportedProgram of the model (or leave exported unset to let writeback export it)"
+            )
+        check_lifted_state(program, None, what, None)
+        return program
+    return export_model(
+        case.build(),
+        case.example_args(0),
+        case.example_kwargs(0),
+        strict=case.strict,
+        dynamic_shapes=case.dynamic_shapes,
+        name=what,
+    )
+
+
+def _written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
+    """Placeholders an in-place op writes (an argument its schema marks written): name -> op."""
+    written: dict[str, str] = {}
+    for node in graph.nodes:
+        schema = schema_of(node.target) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node) and value.op == "placeholder":
+                written.setdefault(value.name, op_name(node.target))
+    return written
+
+
+def _storage(tensor: Any) -> int | None:
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if isinstance(tensor, torch.Tensor) else None
+    except (RuntimeError, NotImplementedError):  # a tensor without real storage (fake, meta)
+        return None
+
+
+def check_lifted_state(
+    program: ExportedProgram, module: torch.nn.Module | None, what: str, strict: bool | None
+) -> None:
+    """Refuse a program that holds the model's state as lifted tensor constants.
+
+    Non-strict ``torch.export`` lifts a tensor that ``forward`` reaches other than as a
+    registered buffer (a list of cache tensors, as Hugging Face's ``StaticCache`` keeps
+    them) as a constant, even when it shares storage with a registered buffer. Writes to
+    it are then no buffer mutation: the state would never persist (or lowering fails
+    deep in AOTAutograd, ``expected compiled_fn to be GraphModule``), and a constant that
+    aliases a buffer is a stale copy of it in the ``.pte``.
+
+    :param module: the exported module, whose buffers the constants are checked
+        against (``None``: only writes to constants are looked for).
+    :param what: what the error names (``model 'name'``).
+    :param strict: how the program was exported (``None``: not known), for the advice.
+    :raises LoweringError: a lifted constant is written by the graph or shares storage
+        with a registered buffer; the message names each and what to do.
+    """
+    lifted = program.graph_signature.inputs_to_lifted_tensor_constants
+    if not lifted:
+        return
+    written = _written_placeholders(program.graph_module.graph)
+    buffers: dict[int, str] = {}
+    if module is not None:
+        for buffer_name, buffer in module.named_buffers(remove_duplicate=False):
+            pointer = _storage(buffer)
+            if pointer is not None and pointer != 0:
+                buffers.setdefault(pointer, buffer_name)
+    problems = []
+    for placeholder, constant in lifted.items():
+        reasons = []
+        if placeholder in written:
+            reasons.append(f"written by {written[placeholder]}")
+        shared = buffers.get(_storage(program.constants.get(constant)) or 0)
+        if shared is not None:
+            reasons.append(f"shares storage with registered buffer {shared!r}")
+        if reasons:
+            problems.append(f"{constant} ({', '.join(reasons)})")
+    if not problems:
+        return
+    advice = (
+        "export strictly: strict=True (ModelCase(strict=True, ...), as Hugging Face's ExecuTorch integration does)"
+        if strict is not True
+        else "the export was strict already"
+    )
+    raise LoweringError(
+        f"{what}: torch.export lifted tensors of the model's state as constants, not buffers: "
+        f"{'; '.join(problems)}. Writes to them would not persist across calls (to_edge fails in AOTAutograd). "
+        f"Fix: {advice}, or register those tensors as buffers of the module (register_buffer) and "
+        "have forward write the buffers themselves.",
+        upstream=True,
+    )
 
 
 @dataclass
@@ -332,6 +445,72 @@ class Lowered:
     def passes_run(self) -> bool:
         """Whether any registered program pass ran."""
         return bool(self.passes)
+
+
+@dataclass(frozen=True)
+class StatePlace:
+    """Where one mutated state lives in a lowered program, and what writing it costs per call.
+
+    ``owner``: ``"caller"`` (a tensor the caller passes, bound in place), ``"program"`` (a
+    mutable buffer of the ``.pte``) or ``"delegate"`` (a buffer that moved inside delegate
+    ``delegate``). ``delegate`` is the index of the delegate among the program's (in call
+    order) that holds the state or, for a caller or program state, that writes it in place;
+    ``writers`` lists every delegate the state is handed to when there are several.
+    ``in_place`` is core's decision (a plugin accepted writing it in place); ``copy_bytes``
+    the bytes of the whole-state write-back ``copy_`` left in the program per call (0: none).
+    """
+
+    mutation: Mutation
+    owner: Literal["caller", "program", "delegate"]
+    backend: str | None
+    delegate: int | None
+    writers: tuple[int, ...]
+    in_place: bool
+    copy_bytes: int
+
+
+def state_places(lowered: Lowered) -> list[StatePlace]:
+    """Where each of ``lowered``'s mutations lives in the final program (``find_mutations`` order).
+
+    Read from the program itself: the delegates' own signatures (a buffer a delegate
+    mutates is inside it), the arguments of each delegate call, core's recorded in-place
+    decisions (:attr:`Lowered.decisions`, delegate-owned ones included) and the
+    write-back copies left (:attr:`Lowered.write_back_bytes`).
+    """
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    final = lowered.program.exported_program()
+    signature = final.graph_signature
+    delegates = get_lowered_submodules(final.graph_module)
+    inside: dict[str, int] = {}
+    handed: dict[str, list[int]] = {}
+    for number, (_, module, call) in enumerate(delegates):
+        for target in module.original_module.graph_signature.buffers_to_mutate.values():
+            inside.setdefault(target, number)
+        for arg in call.args[1:]:
+            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+                handed.setdefault(arg.name, []).append(number)
+    buffer_placeholders = {target: name for name, target in signature.inputs_to_buffers.items()}
+    user_inputs = list(signature.user_inputs)
+    places = []
+    for mutation in lowered.mutations:
+        decision = lowered.decisions.get(mutation.target)
+        backend = decision.backend if decision is not None else lowered.backend
+        in_place = decision is not None and decision.accepted
+        if mutation.kind is MutationKind.USER_INPUT:
+            index = mutation.user_input_index
+            placeholder = user_inputs[index] if index is not None and index < len(user_inputs) else None
+            owner: Literal["caller", "program", "delegate"] = "caller"
+        elif mutation.target in inside and mutation.target not in buffer_placeholders:
+            places.append(StatePlace(mutation, "delegate", backend, inside[mutation.target], (), in_place, 0))
+            continue
+        else:
+            placeholder, owner = buffer_placeholders.get(mutation.target), "program"
+        writers = tuple(handed.get(placeholder, ())) if isinstance(placeholder, str) else ()
+        copy = lowered.write_back_bytes.get(placeholder, 0) if isinstance(placeholder, str) else 0
+        writer = writers[0] if in_place and len(writers) == 1 else None
+        places.append(StatePlace(mutation, owner, backend, writer, writers, in_place, copy))
+    return places
 
 
 def lower(

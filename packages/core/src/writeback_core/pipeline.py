@@ -18,8 +18,12 @@ What this module guarantees:
    the write-back ``copy_`` nodes left in the final program (static), and the
    bytes a delegate reports it copied to bind its inputs (dynamic, read from
    the optional ``copied_input_bytes_total`` attribute of a runtime delegate).
-3. :meth:`Session.step` checks nothing; :func:`compare` compares one step with
-   eager PyTorch, outputs and caller-owned state.
+3. A step's inputs reach the runtime flattened as ``torch.export`` flattened the
+   example inputs (:func:`flatten_step_inputs`: positional, then keyword
+   arguments), and eager gets the same call; a step whose inputs do not fit the
+   exported program is refused naming the model, the step and the input.
+4. :func:`compare` compares one step with eager PyTorch, outputs and
+   caller-owned state.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
+from torch.utils import _pytree as pytree
 
 from writeback_core.lowering import Lowered, export_case
 from writeback_core.lowering import lower as lower_exported
@@ -47,10 +54,12 @@ __all__ = [
     "PipelineError",
     "Session",
     "StepCheck",
+    "StepInputError",
     "StepResult",
     "assemble",
     "choose_backend",
     "compare",
+    "flatten_step_inputs",
     "lower",
     "state_nbytes",
 ]
@@ -144,6 +153,106 @@ def lower(case: ModelCase, pipeline: Pipeline) -> Lowered:
         ) from error
 
 
+class StepInputError(ValueError):
+    """A step's inputs do not fit the exported program: another structure, keyword, shape,
+    dtype, or another value of an input ``torch.export`` baked in as a constant."""
+
+
+def _describe_leaf(path: tuple[Any, ...], positional: int) -> str:
+    """``step input 1``, ``state 0``, ``keyword 'cache_position'`` (with any nested path)."""
+    head = path[:2]
+    if len(head) == 2 and isinstance(head[0], pytree.SequenceKey) and head[0].idx == 0:
+        index = head[1].idx if isinstance(head[1], pytree.SequenceKey) else -1
+        where = f"step input {index}" if index < positional else f"state {index - positional}"
+        return where + pytree.keystr(tuple(path[2:]))
+    if len(head) == 2 and isinstance(head[1], pytree.MappingKey):
+        return f"keyword {head[1].key!r}" + pytree.keystr(tuple(path[2:]))
+    return "input " + pytree.keystr(tuple(path))
+
+
+def _spec_text(spec: pytree.TreeSpec | None) -> str:
+    return " ".join(str(spec).split())
+
+
+def _ordered_kwargs(spec: pytree.TreeSpec | None, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
+    """``kwargs`` in the order the program's in_spec keeps them (exported keyword order)."""
+    if spec is None or spec.type is not tuple or spec.num_children != 2:
+        if kwargs:
+            raise StepInputError(f"{where}: keyword arguments {sorted(kwargs)} given, the program takes none")
+        return kwargs
+    keys = list(spec.child(1).context or [])
+    missing, extra = [k for k in keys if k not in kwargs], sorted(set(kwargs) - set(keys))
+    if missing or extra:
+        raise StepInputError(
+            f"{where}: the program was exported with keyword arguments {keys}; this step's step_kwargs "
+            f"{'lacks ' + str(missing) if missing else ''}{' and ' if missing and extra else ''}"
+            f"{'adds ' + str(extra) if extra else ''}. Give every step the same keywords."
+        )
+    return {k: kwargs[k] for k in keys}
+
+
+def flatten_step_inputs(
+    program: ExportedProgram, case: ModelCase, step: int, state: Sequence[torch.Tensor]
+) -> list[Any]:
+    """The runtime inputs of call ``step``: ``((*case.step_inputs(step), *state),
+    case.example_kwargs(step))`` flattened as ``torch.export`` flattened the example inputs
+    (``program.call_spec.in_spec``), keyword arguments in the exported order.
+
+    The ``state`` tensors are in the list themselves (not copies), so a runtime binds the
+    caller's memory. Every input is checked against the program's: a tensor's dtype and
+    static dimensions, and the value of a non-tensor input ``torch.export`` specialized.
+
+    :raises StepInputError: the step's inputs do not fit; the message names the model, the
+        step, the input, what the program expects and what the step gave.
+    """
+    where = f"model {case.name!r}, step {step}"
+    positional = case.step_inputs(step)
+    spec = program.call_spec.in_spec
+    kwargs = _ordered_kwargs(spec, case.example_kwargs(step), where)
+    leaves_with_paths, got = pytree.tree_flatten_with_path(((*positional, *state), kwargs))
+    if spec is not None and got != spec:
+        raise StepInputError(
+            f"{where}: the inputs (step_inputs, then the state, then step_kwargs) have the structure "
+            f"{_spec_text(got)}, the program was exported with {_spec_text(spec)}. "
+            "Give every step inputs of the same structure as step 0."
+        )
+    user = [s for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT]
+    placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+    for (path, leaf), input_spec in zip(leaves_with_paths, user, strict=False):
+        problem = _leaf_problem(leaf, input_spec.arg, placeholders)
+        if problem is not None:
+            raise StepInputError(f"{where}: {_describe_leaf(path, len(positional))} {problem}")
+    return [leaf for _, leaf in leaves_with_paths]
+
+
+def _leaf_problem(leaf: Any, arg: Any, placeholders: Mapping[str, torch.fx.Node]) -> str | None:
+    """Why ``leaf`` cannot be the program input ``arg``, or ``None`` when it fits."""
+    if isinstance(arg, ConstantArgument):
+        if isinstance(leaf, torch.Tensor) or leaf != arg.value:
+            return (
+                f"is {leaf!r}; the program was exported with the constant {arg.value!r} (torch.export "
+                "bakes a non-tensor input into the program). Pass it as a tensor to vary it."
+            )
+        return None
+    if not isinstance(arg, TensorArgument):
+        return None
+    if not isinstance(leaf, torch.Tensor):
+        return f"is {type(leaf).__name__}; the program takes a tensor there"
+    node = placeholders.get(arg.name)
+    val = node.meta.get("val") if node is not None else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    expected = tuple(d if isinstance(d, int) else None for d in val.shape)
+    fits = len(expected) == leaf.dim() and all(e in (None, a) for e, a in zip(expected, leaf.shape, strict=True))
+    if fits and leaf.dtype == val.dtype:
+        return None
+    shown = tuple("*" if e is None else e for e in expected)
+    return (
+        f"is {leaf.dtype} {tuple(leaf.shape)}; the program was exported for {val.dtype} {shown} "
+        "(* = dynamic). Give that step inputs like step 0's, or export with dynamic_shapes."
+    )
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One call through the runtime: its latency, its user outputs and the bytes it copied.
@@ -196,8 +305,12 @@ class Session:
         return cls(pipeline, lowered, method, state, case)
 
     def step(self, step: int) -> StepResult:
-        """Run decode step ``step`` (the case's inputs for that step, then the state)."""
-        inputs = [*self.case.step_inputs(step), *self.state]
+        """Run decode step ``step``: the case's inputs for that step, the state, the step's
+        keyword arguments, flattened by :func:`flatten_step_inputs`.
+
+        :raises StepInputError: the step's inputs do not fit the exported program.
+        """
+        inputs = flatten_step_inputs(self.lowered.exported, self.case, step, self.state)
         before = _delegate_copies(self.pipeline.delegates)
         start = time.perf_counter()
         outputs = self.method.execute(inputs, clone_outputs=False)
@@ -207,12 +320,6 @@ class Session:
         copied = _delegate_copies(self.pipeline.delegates) - before
         user = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[self.lowered.user_input_mutations :]]
         return StepResult(step, seconds, user, self.lowered.copied_per_call + copied, copied)
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [leaf for item in value for leaf in _flatten(item)]
-    return [value]
 
 
 @dataclass(frozen=True)
@@ -238,9 +345,12 @@ class Eager:
         self.state = case.make_state()
 
     def step(self, step: int) -> list[Any]:
-        """Run eager step ``step``; returns the flattened outputs."""
+        """Run eager step ``step`` (``forward(*step_inputs, *state, **step_kwargs)``); returns the
+        flattened outputs."""
         with torch.no_grad():
-            return _flatten(self.module(*self.case.step_inputs(step), *self.state))
+            return pytree.tree_leaves(
+                self.module(*self.case.step_inputs(step), *self.state, **self.case.example_kwargs(step))
+            )
 
 
 def _max_error(actual: Any, expected: Any) -> float:

@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from writeback_core._files import WriteFailed, write_bytes
-from writeback_core.cli import CacheMiB, progress_bar, resolve_model_option, writable_file
+from writeback_core.cli import CacheMiB, UserCodeError, progress_bar, resolve_model_option, writable_file
 from writeback_core.explain import format_bytes
+from writeback_core.lowering import StatePlace, state_places
 from writeback_core.pipeline import (
     ATOL,
     RTOL,
@@ -31,6 +32,7 @@ from writeback_core.pipeline import (
     PipelineError,
     Session,
     StepCheck,
+    StepInputError,
     StepResult,
     assemble,
     compare,
@@ -40,7 +42,7 @@ from writeback_core.pipeline import (
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
-__all__ = ["RunReport", "run_command", "run_model"]
+__all__ = ["RunReport", "place_text", "run_command", "run_model"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
@@ -110,22 +112,63 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
+def place_text(place: StatePlace) -> str:
+    """Where one state lives and whether a whole-state copy is left, in words:
+    ``caller tensor, written in place by delegate 0 (mlx); no copy left``."""
+    if place.owner == "delegate":
+        where = f"inside delegate {place.delegate} ({place.backend})"
+        if place.in_place:
+            where += ", written in place"
+    else:
+        where = "caller tensor" if place.owner == "caller" else "program buffer"
+        if place.delegate is not None:
+            where += f", written in place by delegate {place.delegate} ({place.backend})"
+        elif place.in_place and place.writers:
+            where += f", written in place by one of delegates {', '.join(map(str, place.writers))} ({place.backend})"
+    if place.copy_bytes:
+        return f"{where}; whole-state copy left ({format_bytes(place.copy_bytes)}/call)"
+    return f"{where}; no copy left"
+
+
+# Past this many mutated states, run prints one line per kind of place instead of one per state.
+_STATE_LINES = 8
+
+
+def _state_lines(places: list[StatePlace]) -> list[str]:
+    if len(places) <= _STATE_LINES:
+        return [f"  {p.mutation.target} ({format_bytes(p.mutation.nbytes)}): {place_text(p)}" for p in places]
+    groups: dict[str, list[StatePlace]] = {}
+    for place in places:
+        groups.setdefault(place_text(place), []).append(place)
+    lines = []
+    for text, members in groups.items():
+        total = sum(m.mutation.nbytes or 0 for m in members)
+        names = members[0].mutation.target + (f" ... {members[-1].mutation.target}" if len(members) > 1 else "")
+        lines.append(f"  {len(members)} states, {format_bytes(total)} ({names}): {text}")
+    return lines
+
+
 def _summary(report: RunReport) -> str:
     lowered = report.lowered
     caller, owned = state_nbytes(lowered.mutations)
     backend = report.pipeline.backend.name if report.pipeline.backend else "none"
-    accepted = [d.target for d in lowered.decisions.values() if d.accepted]
+    places = state_places(lowered)
+    copies = [p for p in places if p.copy_bytes]
     lines = [
         f"model {report.case.name}: {report.case.description}",
         f"backend {backend}, runtime {report.pipeline.runtime.name}, "
         f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}"
         + ("" if report.kept else " (temporary: pass --output to keep it)"),
-        f"{len(lowered.mutations)} mutations; state: {format_bytes(caller)} caller-owned, "
-        f"{format_bytes(owned)} program-owned; written in place by the backend: "
-        f"{', '.join(accepted) or 'none'}",
-        "whole-state write-backs left in the program: "
-        + (", ".join(f"{k} ({format_bytes(v)}/call)" for k, v in lowered.write_back_bytes.items()) or "none"),
+        f"{len(lowered.mutations)} mutated states: {format_bytes(caller)} caller-owned, "
+        f"{format_bytes(owned)} in the program; whole-state copies left per call: "
+        + (f"{len(copies)} ({format_bytes(sum(p.copy_bytes for p in copies))}/call)" if copies else "none"),
+        *_state_lines(places),
     ]
+    if report.case.same_inputs_every_step and lowered.mutations:
+        lines.append(
+            "note: every step gets the same inputs (the factory returned (module, args)); "
+            "return a ModelCase with step_inputs to give each step its own"
+        )
     lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
     return "\n".join(lines)
 
@@ -189,9 +232,13 @@ def run_command(
     output: Path | None,
     cache_mib: float | None,
 ) -> None:
-    """Lower MODEL (default: decoder-caller-cache; a built-in name or path/to/file.py:factory)
-    through the installed backend and passes, run it STEPS times with its state bound in place,
-    and check every step against eager PyTorch."""
+    """Lower MODEL through the installed backend and passes, run it STEPS times with its state
+    bound in place, and check every step against eager PyTorch.
+
+    MODEL: a built-in name (default: decoder-caller-cache) or path/to/file.py:factory, where
+    factory() returns a writeback_core.zoo.ModelCase (how each step gets its own inputs and
+    keyword arguments, strict export, or an ExportedProgram of your own) or a tuple
+    (module, args) / (module, args, kwargs) that every step reuses."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)
@@ -206,6 +253,8 @@ def run_command(
             report = dataclasses.replace(run_model(pipeline, case, steps, path, console), kept=output is not None)
         except PipelineError as error:
             raise click.ClickException(str(error)) from error
+        except StepInputError as error:  # the case's step inputs do not fit what it exported
+            raise UserCodeError(str(error)) from error
         except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
             raise click.ClickException(str(error)) from error
         console.print(_summary(report))

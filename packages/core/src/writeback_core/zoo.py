@@ -1,8 +1,9 @@
 """Built-in stateful models: deterministic, seeded, no downloaded weights.
 
 Each :class:`ModelCase` builds a fresh module and the inputs of each call. By
-convention ``forward(*step_inputs, *state)``: the per-call inputs first, then
-any caller-owned state tensors (which the model mutates in place).
+convention ``forward(*step_inputs, *state, **step_kwargs)``: the per-call inputs
+first, then any caller-owned state tensors (which the model mutates in place),
+then the per-call keyword arguments.
 """
 
 from __future__ import annotations
@@ -300,6 +301,11 @@ class ModelCase:
     ExecuTorch's custom KV-cache ops): name -> a function returning an
     ``ExportedProgram`` that takes the same inputs. ``writeback bench`` runs each
     beside writeback's own lowering.
+
+    ``same_inputs_every_step`` is True when the case only knows one set of example
+    inputs and feeds it to every call (a model file's factory that returned
+    ``(module, args)``): a decoder then writes the same position every step, and
+    ``writeback run`` says so.
     """
 
     name: str
@@ -312,6 +318,7 @@ class ModelCase:
     dynamic_shapes: Any = None
     exported: Callable[[], ExportedProgram] | None = None
     contenders: Mapping[str, Callable[[], ExportedProgram]] = field(default_factory=dict)
+    same_inputs_every_step: bool = False
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
         """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""

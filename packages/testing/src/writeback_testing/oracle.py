@@ -603,11 +603,21 @@ def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
 def built_from_case(case: Any) -> Built:
     """A zoo :class:`~writeback_core.zoo.ModelCase` as a :class:`Built` the oracle can run.
 
+    :raises ValueError: the case is exported its own way (``strict``, keyword arguments,
+        ``dynamic_shapes``, ``exported``), which the oracle does not reproduce.
+
     Its buffers and caller-owned state are read off a fresh instance; its
     "source" names the case (zoo models are code in the repository already).
     """
     from writeback_testing.program import State
 
+    if case.exported is not None or case.strict or case.dynamic_shapes is not None or case.example_kwargs(0):
+        # The oracle exports and calls positionally, non-strict (export_built): such a case
+        # would be checked as another program than the one every command exports.
+        raise ValueError(
+            f"model {case.name!r} says how it is exported (strict, keyword arguments, dynamic shapes or "
+            "its own ExportedProgram); the oracle runs cases exported positionally and non-strict only"
+        )
     module = case.build()
     buffers = tuple(State(name, "buffer", tuple(b.shape)) for name, b in module.named_buffers())
     inputs = tuple(State(f"state{i}", "input", tuple(t.shape)) for i, t in enumerate(case.make_state()))
