@@ -41,6 +41,17 @@ better than the absolute times.
 Every pipeline's outputs (and the caller-owned cache, where there is one) are
 compared with eager on the warm-up calls; a pipeline that fails to lower, to
 load or to match is reported as such in its cells, never dropped.
+
+``writeback bench --model NAME`` (:func:`run_model_bench`) times one model
+instead, resolved as ``writeback run`` resolves it (a built-in or plugin name,
+or ``file.py:factory``; ``--cache-mib`` for the built-in decoders) and exported
+once through :func:`writeback_core.lowering.export_case`. Its contenders, one
+row each, interleaved the same way from step ``--start``: eager; stock;
+stock + XNNPACK (the baseline every row is compared with); stock + XNNPACK +
+exir's reinplace pass with every op it can be opted into; writeback with each
+backend the registry offers; and each of the model's own ``contenders``. Each
+row also says how many whole-state write-back copies its lowered program still
+makes per call, and how many bytes they move.
 """
 
 from __future__ import annotations
@@ -56,12 +67,13 @@ from typing import Any
 import click
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
 from writeback_core._files import WriteFailed, replacing
-from writeback_core.cli import cache_mib_problem, progress_bar, writable_file
+from writeback_core.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
 from writeback_core.pipeline import (
     Eager,
     Pipeline,
@@ -77,7 +89,19 @@ from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
-__all__ = ["BenchResult", "SizeResult", "bench_command", "run_bench"]
+__all__ = [
+    "BenchResult",
+    "ModelBenchResult",
+    "ModelRow",
+    "SizeResult",
+    "bench_command",
+    "model_contenders",
+    "model_table",
+    "plot_model",
+    "reinplace_ops",
+    "run_bench",
+    "run_model_bench",
+]
 
 STOCK = "stock"
 REINPLACE = "stock+reinplace"
@@ -93,6 +117,8 @@ MIB = 1 << 20
 # Copies of the K+V cache one size holds at once (measured: three programs per
 # pipeline, their references, caller caches and floors), plus the process itself.
 CACHE_COPIES = 32
+# The same for ``--model``: one program per contender (about seven), eager's and the references.
+MODEL_CACHE_COPIES = 16
 
 # One timed call at a step: ``(seconds, outputs)``. Each call times only the work
 # itself (the runtime's execute, the eager forward, the two copies); its inputs
@@ -550,12 +576,28 @@ def plot(result: BenchResult, path: Path) -> None:
         axis.set_title(title)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` (format from its suffix), replacing it whole or not at all."""
     fig.tight_layout()
     try:
         with replacing(path) as temporary:
             fig.savefig(temporary, dpi=120, format=_plot_format(path))
     finally:
         plt.close(fig)
+
+
+def _write_plot(console: Console, draw: Callable[[Path], None], path: Path | None) -> None:
+    """``draw(path)`` when a plot was asked for, then say where it went."""
+    if path is None:
+        return
+    try:
+        draw(path)
+    except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
+        raise click.ClickException(str(error)) from error
+    console.print(f"plot written to {path}")
 
 
 def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]:
@@ -607,6 +649,39 @@ def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]
     help="PyTorch intra-op threads (the eager floor). On a loaded 2-core machine a second thread "
     "makes eager wait at barriers for a descheduled thread: 1 gives a steadier floor.",
 )
+@click.option(
+    "--model",
+    default=None,
+    help="Bench this model instead of the cache sizes: a built-in name, one a plugin offers, or "
+    "path/to/file.py:factory. Every contender (upstream, each writeback backend, the model's own) "
+    "runs it interleaved; see --contenders.",
+)
+@click.option(
+    "--cache-mib",
+    type=CacheMiB(MODEL_CACHE_COPIES, "writeback bench --model"),
+    default=None,
+    help="With --model, for models sized by their K+V cache (the built-in decoders): the size in MiB.",
+)
+@click.option(
+    "--steps",
+    default=None,
+    type=click.IntRange(min=1),
+    help="With --model: timed calls of each contender (interleaved). Default 15.",
+)
+@click.option(
+    "--start",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="With --model: the decode step (position) to start from: 0 is short context, "
+    "the cache's length minus the calls is full context.",
+)
+@click.option(
+    "--contenders",
+    "contender_names",
+    default=None,
+    help="With --model: only these contenders, comma-separated (the table lists every name).",
+)
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -615,11 +690,25 @@ def bench_command(
     backend: str | None,
     plot_path: Path | None,
     torch_threads: int,
+    model: str | None,
+    cache_mib: float | None,
+    steps: int | None,
+    start: int,
+    contender_names: str | None,
 ) -> None:
     """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
-    at each cache size; print medians, ratios and floors (eager, raw slice copy_)."""
+    at each cache size; print medians, ratios and floors (eager, raw slice copy_). With --model,
+    time one model through every contender instead, with the whole-state copies each leaves."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
+    if model is not None:
+        _bench_model(registry, model, cache_mib, steps or 15, start, contender_names, plot_path, torch_threads)
+        return
+    given = [f"--{n}" for n, v in (("cache-mib", cache_mib), ("steps", steps), ("contenders", contender_names)) if v]
+    if start:
+        given.append("--start")
+    if given:
+        raise click.UsageError(f"{', '.join(given)} go with --model NAME (without it, bench times the cache sizes)")
     try:
         choose_backend(registry, backend)
     except PipelineError as error:
@@ -634,9 +723,439 @@ def bench_command(
         console.print(table)
     for line in [*_failures(result), *goals(result)]:
         console.print(line, markup=False)
-    if plot_path is not None:
+    _write_plot(console, lambda path: plot(result, path), plot_path)
+
+
+# ---------------------------------------------------------------------------
+# ``writeback bench --model NAME``: every contender on one model, side by side.
+# ---------------------------------------------------------------------------
+
+XNNPACK = "stock+xnnpack"
+XNNPACK_REINPLACE = "stock+xnnpack+reinplace"
+# The baseline every row is compared with: what ExecuTorch users deploy on CPU.
+BASELINE = XNNPACK
+UPSTREAM = (EAGER, STOCK, XNNPACK, XNNPACK_REINPLACE)
+WRITEBACK_PREFIX = "writeback+"
+
+# Functional state writes exir's reinplace pass could be asked to make in place
+# (``ExecutorchBackendConfig.reinplace_extra_ops``); those whose in-place form the
+# pass derives are opted in, beside its default (``index_put``).
+_REINPLACE_CANDIDATES = ("index_put.default", "index_copy.default", "copy.default", "scatter.src", "scatter.value")
+
+
+def reinplace_ops() -> frozenset[Any]:
+    """Every edge op exir's reinplace pass can be opted into among the functional state writes.
+
+    Read from the installed exir: an op counts when the pass derives its in-place
+    overload (``aten::index_copy`` -> ``aten::index_copy_``); ``slice_scatter`` and
+    ``select_scatter`` have no in-place form, so they never count.
+    """
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from executorch.exir.passes import reinplace
+
+    found = set(reinplace.DEFAULT_INPLACEABLE_OPS)
+    for name in _REINPLACE_CANDIDATES:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(exir_ops.edge.aten, packet, None), overload, None)
+        if op is not None and reinplace._derive_edge_inplace_overload(op) is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+@dataclass
+class ModelRow:
+    """One contender on the model: its timed calls and the whole-state copies its program leaves.
+
+    ``copies``/``copied_bytes``: write-back ``copy_`` nodes of state left in the
+    final program and the bytes they move per call (``None``: no program, or it
+    failed before one existed).
+    """
+
+    name: str
+    call: Call | None = None
+    error: str | None = None
+    times: list[float] = field(default_factory=list)
+    copies: int | None = None
+    copied_bytes: int | None = None
+    note: str = ""
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times and self.error is None else None
+
+
+@dataclass
+class ModelBenchResult:
+    """Every contender's row on ``case``, in the order they were asked for."""
+
+    case: ModelCase
+    rows: list[ModelRow]
+    steps: int
+    start: int
+
+    def row(self, name: str) -> ModelRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+
+def _program_copies(program: Any) -> tuple[int, int]:
+    """``(count, bytes per call)`` of the write-back copies of state in ``program``'s final graph."""
+    from writeback_core.lowering import write_back_bytes
+
+    copies = write_back_bytes(program.exported_program())
+    return len(copies), sum(copies.values())
+
+
+def _flat_inputs(program: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The program's user inputs, flattened as ``torch.export`` flattened ``(args, kwargs)``."""
+    from torch.export._tree_utils import reorder_kwargs
+    from torch.utils import _pytree as pytree
+
+    spec = program.call_spec.in_spec
+    if kwargs and spec is not None:
+        kwargs = reorder_kwargs(kwargs, spec)
+    return list(pytree.tree_leaves((tuple(args), kwargs)))
+
+
+def _stock_model_call(
+    case: ModelCase, exported: Any, partitioner: str | None, reinplace: bool
+) -> tuple[Call, int, int]:
+    """Lower ``exported`` the stock way (``partitioner``: ``"xnnpack"`` or none) and load it in
+    stock ``executorch.runtime``. Caller-owned state is fed in every call and its new value,
+    which that runtime returns as an output instead of writing it, copied back (timed: a
+    stock user pays it)."""
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    with known_warnings_ignored():
+        from executorch.runtime import Runtime
+
+        partitioners: list[Any] = []
+        if partitioner == "xnnpack":
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+            partitioners.append(XnnpackPartitioner())
+        edge = to_edge_transform_and_lower(exported, partitioner=partitioners)
+        config = (
+            ExecutorchBackendConfig(run_reinplace_pass=True, reinplace_extra_ops=reinplace_ops())
+            if reinplace
+            else ExecutorchBackendConfig()
+        )
+        program = edge.to_executorch(config)
+        data = bytes(program.buffer)
+        # A stock Method reads freed memory once its Program is collected: keep both.
+        loaded = Runtime.get().load_program(data)
+        method = loaded.load_method("forward")
+    final = program.exported_program()
+    from torch.export.graph_signature import OutputKind
+
+    mutated = sum(1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION)
+    state = case.make_state()
+    count, nbytes = _program_copies(program)
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        assert loaded is not None
+        inputs = _flat_inputs(exported, (*case.step_inputs(step), *state), case.example_kwargs(step))
+        start = time.perf_counter()
+        outputs = list(method.execute(inputs))
+        for tensor, new in zip(state, outputs[:mutated], strict=False):
+            tensor.copy_(new)
+        seconds = time.perf_counter() - start
+        return seconds, outputs[mutated:]
+
+    call.state = state  # type: ignore[attr-defined]  # read by the warm-up check
+    return call, count, nbytes
+
+
+def _eager_outputs(eager: Eager, step: int) -> list[Any]:
+    case = eager.case
+    with torch.no_grad():
+        return _flat(eager.module(*case.step_inputs(step), *eager.state, **case.example_kwargs(step)))
+
+
+def _model_eager_call(case: ModelCase) -> Call:
+    eager = Eager(case)
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        start = time.perf_counter()
+        outputs = _eager_outputs(eager, step)
+        return time.perf_counter() - start, outputs
+
+    return call
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _flat(item)]
+    return [value]
+
+
+def _upstream_row(name: str, case: ModelCase, exported: Callable[[], Any]) -> ModelRow:
+    row = ModelRow(name)
+    try:
+        if name == EAGER:
+            row.call, row.copies, row.copied_bytes = _model_eager_call(case), 0, 0
+            row.note = "PyTorch writes its state in place"
+            return row
+        partitioner = None if name == STOCK else "xnnpack"
+        row.call, row.copies, row.copied_bytes = _stock_model_call(
+            case, exported(), partitioner, reinplace=name == XNNPACK_REINPLACE
+        )
+    except Exception as error:  # reported in its cell; the other contenders go on
+        row.error = f"failed to lower or load: {_short(error)}"
+    return row
+
+
+def _writeback_row(name: str, case: ModelCase, registry: Registry, backend: str) -> tuple[ModelRow, Session | None]:
+    row = ModelRow(name)
+    try:
+        pipeline = assemble(registry, backend)
+        lowered = lower(case, pipeline)
+        session = Session.open(pipeline, lowered)
+    except Exception as error:
+        row.error = f"failed to lower or load: {_short(error)}"
+        return row, None
+    row.copies, row.copied_bytes = len(lowered.write_back_bytes), lowered.copied_per_call
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        result = session.step(step)  # times the runtime's execute alone
+        return result.seconds, result.outputs
+
+    row.call = call
+    return row, session
+
+
+def _contender_row(name: str, case: ModelCase, make: Callable[[], Any]) -> ModelRow:
+    """A case's own upstream contender: its program lowered with XNNPACK, stock runtime."""
+    row = ModelRow(name, note="the model's own export, lowered with XNNPACK, stock runtime")
+    try:
+        row.call, row.copies, row.copied_bytes = _stock_model_call(case, make(), "xnnpack", reinplace=False)
+    except Exception as error:
+        row.error = f"failed to lower or load: {_short(error)}"
+    return row
+
+
+def model_contenders(registry: Registry, case: ModelCase) -> list[str]:
+    """Every contender ``bench --model`` offers for ``case``, in table order."""
+    backends = [f"{WRITEBACK_PREFIX}{b}" for b in sorted(registry.backends())]
+    return [*UPSTREAM, *backends, *case.contenders]
+
+
+def _model_reference(case: ModelCase, start: int) -> list[tuple[list[Any], tuple[torch.Tensor, ...]]]:
+    """Eager outputs and state after each warm-up call, steps ``start`` .. ``start + WARMUP - 1``."""
+    eager = Eager(case)
+    found = []
+    for step in range(start, start + WARMUP):
+        outputs = _eager_outputs(eager, step)
+        found.append(
+            (
+                [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs],
+                tuple(t.clone() for t in eager.state),
+            )
+        )
+    return found
+
+
+def _warm_up_row(row: ModelRow, session: Session | None, reference: list[Any], start: int) -> None:
+    """The warm-up calls, each checked against eager (outputs, and caller-owned state after the last)."""
+    assert row.call is not None
+    for offset, (expected, _) in enumerate(reference):
+        step = start + offset
         try:
-            plot(result, plot_path)
-        except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
-            raise click.ClickException(str(error)) from error
-        console.print(f"plot written to {plot_path}")
+            _, outputs = row.call(step)
+        except Exception as error:  # a contender that fails at run time is reported, not dropped
+            row.error = f"failed at run time: {_short(error)}"
+            return
+        check = compare(StepResult(step, 0.0, outputs, 0, 0), expected, (), ())
+        if not check.ok:
+            row.error = f"wrong at warm-up step {step}: {'; '.join(check.problems)}"
+            return
+    state = session.state if session is not None else getattr(row.call, "state", ())
+    eager_state = reference[-1][1] if reference else ()
+    if state and len(state) == len(eager_state):
+        check = compare(StepResult(start, 0.0, [], 0, 0), [], state, eager_state)
+        if not check.ok:
+            row.error = f"wrong state after warm-up: {'; '.join(check.problems)}"
+
+
+def run_model_bench(
+    registry: Registry,
+    case: ModelCase,
+    steps: int,
+    start: int = 0,
+    contenders: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> ModelBenchResult:
+    """Time one decode call of ``case`` through each contender, interleaved round-robin in one
+    process: ``WARMUP`` checked calls from step ``start``, then ``steps`` timed rounds.
+
+    Contenders (:func:`model_contenders`): ``eager``; ``stock`` (``to_edge`` +
+    ``to_executorch`` defaults, stock ``executorch.runtime``); ``stock+xnnpack``
+    (``XnnpackPartitioner``); ``stock+xnnpack+reinplace`` (also exir's reinplace pass with
+    every op it can be opted into, :func:`reinplace_ops`); ``writeback+<backend>`` for each
+    backend the registry offers (writeback's pipeline); and each of ``case.contenders``
+    (lowered with XNNPACK, stock runtime). One that fails to lower, load, run or match
+    eager keeps its row with the reason. Never raises for a failing contender.
+
+    :raises ValueError: ``contenders`` names one that is not offered (the message lists them).
+    """
+    offered = model_contenders(registry, case)
+    chosen = list(offered if contenders is None else contenders)
+    unknown = [c for c in chosen if c not in offered]
+    if unknown:
+        raise ValueError(f"no contender named {', '.join(map(repr, unknown))}; offered: {', '.join(offered)}")
+    exported_once: list[Any] = []
+
+    def exported() -> Any:
+        # One export shared by the stock rows (exir consumes none of it: to_edge copies).
+        from writeback_core.lowering import export_case
+
+        if not exported_once:
+            exported_once.append(export_case(case))
+        return exported_once[0]
+
+    reference = _model_reference(case, start)
+    rows: list[ModelRow] = []
+    task = progress.add_task("lower", total=len(chosen)) if progress is not None else None
+    for name in chosen:
+        session = None
+        if name in UPSTREAM:
+            row = _upstream_row(name, case, exported)
+        elif name.startswith(WRITEBACK_PREFIX) and name not in case.contenders:
+            row, session = _writeback_row(name, case, registry, name.removeprefix(WRITEBACK_PREFIX))
+        else:
+            row = _contender_row(name, case, case.contenders[name])
+        if row.error is None:
+            _warm_up_row(row, session, reference, start)
+        rows.append(row)
+        if progress is not None and task is not None:
+            progress.advance(task)
+    _time_model_rounds(rows, steps, start + WARMUP)
+    for row in rows:
+        row.call = None
+    gc.collect()
+    return ModelBenchResult(case, rows, steps, start)
+
+
+def _time_model_rounds(rows: Sequence[ModelRow], steps: int, first: int) -> None:
+    """One call of each live row per round, the order rotated each round; a row that
+    raises keeps its error and leaves the rounds."""
+    live = [r for r in rows if r.error is None and r.call is not None]
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(steps):
+            shift = round_ % max(1, len(live))
+            for row in live[shift:] + live[:shift]:
+                assert row.call is not None
+                try:
+                    seconds, _ = row.call(first + round_)
+                except Exception as error:
+                    row.error = f"failed at run time: {_short(error)}"
+                    continue
+                row.times.append(seconds)
+            live = [r for r in live if r.error is None]
+    finally:
+        gc.enable()
+
+
+def _copies_cell(row: ModelRow) -> str:
+    if row.copies is None:
+        return "-"
+    from writeback_core.explain import format_bytes
+
+    return f"{row.copies} ({format_bytes(row.copied_bytes or 0)})" if row.copies else "0"
+
+
+def model_table(result: ModelBenchResult) -> Table:
+    """One row per contender: step median, speed against the baseline, whole-state copies per call."""
+    case = result.case
+    table = Table(
+        title=f"{case.name}: one call, median of {result.steps} interleaved calls from step "
+        f"{result.start + WARMUP} (after {WARMUP} warm-up calls checked against eager)"
+    )
+    base = result.row(BASELINE)
+    base_median = base.median() if base is not None else None
+    base_copies = base.copies if base is not None and base.error is None else None
+    for title in ("contender", "step", f"{BASELINE} / this", "whole-state copies/call", f"copies vs {BASELINE}"):
+        table.add_column(title, justify="left" if title == "contender" else "right")
+    for row in result.rows:
+        median = row.median()
+        if row.error is not None:
+            word = "failed" if row.error.startswith("failed") else "wrong"
+            step = f"[red]{word}[/red]{escape(row.error.removeprefix(word))}"
+        else:
+            step = _ms(median)
+        copies_ratio = "-"
+        if row.copies is not None and base_copies is not None:
+            copies_ratio = f"{row.copies} vs {base_copies}"
+        table.add_row(row.name, step, _ratio(base_median, median), _copies_cell(row), copies_ratio)
+    return table
+
+
+def plot_model(result: ModelBenchResult, path: Path) -> None:
+    """A bar per contender (median step, ms), labelled with the copies it leaves per call.
+
+    The image (its format from ``path``'s suffix) replaces ``path`` whole or not at all."""
+    plt = _pyplot()
+    measured = [(r.name, r.median(), r.copies) for r in result.rows]
+    fig, axis = plt.subplots(figsize=(9, 0.5 * len(measured) + 1.5))
+    names = [name for name, _, _ in measured]
+    values = [(m or 0.0) * 1e3 for _, m, _ in measured]
+    bars = axis.barh(names, values, color=["tab:blue" if m is not None else "lightgrey" for _, m, _ in measured])
+    for bar, (_, median, copies) in zip(bars, measured, strict=True):
+        label = "failed" if median is None else f"{median * 1e3:.2f} ms, {copies if copies is not None else '-'} copies"
+        axis.annotate(
+            label,
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+        )
+    axis.invert_yaxis()
+    axis.set_xlabel("ms (median)")
+    axis.set_title(f"{result.case.name}: one call from step {result.start + WARMUP}")
+    axis.grid(True, axis="x", alpha=0.3)
+    _save(plt, fig, path)
+
+
+def _bench_model(
+    registry: Registry,
+    model: str,
+    cache_mib: float | None,
+    steps: int,
+    start: int,
+    contender_names: str | None,
+    plot_path: Path | None,
+    torch_threads: int,
+) -> None:
+    """``bench --model``: resolve the model as ``writeback run`` does, check the contender names
+    and the plot path before anything is lowered, then time and print."""
+    from writeback_core.run import _case
+
+    case = _case(registry, model, cache_mib)
+    offered = model_contenders(registry, case)
+    chosen = None
+    if contender_names is not None:
+        chosen = [c.strip() for c in contender_names.split(",") if c.strip()]
+        unknown = [c for c in chosen if c not in offered]
+        if unknown or not chosen:
+            raise click.BadParameter(
+                f"no contender named {', '.join(map(repr, unknown)) or repr(contender_names)}; "
+                f"offered for {case.name!r}: {', '.join(offered)}",
+                param_hint="'--contenders'",
+            )
+    if plot_path is not None:
+        _check_plot(plot_path)
+    torch.set_num_threads(torch_threads)
+    console = Console(width=160)
+    with progress_bar(Progress(console=console, transient=True)) as progress:
+        result = run_model_bench(registry, case, steps, start, chosen, progress)
+    console.print(model_table(result))
+    console.print(
+        "whole-state copies/call: write-back copy_ nodes of state left in the lowered program and the "
+        f"bytes they move per call; {BASELINE} / this: how many times faster than the baseline",
+        markup=False,
+    )
+    for row in result.rows:
+        if row.error is not None:
+            console.print(f"{row.name}: {row.error}", markup=False)
+    _write_plot(console, lambda path: plot_model(result, path), plot_path)
