@@ -79,14 +79,29 @@ def _call(
 
 
 def test_the_valid_blob_runs_as_worked_out_by_hand() -> None:
+    program = _program()
+    # The zero-filled cache takes no bytes: the data section holds the 60-byte embedding only.
+    assert program.header()["state"]["cache"] == {"zeros": True, "dtype": "float32", "shape": [4, 3]}
+    assert len(program.data) == 60
     delegate = MLXDelegate()
-    handle = delegate.init(_program().to_bytes(), {})
+    handle = delegate.init(program.to_bytes(), {})
     r, s = _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
     assert r.tolist() == [[7.0, 8.0, 9.0]]  # emb[2] = 6, 7, 8
     assert s.tolist() == [7.0, 8.0, 9.0]
     r, s = _call(delegate, handle, 4, 3, [0.0, 0.0, 0.0])
     assert r.tolist() == [[12.0, 13.0, 14.0]]
     assert s.tolist() == [19.0, 21.0, 23.0]  # the cache kept row 1
+
+
+def test_non_zero_initial_state_comes_back_from_its_bytes() -> None:
+    program = _program()
+    program.state["cache"] = program.add_tensor(torch.ones(4, 3))
+    assert "offset" in program.header()["state"]["cache"]
+    delegate = MLXDelegate()
+    handle = delegate.init(program.to_bytes(), {})
+    r, s = _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    assert r.tolist() == [[7.0, 8.0, 9.0]]
+    assert s.tolist() == [10.0, 11.0, 12.0]  # rows 0, 2 and 3 still ones, row 1 = r
 
 
 @pytest.mark.parametrize("token", [5, 6, 1 << 40, -1, -6])
@@ -216,7 +231,13 @@ def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
     [
         (lambda h: h["constants"]["emb"].update(offset=10**9), "pass the data section's end"),
         (lambda h: h["constants"]["emb"].update(nbytes=8), "needs 60 bytes"),
-        (lambda h: h["state"]["cache"].update(shape=[400, 3]), "needs 4800 bytes"),
+        (lambda h: h["constants"]["emb"].update(shape=[400, 3]), "needs 4800 bytes"),
+        (lambda h: h["state"]["cache"].update(zeros=False), "a record without bytes must be zeros"),
+        (lambda h: h["state"]["cache"].update(offset=0), "extra"),
+        (lambda h: h["state"]["cache"].update(shape=[-4, 3]), "out of range"),
+        (lambda h: h["state"]["cache"].update(shape=[2**40, 3]), "MLX dimensions hold at most 2147483647"),
+        (lambda h: h["state"]["cache"].update(shape=[2**30, 2**30, 16]), "more than this machine's"),
+        (lambda h: h["state"]["cache"].update(dtype="complex64"), "not a known MLX dtype"),
         (lambda h: h["state_updates"].update(nosuch="c"), "names no state buffer"),
         (lambda h: h["state_updates"].update(cache="later"), "names no value"),
         (lambda h: h["nodes"][0]["args"][1].update({"$v": "s"}), "names no input, constant, state or earlier node"),

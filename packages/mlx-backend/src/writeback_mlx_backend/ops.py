@@ -121,6 +121,41 @@ def _ok(node: torch.fx.Node) -> str | None:
     return _tensor_check(node)
 
 
+def _float_check(node: torch.fx.Node) -> str | None:
+    """:func:`_tensor_check`, and every tensor floating point (MLX multiplies matrices of no other kind)."""
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    for val in _vals(node):
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            return f"MLX multiplies only floating-point matrices, not {val.dtype}"
+    return None
+
+
+def _sdpa_check(node: torch.fx.Node) -> str | None:
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    for position, name in enumerate(("query", "key", "value")):
+        val = _val(node.args[position])
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            return f"{name} of dtype {val.dtype} (MLX attends over floating point only)"
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    if dropout != 0.0:
+        return f"dropout_p {dropout!r} (the delegate runs inference only)"
+    q, k = (_val(a) for a in node.args[:2])
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+        if q.dim() < 3 or k.dim() < 3:
+            return "query and key need a head dimension"
+        if q.shape[-3] != k.shape[-3] and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]):
+            return f"{q.shape[-3]} query heads do not share {k.shape[-3]} key heads evenly"
+    return None
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
 def _rank(node: Any) -> int | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
@@ -509,6 +544,10 @@ def _sdpa(
     enable_gqa: bool = False,
 ) -> Any:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[-3] != q.shape[-3]:
+        # Grouped-query attention: each key/value head serves a group of query heads.
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = mx.repeat(k, groups, axis=-3), mx.repeat(v, groups, axis=-3)
     scores = (q @ mx.swapaxes(k, -1, -2)) * scale
     if is_causal:
         rows, cols = scores.shape[-2], scores.shape[-1]
@@ -543,11 +582,11 @@ _COMPARE = {
 
 OPS: dict[str, OpHandler] = {
     "aten.embedding.default": OpHandler(_literal_ints_check(2), _embedding, validate=_embedding_validate),
-    "aten.mm.default": _binary_handler(mx.matmul),
-    "aten.bmm.default": _binary_handler(mx.matmul),
-    "aten.matmul.default": _binary_handler(mx.matmul),
-    "aten.addmm.default": OpHandler(_ok, _addmm),
-    "aten.linear.default": OpHandler(_ok, _linear),
+    "aten.mm.default": OpHandler(_float_check, _binary(mx.matmul)),
+    "aten.bmm.default": OpHandler(_float_check, _binary(mx.matmul)),
+    "aten.matmul.default": OpHandler(_float_check, _binary(mx.matmul)),
+    "aten.addmm.default": OpHandler(_float_check, _addmm),
+    "aten.linear.default": OpHandler(_float_check, _linear),
     "aten.add.Tensor": _binary_handler(mx.add),
     "aten.add.Scalar": _binary_handler(mx.add),
     "aten.sub.Tensor": _binary_handler(mx.subtract),
@@ -631,7 +670,7 @@ OPS: dict[str, OpHandler] = {
     "dim_order_ops._clone_dim_order.default": OpHandler(_ok, _identity, alias=True),
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
-    "aten.scaled_dot_product_attention.default": OpHandler(_ok, _sdpa),
+    "aten.scaled_dot_product_attention.default": OpHandler(_sdpa_check, _sdpa),
     "aten.index_select.default": OpHandler(_one_index_check("source"), _index_select, validate=_index_select_validate),
     "aten.index_copy.default": OpHandler(
         _one_index_check("destination"), _index_copy_run, _index_copy_region, _index_copy_validate
@@ -646,11 +685,36 @@ OPS: dict[str, OpHandler] = {
 }
 
 
+# Literal argument types a delegate blob can carry (see ``writeback_mlx_backend.preprocess``).
+_LITERALS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _literal_reason(value: Any) -> str | None:
+    """Why argument ``value`` cannot be written into a blob, or ``None``."""
+    if value is None or isinstance(value, (torch.fx.Node, *_LITERALS)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((r for r in map(_literal_reason, value) if r is not None), None)
+    return f"argument of type {type(value).__name__}"
+
+
 def unsupported_reason(node: torch.fx.Node) -> str | None:
-    """Why ``node`` stays outside the delegate, or ``None`` when the table runs it."""
+    """Why ``node`` stays outside the delegate, or ``None`` when the table runs it.
+
+    Conservative: a node is taken only when its op has a handler, every literal
+    argument can be written into the blob, and the handler's check passes. A
+    check that cannot read the node (an argument where it expects none) leaves
+    it outside rather than failing the lowering.
+    """
     if node.op != "call_function":
         return "not a call"
     handler = OPS.get(op_key(node.target))
     if handler is None:
         return f"no MLX handler for {op_key(node.target) or node.target}"
-    return handler.check(node)
+    reason = _literal_reason([node.args, list(node.kwargs.values())])
+    if reason is not None:
+        return reason
+    try:
+        return handler.check(node)
+    except (IndexError, KeyError, AttributeError, TypeError) as error:
+        return f"unexpected arguments ({type(error).__name__}: {error})"

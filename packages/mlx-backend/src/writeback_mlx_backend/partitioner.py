@@ -12,7 +12,7 @@ from executorch.exir.backend.partitioner import (
     Partitioner,
     PartitionResult,
 )
-from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from executorch.exir.backend.utils import tag_constant_data
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -37,8 +37,14 @@ class _Support(OperatorSupportBase):
 class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untyped
     """Tag every node the MLX op table runs, grouped into delegate partitions.
 
-    Buffers a partition mutates become delegate-owned when ``own_buffers`` (they
-    then live in MLX across calls). The partitioner only tags: the in-place
+    With ``own_buffers``, a mutated buffer becomes delegate-owned (it then lives
+    in MLX across calls) when one partition does everything with it: every read
+    of it and the op producing its new value carry that partition's tag (see
+    :func:`owned_buffers`). Any other mutated buffer stays a program buffer
+    that delegates read and whose new value one of them returns; an op MLX
+    lacks is never tagged, so it runs outside the delegate. The partition of an
+    owned buffer is exir's: the lowered module of that tag lists the buffer in
+    its program's ``graph_signature.buffers_to_mutate``. The partitioner only tags: the in-place
     decision per mutation is core's: its lowering path wraps this partitioner in
     :func:`writeback_core.annotating`, which asks every plugin per mutation and
     records the decision. Used bare, no mutation is annotated (every write-back
@@ -66,24 +72,49 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
             tag = f"{BACKEND_NAME}_{partition.id}"
             for node in partition.nodes:
                 node.meta["delegation_tag"] = tag
-            tags[tag] = self.delegation_spec
+            # A spec (and compile-spec list) of its own per partition: a pass that records
+            # per-delegate compile specs (the in-place outputs) edits one partition's list.
+            tags[tag] = DelegationSpec(self.delegation_spec.backend_id, list(self.delegation_spec.compile_specs))
         if self.own_buffers:
-            tag_mutated_buffer(exported_program)
-            _keep_returned_buffers_outside(exported_program)
+            placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+            for name, tag in owned_buffers(exported_program).items():
+                placeholders[name].meta["delegation_tag"] = tag
         tag_constant_data(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
-def _keep_returned_buffers_outside(program: ExportedProgram) -> None:
-    """Untag a mutated buffer whose new value the program also returns.
+def owned_buffers(program: ExportedProgram) -> dict[str, str]:
+    """The mutated buffers one partition can own: ``{placeholder name: delegation tag}``.
 
-    exir cannot hand such a buffer to a delegate (its mutation output would also
-    be a user output), so it stays a program buffer that the delegate reads and
-    whose new value it returns.
+    Call after the operator nodes are tagged. A mutated buffer is owned by the
+    partition tagged ``t`` when:
+
+    1. the node producing its new value (the buffer-mutation output) is an
+       operator tagged ``t`` (an op outside every delegate, such as one MLX
+       lacks, leaves the buffer to the program);
+    2. every reader of its placeholder is tagged ``t`` (a read in another
+       partition, or outside, would need the value the delegate keeps);
+    3. the program does not also return its new value as a user output (exir
+       cannot give a delegate a buffer whose mutation output is a user output
+       too).
+
+    Example it must refuse: ``a = s + x`` in partition 1, an unsupported op,
+    then ``s.copy_(f(b))`` in partition 2. Partition 1 reads ``s`` but
+    partition 2 produces its new value, so ``s`` stays a program buffer.
     """
     sig = program.graph_signature
-    names = Counter(s.arg.name for s in sig.output_specs if hasattr(s.arg, "name"))
-    returned = {s.target for s in sig.output_specs if s.kind is OutputKind.BUFFER_MUTATION and names[s.arg.name] > 1}
-    for node in program.graph_module.graph.nodes:
-        if node.op == "placeholder" and sig.inputs_to_buffers.get(node.name) in returned:
-            node.meta.pop("delegation_tag", None)
+    graph = program.graph_module.graph
+    nodes = {n.name: n for n in graph.nodes}
+    returned = Counter(s.arg.name for s in sig.output_specs if hasattr(s.arg, "name"))
+    new_value = {
+        s.target: s.arg.name
+        for s in sig.output_specs
+        if s.kind is OutputKind.BUFFER_MUTATION and returned[s.arg.name] == 1
+    }
+    owned: dict[str, str] = {}
+    for name, target in sig.inputs_to_buffers.items():
+        value = nodes.get(new_value.get(target, ""))
+        tag = value.meta.get("delegation_tag") if value is not None and value.op == "call_function" else None
+        if tag is not None and all(user.meta.get("delegation_tag") == tag for user in nodes[name].users):
+            owned[name] = tag
+    return owned

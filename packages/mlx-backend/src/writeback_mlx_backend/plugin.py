@@ -60,6 +60,10 @@ def in_place_refusal(partition: PartitionView, mutation: Mutation) -> str | None
     write = mutation.write
     if write.node is None or not partition.contains(write.node):
         return "the write runs outside the MLX delegate"
+    if not partition.contains(mutation.value):
+        # The partition that would write in place must be the one returning the new
+        # value: the write-back dropped is of that value.
+        return "its new value is produced outside this MLX partition"
     if write.kind not in _IN_PLACE_WRITES:
         return f"a {write.kind.value} write is not one the delegate does in place"
     if not mutation.shape:

@@ -63,7 +63,9 @@ def build_program(program: ExportedProgram) -> DelegateProgram:
     1. User inputs become the delegate's arguments in order; parameters, constant
        tensors and buffers it only reads become constants; mutated buffers (the
        partitioner tagged them, so the delegate owns them) become state with
-       their initial value.
+       their initial value. A tensor of zero bytes only (a fresh KV cache) is
+       recorded as zeros of its shape and dtype, so the blob carries no bytes
+       for it.
     2. ``call_function`` nodes are recorded in graph order with JSON arguments.
     3. User outputs become the delegate's results; buffer mutations become state
        updates. An output that is a write op into a user input is an in-place

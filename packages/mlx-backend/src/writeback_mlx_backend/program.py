@@ -3,7 +3,9 @@
 Layout: ``MAGIC`` (8 bytes), the JSON header's length (little-endian u64), the
 header (UTF-8 JSON), then the data section. Tensors in the header name their
 ``offset`` and ``nbytes`` in the data section, their ``dtype`` (a torch dtype
-name) and ``shape``. Node arguments are JSON values where ``{"$v": name}``
+name) and ``shape``; a tensor whose bytes are all zero (a KV cache before the
+first call) is written ``{"zeros": true, "dtype", "shape"}`` instead, with no
+bytes, and the runtime allocates it at ``init``. Node arguments are JSON values where ``{"$v": name}``
 refers to another value and ``{"$dtype": name}`` to a dtype. No pickle: the blob
 loads in any process that has this package and MLX.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +29,7 @@ from writeback_core.blob import DTYPES, BlobReader, load_json
 __all__ = ["MAGIC", "VERSION", "DelegateProgram", "InPlaceCandidate", "TensorRecord"]
 
 MAGIC = b"WBMLX\x00\x00\x01"
-VERSION = 1
+VERSION = 2
 
 DELEGATE = "mlx"
 
@@ -111,11 +114,49 @@ def _input_meta(read: BlobReader, value: object, field: str) -> dict[str, Any]:
     return record
 
 
+# MLX holds each dimension as a 32-bit int.
+_MAX_DIM = 2**31 - 1
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _zeros_record(read: BlobReader, raw: dict[str, Any], where: str) -> TensorRecord:
+    """A ``{"zeros": true, "dtype", "shape"}`` record: checked, not yet allocated."""
+    read.record(raw, where, keys=("zeros", "dtype", "shape"))
+    if read.boolean(raw["zeros"], f"{where}.zeros") is not True:
+        raise read.fail(f"{where}.zeros", False, "a record without bytes must be zeros; others give offset and nbytes")
+    shape = read.shape(raw["shape"], f"{where}.shape")
+    for axis, size in enumerate(shape):
+        if size > _MAX_DIM:
+            raise read.fail(f"{where}.shape[{axis}]", size, f"MLX dimensions hold at most {_MAX_DIM}")
+    dtype = torch_dtype_at(read, raw["dtype"], f"{where}.dtype")
+    return TensorRecord(0, math.prod(shape) * torch.empty((), dtype=dtype).element_size(), raw["dtype"], shape, True)
+
+
 def _records(read: BlobReader, value: object, field: str, data_size: int) -> dict[str, TensorRecord]:
-    """Tensor records, each inside the data section with exactly the bytes its dtype and shape need."""
+    """Tensor records: each inside the data section with exactly the bytes its dtype and
+    shape need, or zeros of a size this machine can hold (all zero records together)."""
     records = {}
+    zeros = 0
     for name, raw in read.record(value, field).items():
         where = f"{field}[{name!r}]"
+        if isinstance(raw, dict) and "zeros" in raw:
+            records[name] = record = _zeros_record(read, raw, where)
+            zeros += record.nbytes
+            memory = _memory_bytes()
+            if memory is not None and zeros > memory:
+                raise read.fail(
+                    f"{where}.shape",
+                    list(record.shape),
+                    f"zeros of {field} would take {zeros} bytes, more than this machine's {memory} bytes of memory",
+                )
+            continue
         read.record(raw, where, keys=("offset", "nbytes", "dtype", "shape"))
         shape = read.shape(raw["shape"], f"{where}.shape")
         dtype = torch_dtype_at(read, raw["dtype"], f"{where}.dtype")
@@ -134,21 +175,19 @@ def _records(read: BlobReader, value: object, field: str, data_size: int) -> dic
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """Where a constant or initial state lives in the data section."""
+    """Where a constant or initial state lives in the data section; with ``zeros``, nowhere:
+    it is ``nbytes`` of zeros the runtime allocates."""
 
     offset: int
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    zeros: bool = False
 
     def to_json(self) -> dict[str, Any]:
+        if self.zeros:
+            return {"zeros": True, "dtype": self.dtype, "shape": list(self.shape)}
         return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_json(cls, record: dict[str, Any]) -> TensorRecord:
-        return cls(
-            int(record["offset"]), int(record["nbytes"]), str(record["dtype"]), tuple(int(s) for s in record["shape"])
-        )
 
 
 @dataclass(frozen=True)
@@ -292,17 +331,25 @@ class DelegateProgram:
         )
 
     def add_tensor(self, tensor: torch.Tensor) -> TensorRecord:
-        """Append ``tensor``'s bytes to the data section (64-byte aligned) and describe them."""
+        """Append ``tensor``'s bytes to the data section (64-byte aligned) and describe them.
+
+        A tensor whose every byte is zero is described as zeros and adds no bytes.
+        """
+        flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        if not bool(flat.any()):
+            return TensorRecord(0, flat.numel(), dtype_name(tensor.dtype), tuple(tensor.shape), zeros=True)
         pad = (-len(self.data)) % 64
-        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = flat.numpy().tobytes()
         record = TensorRecord(len(self.data) + pad, len(raw), dtype_name(tensor.dtype), tuple(tensor.shape))
         self.data += b"\x00" * pad
         self.data += raw
         return record
 
     def array(self, record: TensorRecord) -> np.ndarray:
-        """A numpy view of a record's bytes (read only)."""
+        """A numpy view of a record's bytes (read only); a new zero array for a zeros record."""
         np_dtype = torch.empty((), dtype=torch_dtype(record.dtype)).numpy().dtype
+        if record.zeros:
+            return np.zeros(record.shape, dtype=np_dtype)
         flat = np.frombuffer(
             memoryview(self.data), dtype=np_dtype, count=record.nbytes // np_dtype.itemsize, offset=record.offset
         )

@@ -39,7 +39,14 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
-from writeback_mlx_backend.program import DELEGATE, DelegateProgram, InPlaceCandidate, float_value, torch_dtype
+from writeback_mlx_backend.program import (
+    DELEGATE,
+    DelegateProgram,
+    InPlaceCandidate,
+    TensorRecord,
+    float_value,
+    torch_dtype,
+)
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 
@@ -263,6 +270,13 @@ def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Map
     return watch
 
 
+def _load(program: DelegateProgram, record: TensorRecord) -> Any:
+    """A record as an MLX array of its own: zeros allocated here, or a copy of its bytes."""
+    if record.zeros:
+        return mx.zeros(record.shape, dtype=MX_DTYPES[torch_dtype(record.dtype)])
+    return mx.array(program.array(record))
+
+
 def _tensor_span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``_span`` of a tensor, quick for the contiguous case."""
     if tensor.is_contiguous():
@@ -320,8 +334,8 @@ class MLXDelegate:
         for name, position in last_use.items():
             if name not in program.constants:
                 dies_at[position].append(name)
-        constants = {k: mx.array(program.array(r)) for k, r in program.constants.items()}
-        state = {k: mx.array(program.array(r)) for k, r in program.state.items()}
+        constants = {k: _load(program, r) for k, r in program.constants.items()}
+        state = {k: _load(program, r) for k, r in program.state.items()}
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
         return _Handle(

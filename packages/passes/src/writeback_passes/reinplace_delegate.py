@@ -20,6 +20,7 @@ import torch.fx
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
 from writeback_core import ProgramPass, meta
 from writeback_core.blob import encode_in_place_outputs, in_place_outputs
 from writeback_core.ops import packet_name, schema_of, write_back_copies
@@ -216,7 +217,27 @@ def _returned_in_place_of_copy(
     return after
 
 
-def _release_output(call: torch.fx.Node, output: int) -> None:
+def _results(call: torch.fx.Node, gm: torch.fx.GraphModule) -> list[object]:
+    """The values ``call`` returns now, in order.
+
+    exir removes the outputs of buffers the delegate owns from the call (and
+    renumbers its ``getitem`` users) but leaves the call's ``val`` as it was, so
+    the lowered program says what the call returns: its outputs that are not
+    buffer mutations.
+    """
+    lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]  # args[0] is a get_attr node
+    program: ExportedProgram = lowered.original_module
+    found = program.graph.output_node().args[0]
+    outputs = list(found) if isinstance(found, (list, tuple)) else [found]
+    specs = program.graph_signature.output_specs
+    return [
+        out.meta.get("val") if isinstance(out, torch.fx.Node) else out
+        for out, spec in zip(outputs, specs, strict=True)
+        if spec.kind is not OutputKind.BUFFER_MUTATION
+    ]
+
+
+def _release_output(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int) -> None:
     """Give the now unread delegate output ``output`` an empty tensor spec.
 
     exir keeps a delegate call's ``spec`` through its later passes, so the
@@ -224,21 +245,21 @@ def _release_output(call: torch.fx.Node, output: int) -> None:
     """
     from executorch.exir.tensor import TensorSpec
 
-    vals = call.meta["val"]
-    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    vals = _results(call, gm)
     specs = call.meta.get("spec")
     if specs is None:
         specs = [TensorSpec.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in vals]
     specs = list(specs)
-    specs[output] = TensorSpec.from_tensor(torch.empty(0, dtype=vals[output].dtype))
+    released = vals[output]
+    assert isinstance(released, torch.Tensor)
+    specs[output] = TensorSpec.from_tensor(torch.empty(0, dtype=released.dtype))
     call.meta["spec"] = tuple(specs)
 
 
 def _record(call: torch.fx.Node, gm: torch.fx.GraphModule, output: int, input_index: int) -> None:
     lowered = getattr(gm, str(call.args[0].target))  # type: ignore[union-attr]  # args[0] is a get_attr node
     specs: list[CompileSpec] = lowered.compile_specs
-    vals = call.meta.get("val")
-    n_outputs = len(vals) if isinstance(vals, (list, tuple)) else 1
+    n_outputs = len(_results(call, gm))
     # Read back what earlier drops recorded with the one parser of the spec, then re-encode.
     pairs = [
         (entry.output, entry.input)
@@ -330,7 +351,7 @@ def reinplace_delegate_input_mutations(
         if not value.users:
             graph.erase_node(value)
         _record(call, gm, output, input_index)
-        _release_output(call, output)
+        _release_output(call, gm, output)
         report.dropped.append(DroppedWriteBack(placeholder.name, call.name, output, input_index))
     if report.dropped:
         graph.lint()

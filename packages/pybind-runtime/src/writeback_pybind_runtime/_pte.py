@@ -220,7 +220,12 @@ def _signature(name: str, overload: str) -> tuple[str, ...] | None:
     schema = _schema(name, overload)
     if schema is None:
         return None
-    return tuple(str(a.type) for a in schema.arguments) + tuple(str(r.type) for r in schema.returns)
+    returns = tuple(str(r.type) for r in schema.returns)
+    if len(returns) > 1:
+        # ExecuTorch's emitter passes several returns (max.dim_max, native_layer_norm.out)
+        # as one list of the returned tensors.
+        returns = ("List[Tensor]",)
+    return tuple(str(a.type) for a in schema.arguments) + returns
 
 
 @cache
@@ -234,6 +239,9 @@ def _written_positions(name: str, overload: str) -> frozenset[int] | None:
         return None
     n = len(schema.arguments)
     written = {k for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    if len(schema.returns) > 1:
+        written.add(n)  # one list of every return (see _signature); its tensors are the out arguments
+        return frozenset(written)
     for r, returned in enumerate(schema.returns):
         if returned.alias_info is None or returned.alias_info.is_write:
             written.add(n + r)
