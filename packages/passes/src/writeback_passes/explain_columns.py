@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
     from writeback_passes.memory_report import MemoryPlanReport
 
-__all__ = ["COLUMN", "early_write_back_columns"]
+__all__ = ["COLUMN", "KERNEL_COLUMN", "early_write_back_columns", "stock_kernel_columns"]
 
 COLUMN = "early write-back"
+KERNEL_COLUMN = "stock kernels"
 
 # explain asks once per mutation row; both lowerings are made once per program.
 _PLANS: weakref.WeakKeyDictionary[ExportedProgram, tuple[MemoryPlanReport, MemoryPlanReport]] = (
@@ -62,3 +63,45 @@ def early_write_back_columns(program: ExportedProgram, mutation: Mutation) -> di
         return {COLUMN: f"{where}; value unplanned"}
     saved = old.live_steps - placed.live_steps
     return {COLUMN: f"{where}; value lives {placed.live_steps} steps, {saved} fewer than stock"}
+
+
+# explain asks once per mutation row; the program is decomposed once.
+_DECOMPOSED: weakref.WeakKeyDictionary[ExportedProgram, ExportedProgram] = weakref.WeakKeyDictionary()
+
+
+def _size(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 1024:.1f} KiB"
+
+
+def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str]:
+    """``{"stock kernels": ...}`` for one explain row: what ``--backend portable`` (and
+    ``xnnpack``, for a write outside its delegate) does with this state.
+
+    Decided by :func:`~writeback_passes.reinplace_state_writes.in_place_kernel_refusal`
+    (the rule the backends answer ``writeback_accepts_in_place`` with) over the
+    decomposed program. A caller-owned state written in place says where that holds:
+    stock ``executorch.runtime`` does not write a mutated input back into the caller's
+    tensor (it returns the new value as an output), writeback's runtime does.
+    """
+    from writeback_core import MutationKind
+
+    from writeback_passes.reinplace_state_writes import IN_PLACE_KERNEL, in_place_kernel_refusal
+
+    decomposed = _DECOMPOSED.get(program)
+    if decomposed is None:
+        with known_warnings_ignored():
+            decomposed = _DECOMPOSED[program] = program.run_decompositions()
+    graph = decomposed.graph_module.graph
+    refusal = in_place_kernel_refusal(graph, mutation.placeholder, mutation.value)
+    if refusal is None and mutation.kind is MutationKind.BUFFER and mutation.also_returned(graph):
+        refusal = "its new value is also returned, which must live outside the buffer"
+    if refusal is not None:
+        return {KERNEL_COLUMN: f"copied back, {_size(mutation.nbytes)}/call: {refusal}"}
+    if mutation.kind is MutationKind.BUFFER:
+        return {KERNEL_COLUMN: f"in place ({IN_PLACE_KERNEL}), any runtime"}
+    return {
+        KERNEL_COLUMN: (
+            f"in place ({IN_PLACE_KERNEL}) in writeback's runtime; stock executorch.runtime "
+            "leaves the caller's tensor unwritten (returns the new value)"
+        )
+    }

@@ -7,32 +7,90 @@ so loading the plugin costs nothing until a pipeline asks for a pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from writeback_core import ProgramPass, Stage, hookimpl
+from writeback_core import BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
-    from writeback_core import Mutation
+    from writeback_core import Mutation, PartitionView, Registry
 
 writeback_name = "passes"
+
+PORTABLE = "portable"
+XNNPACK = "xnnpack"
+# The backends whose state writes run on the stock runtime's kernels, made in place here.
+KERNEL_BACKENDS = (PORTABLE, XNNPACK)
+
+
+def _portable(registry: Registry, **options: Any) -> Any:
+    from writeback_passes.backends import NoDelegatePartitioner
+
+    return NoDelegatePartitioner()
+
+
+def _xnnpack(registry: Registry, **options: Any) -> Any:
+    from writeback_passes.backends import xnnpack_partitioner
+
+    return xnnpack_partitioner(**options)
+
+
+@hookimpl
+def writeback_backends() -> Sequence[BackendSpec]:
+    """``portable`` (no delegate) and ``xnnpack`` (ExecuTorch's ``XnnpackPartitioner``), both
+    with their state written in place by the stock runtime's ``index_put_`` kernel."""
+    return [
+        BackendSpec(
+            name=PORTABLE,
+            backend_id="",
+            partitioner=_portable,
+            description="no delegate: the stock runtime's kernels; state written in place by index_put_",
+            kernel_writes=True,
+        ),
+        BackendSpec(
+            name=XNNPACK,
+            backend_id="XnnpackBackend",
+            partitioner=_xnnpack,
+            description="ExecuTorch's XNNPACK delegate; state written in place outside it by index_put_",
+            kernel_writes=True,
+        ),
+    ]
+
+
+@hookimpl
+def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
+    """For ``portable`` and ``xnnpack``: a write inside an XNNPACK partition never (XNNPACK
+    does not write a state in place); a write on the kernels outside every partition when
+    ``in_place_kernel_refusal`` finds nothing against it."""
+    if backend not in KERNEL_BACKENDS:
+        return None
+    if not partition.kernels:
+        return False
+    from writeback_passes.reinplace_state_writes import in_place_kernel_refusal
+
+    if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
+        return False
+    return in_place_kernel_refusal(partition.graph, mutation.placeholder, mutation.value) is None
 
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     """At ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order
-    50), then early write-back (order 100: after graph-editing passes)."""
+    50), writing state in place with the stock runtime's kernels (order 60), then early
+    write-back (order 100: after graph-editing passes)."""
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.pipeline import early_write_back_pass
     from writeback_passes.reinplace_delegate import reinplace_delegate_pass
+    from writeback_passes.reinplace_state_writes import state_writes_pass
 
-    return (reinplace_delegate_pass(), early_write_back_pass())
+    return (reinplace_delegate_pass(), state_writes_pass(), early_write_back_pass())
 
 
 @hookimpl
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
-    """The "early write-back" column: where this pass puts the copy, and the lifetime it saves."""
-    from writeback_passes.explain_columns import early_write_back_columns
+    """The "early write-back" column (where this pass puts the copy, and the lifetime it
+    saves) and the "stock kernels" column (what ``--backend portable``/``xnnpack`` do)."""
+    from writeback_passes.explain_columns import early_write_back_columns, stock_kernel_columns
 
-    return early_write_back_columns(program, mutation)
+    return {**early_write_back_columns(program, mutation), **stock_kernel_columns(program, mutation)}
