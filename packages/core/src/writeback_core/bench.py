@@ -83,6 +83,7 @@ from writeback_core.pipeline import (
     assemble,
     choose_backend,
     compare,
+    flatten_step_inputs,
     lower,
 )
 from writeback_core.quiet import known_warnings_ignored
@@ -804,17 +805,6 @@ def _program_copies(program: Any) -> tuple[int, int]:
     return len(copies), sum(copies.values())
 
 
-def _flat_inputs(program: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """The program's user inputs, flattened as ``torch.export`` flattened ``(args, kwargs)``."""
-    from torch.export._tree_utils import reorder_kwargs
-    from torch.utils import _pytree as pytree
-
-    spec = program.call_spec.in_spec
-    if kwargs and spec is not None:
-        kwargs = reorder_kwargs(kwargs, spec)
-    return list(pytree.tree_leaves((tuple(args), kwargs)))
-
-
 def _stock_model_call(
     case: ModelCase, exported: Any, partitioner: str | None, reinplace: bool
 ) -> tuple[Call, int, int]:
@@ -852,7 +842,7 @@ def _stock_model_call(
 
     def call(step: int) -> tuple[float, list[Any]]:
         assert loaded is not None
-        inputs = _flat_inputs(exported, (*case.step_inputs(step), *state), case.example_kwargs(step))
+        inputs = flatten_step_inputs(exported, case, step, state)
         start = time.perf_counter()
         outputs = list(method.execute(inputs))
         for tensor, new in zip(state, outputs[:mutated], strict=False):
@@ -1151,8 +1141,8 @@ def _bench_model(
         result = run_model_bench(registry, case, steps, start, chosen, progress)
     console.print(model_table(result))
     console.print(
-        "whole-state copies/call: write-back copy_ nodes of state left in the lowered program and the "
-        f"bytes they move per call; {BASELINE} / this: how many times faster than the baseline",
+        "whole-state copies/call: write-back copy_ nodes of state left in the lowered program, and the "
+        f"bytes they move per call\n{BASELINE} / this: how many times faster than the baseline",
         markup=False,
     )
     for row in result.rows:
