@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import MAGIC, DelegateProgram
+from writeback_mlx_backend.program import MAGIC, MAX_HEADER_BYTES, DelegateProgram, pack
 
 from tests.hostile import at, fields, replaced, wrong_values
 
@@ -196,8 +197,7 @@ def test_unknown_dtype_key_refused_in_init(where: str) -> None:
 
 
 def _blob_of(header: dict[str, Any], data: bytes) -> bytes:
-    text = json.dumps(header).encode()
-    return MAGIC + struct.pack("<Q", len(text)) + text + data
+    return pack(header, data)
 
 
 def _refused_header(header: dict[str, Any], field: str) -> None:
@@ -262,6 +262,21 @@ def test_truncated_or_oversized_header_refused() -> None:
     lying = MAGIC + struct.pack("<Q", 2**62) + blob[16:]
     with pytest.raises(BlobError, match="header length"):
         MLXDelegate().init(lying, {})
+
+
+def _raw_header(text: bytes) -> bytes:
+    return MAGIC + struct.pack("<Q", len(text)) + text
+
+
+def test_header_that_is_not_zlib_or_inflates_too_far_refused() -> None:
+    with pytest.raises(BlobError, match="not zlib-compressed JSON"):
+        MLXDelegate().init(_raw_header(json.dumps(_program().header()).encode()), {})
+    bomb = zlib.compress(b" " * (MAX_HEADER_BYTES + 1), 9)  # 64 KiB that would inflate past the limit
+    with pytest.raises(BlobError, match="a header inflates to at most that"):
+        MLXDelegate().init(_raw_header(bomb), {})
+    whole = zlib.compress(json.dumps(_program().header()).encode())
+    with pytest.raises(BlobError, match="truncated or followed by other bytes"):
+        MLXDelegate().init(_raw_header(whole[:-4]), {})
 
 
 def test_in_place_compile_spec_of_wrong_shape_refused() -> None:

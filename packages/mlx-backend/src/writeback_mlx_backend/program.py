@@ -1,7 +1,9 @@
 """The processed blob of the MLX delegate: a JSON graph followed by raw tensor bytes.
 
-Layout: ``MAGIC`` (8 bytes), the JSON header's length (little-endian u64), the
-header (UTF-8 JSON), then the data section. Tensors in the header name their
+Layout: ``MAGIC`` (8 bytes), the header's length (little-endian u64), the
+header (UTF-8 JSON, zlib-compressed: a decoder's graph is hundreds of nodes
+whose names repeat, and the ``.pte`` should be no larger than stock
+ExecuTorch's), then the data section. Tensors in the header name their
 ``offset`` and ``nbytes`` in the data section, their ``dtype`` (a torch dtype
 name) and ``shape``; a tensor whose bytes are all zero (a KV cache before the
 first call) is written ``{"zeros": true, "dtype", "shape"}`` instead, with no
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 from writeback_core.blob import DTYPES, BlobReader, load_json
 
-__all__ = ["MAGIC", "VERSION", "DelegateProgram", "InPlaceCandidate", "TensorRecord"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "VERSION", "DelegateProgram", "InPlaceCandidate", "TensorRecord", "pack"]
 
 MAGIC = b"WBMLX\x00\x00\x01"
 VERSION = 2
@@ -101,6 +104,31 @@ def _unique(read: BlobReader, names: list[str], what: str) -> set[str]:
             raise read.fail(what, name, "a name is used twice")
         seen.add(name)
     return seen
+
+
+# The largest header a blob may inflate to (a 32-layer decoder's is under 1 MiB).
+MAX_HEADER_BYTES = 64 << 20
+
+
+def pack(header: dict[str, Any], data: bytes) -> bytes:
+    """A blob of ``header`` (compressed) and the data section ``data``."""
+    text = zlib.compress(json.dumps(header, separators=(",", ":")).encode(), 9)
+    return MAGIC + struct.pack("<Q", len(text)) + text + data
+
+
+def _inflate(read: BlobReader, packed: bytes | bytearray | memoryview) -> bytes:
+    """The header's JSON text; refused when it is not zlib data or inflates past
+    :data:`MAX_HEADER_BYTES` (it is never inflated further than that)."""
+    inflater = zlib.decompressobj()
+    try:
+        text = inflater.decompress(bytes(packed), MAX_HEADER_BYTES)
+    except zlib.error as error:
+        raise read.fail("header", bytes(packed[:16]), f"not zlib-compressed JSON ({error})") from None
+    if inflater.unconsumed_tail:
+        raise read.fail("header", f"more than {MAX_HEADER_BYTES} bytes", "a header inflates to at most that")
+    if not inflater.eof or inflater.unused_data:
+        raise read.fail("header", len(packed), "the compressed header is truncated or followed by other bytes")
+    return text
 
 
 def _input_meta(read: BlobReader, value: object, field: str) -> dict[str, Any]:
@@ -239,9 +267,8 @@ class DelegateProgram:
         }
 
     def to_bytes(self) -> bytes:
-        """Serialize as ``MAGIC | len | JSON | data``."""
-        text = json.dumps(self.header(), separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<Q", len(text)) + text + bytes(self.data)
+        """Serialize as ``MAGIC | len | zlib(JSON) | data``."""
+        return pack(self.header(), bytes(self.data))
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> DelegateProgram:
@@ -262,7 +289,7 @@ class DelegateProgram:
         (size,) = struct.unpack_from("<Q", blob, len(MAGIC))
         if size > len(blob) - start:
             raise read.fail("header length", size, f"longer than the {len(blob) - start} bytes that follow")
-        header = read.record(load_json(blob[start : start + size], DELEGATE, "header"), "header")
+        header = read.record(load_json(_inflate(read, blob[start : start + size]), DELEGATE, "header"), "header")
         if header.get("version") != VERSION:
             raise read.fail(
                 "version",
