@@ -14,7 +14,8 @@ import json
 
 import pytest
 import torch
-from writeback_trt_copyback import KVAliasEngine, lift_mutated_buffers
+from writeback_trt_copyback import KVAliasEngine, engine_write, lift_mutated_buffers, resolve_bounds
+from writeback_trt_copyback.lowering import _check_slice_source
 from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
 
 from tests.trt_copyback.conftest import compile_quietly, export, run_against_eager
@@ -71,6 +72,22 @@ def test_slice_write_clamped_to_no_slot_is_copied_back_and_matches_eager() -> No
     assert not cls.aliased and "writes no slot once its bounds are clamped" in str(cls.reason), cls.reason
     compiled = run_against_eager(lambda: SliceWrite(SHAPE, index), lambda s: (_rand(1, 2, 0, 4, seed=s),))
     assert compiled.aliased == []
+
+
+def test_lowering_refuses_a_value_that_does_not_fill_the_clamped_slots_no_silent_wrong_answer() -> None:
+    # torch.export checks this shape, so a real graph never disagrees; a graph edited by a
+    # pass could. 3: of 16 slots is 13 slots: a one-slot value would be broadcast over them.
+    program = export(SliceWrite(SHAPE, (S, S, slice(3, None), S)), (_rand(1, 2, 13, 4),)).run_decompositions()
+    (node,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.slice_scatter.default]
+    write = engine_write(node, node.args[0])
+    bounds = resolve_bounds(write)
+    _check_slice_source(node, write.shape, bounds)  # as exported: the value fills the slots
+    node.args[1].meta["val"] = torch.empty(1, 2, 1, 4)
+    with pytest.raises(
+        ValueError,
+        match=r"13 slot\(s\) of dim 2 from 3 .* expected a value of shape \[1, 2, 13, 4\], got \[1, 2, 1, 4\]",
+    ):
+        _check_slice_source(node, write.shape, bounds)
 
 
 def _tampered_slots_run(start: int, length: int) -> tuple[KVAliasRuntimeDelegate, object, list[torch.Tensor]]:
