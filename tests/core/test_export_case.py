@@ -4,6 +4,8 @@ runtime a step's inputs in the exported order, refusing a step that does not fit
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -180,3 +182,31 @@ def test_a_step_with_more_positional_inputs_is_refused_naming_both_structures() 
     program = export_case(case)
     with pytest.raises(StepInputError, match=r"step 1: the inputs .* have the structure .* exported with"):
         flatten_step_inputs(program, case, 1, (torch.zeros(4, 3),))
+
+
+def test_a_factory_returning_another_shape_is_told_that_a_model_case_gives_per_step_inputs(tmp_path: Path) -> None:
+    from writeback_core.loading import resolve_model
+
+    source = tmp_path / "model.py"
+    source.write_text("import torch\n\ndef make():\n    return torch.nn.Identity(), [torch.ones(2)]\n")
+    with pytest.raises(ValueError) as caught:
+        resolve_model(f"{source}:make", {})
+    message = str(caught.value)
+    assert "make() returned a tuple (Identity, list)" in message
+    assert "ModelCase (how to give each step its own inputs" in message
+    assert "(nn.Module, args, kwargs)" in message
+
+
+def test_a_factory_tuple_with_keywords_gives_every_step_fresh_copies_of_the_same_inputs(tmp_path: Path) -> None:
+    from writeback_core.loading import resolve_model
+
+    source = tmp_path / "model.py"
+    source.write_text(
+        "import torch\n\ndef make():\n    return torch.nn.Identity(), (torch.ones(2),), {'scale': torch.tensor(2.0)}\n"
+    )
+    case = resolve_model(f"{source}:make", {})
+    assert case.same_inputs_every_step
+    first, second = case.example_kwargs(0), case.example_kwargs(5)
+    assert first["scale"] is not second["scale"]  # no step sees another step's writes
+    torch.testing.assert_close(second["scale"], torch.tensor(2.0))
+    torch.testing.assert_close(case.step_inputs(3)[0], torch.ones(2))
