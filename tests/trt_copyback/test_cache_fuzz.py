@@ -69,6 +69,15 @@ def decoder_steps(draw: st.DrawFn) -> ProgramSpec:
             start = draw(st.integers(0, seq - 1))
             stop = draw(st.integers(start + 1, seq))
             length = stop - start
+            # The same slots written as Python lets one write them, bounds clamped as slicing
+            # clamps them: an open end, an end past the cache, a start counted from the end.
+            form = draw(st.sampled_from(("as is", "open end", "past the end", "negative start")))
+            if form == "open end" and stop == seq:
+                stop = None
+            elif form == "past the end" and stop == seq:
+                stop = seq + draw(st.integers(1, 4))
+            elif form == "negative start":
+                start -= seq
         shape = (batch, heads, length, dim)
         offset = draw(st.integers(0, X_LEN - batch * heads * length * dim))
         source = Source("x", shape, draw(st.sampled_from((0.5, -1.0))), offset)
