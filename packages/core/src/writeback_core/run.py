@@ -42,7 +42,7 @@ from writeback_core.pipeline import (
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
-__all__ = ["RunReport", "place_text", "run_command", "run_model"]
+__all__ = ["RunReport", "place_text", "run_command", "run_model", "state_lines"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
@@ -134,7 +134,9 @@ def place_text(place: StatePlace) -> str:
 _STATE_LINES = 8
 
 
-def _state_lines(places: list[StatePlace]) -> list[str]:
+def state_lines(places: list[StatePlace]) -> list[str]:
+    """The lines ``run`` prints under its summary: one per state, or past
+    :data:`_STATE_LINES` states one per kind of place (count, bytes, first and last name)."""
     if len(places) <= _STATE_LINES:
         return [f"  {p.mutation.target} ({format_bytes(p.mutation.nbytes)}): {place_text(p)}" for p in places]
     groups: dict[str, list[StatePlace]] = {}
@@ -144,7 +146,8 @@ def _state_lines(places: list[StatePlace]) -> list[str]:
     for text, members in groups.items():
         total = sum(m.mutation.nbytes or 0 for m in members)
         names = members[0].mutation.target + (f" ... {members[-1].mutation.target}" if len(members) > 1 else "")
-        lines.append(f"  {len(members)} states, {format_bytes(total)} ({names}): {text}")
+        count = f"{len(members)} state" + ("s" if len(members) != 1 else "")
+        lines.append(f"  {count}, {format_bytes(total)} ({names}): {text}")
     return lines
 
 
@@ -162,7 +165,7 @@ def _summary(report: RunReport) -> str:
         f"{len(lowered.mutations)} mutated states: {format_bytes(caller)} caller-owned, "
         f"{format_bytes(owned)} in the program; whole-state copies left per call: "
         + (f"{len(copies)} ({format_bytes(sum(p.copy_bytes for p in copies))}/call)" if copies else "none"),
-        *_state_lines(places),
+        *state_lines(places),
     ]
     if report.case.same_inputs_every_step and lowered.mutations:
         lines.append(
