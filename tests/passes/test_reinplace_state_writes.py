@@ -226,3 +226,30 @@ def test_stock_python_runtime_does_not_write_a_caller_owned_cache() -> None:
     expected = torch.zeros(SHAPE).index_copy_(2, pos, v)
     torch.testing.assert_close(got[0], expected, rtol=0, atol=0)
     assert torch.count_nonzero(cache) == 0
+
+
+def _kernel_cells(program: Any) -> dict[str, str]:
+    registry = _registry()
+    cells = {}
+    for mutation in find_mutations(program.run_decompositions()):
+        answers = registry.hook.writeback_explain_columns(program=program, mutation=mutation)
+        (cell,) = [a["stock kernels"] for a in answers if a and "stock kernels" in a]
+        cells[mutation.target] = cell
+    return cells
+
+
+def test_explain_column_says_in_place_or_why_the_copy_stays() -> None:
+    from writeback_core.lowering import export_case
+    from writeback_core.zoo import builtin_models
+
+    buffers = _kernel_cells(export_case(builtin_models()["decoder"]))
+    in_place = "in place (aten::index_put_), any runtime"
+    assert buffers == dict.fromkeys(["blocks.0.k_cache", "blocks.0.v_cache"], in_place)
+    for cell in _kernel_cells(export_case(builtin_models()["decoder-caller-cache"])).values():
+        assert cell.startswith("in place (aten::index_put_) in writeback's runtime")
+        assert "stock executorch.runtime leaves the caller's tensor unwritten" in cell
+    (kept,) = _kernel_cells(export_model(ReadsOldValue(), _steps(1)[0])).values()
+    assert kept.startswith("copied back, 1.0 KiB/call: ") and "reads the old value of 'b_k'" in kept
+    # Whole-state updates (a running mean, a step counter) have no in-place kernel.
+    for cell in _kernel_cells(export_case(builtin_models()["ema"])).values():
+        assert cell.startswith("copied back") and "the stock runtime's only in-place state kernel" in cell

@@ -32,24 +32,42 @@ if TYPE_CHECKING:
         reinplace_delegate_input_mutations,
         reinplace_delegate_pass,
     )
+    from writeback_passes.reinplace_state_writes import (
+        IN_PLACE_KERNEL,
+        STATE_WRITES_ORDER,
+        KeptStateWrite,
+        ReinplacedStateWrite,
+        StateWriteReport,
+        in_place_kernel_refusal,
+        reinplace_state_writes,
+        state_writes_pass,
+    )
 
 __all__ = [
     "EARLY_WRITE_BACK_ORDER",
+    "IN_PLACE_KERNEL",
     "IN_PLACE_OUTPUTS_SPEC",
     "REINPLACE_DELEGATE_ORDER",
+    "STATE_WRITES_ORDER",
     "DroppedWriteBack",
     "EarlyWriteBack",
+    "KeptStateWrite",
     "KeptWriteBack",
     "MemoryPlanReport",
     "MethodPlan",
     "ReinplaceReport",
+    "ReinplacedStateWrite",
+    "StateWriteReport",
     "WriteBackLifetime",
     "WriteBackPlacement",
     "early_write_back_pass",
+    "in_place_kernel_refusal",
     "insert_write_back_early",
     "memory_plan_report",
     "reinplace_delegate_input_mutations",
     "reinplace_delegate_pass",
+    "reinplace_state_writes",
+    "state_writes_pass",
     "to_executorch",
 ]
 
@@ -71,6 +89,14 @@ _LAZY = {
     "ReinplaceReport": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_input_mutations": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_pass": "writeback_passes.reinplace_delegate",
+    "IN_PLACE_KERNEL": "writeback_passes.reinplace_state_writes",
+    "STATE_WRITES_ORDER": "writeback_passes.reinplace_state_writes",
+    "KeptStateWrite": "writeback_passes.reinplace_state_writes",
+    "ReinplacedStateWrite": "writeback_passes.reinplace_state_writes",
+    "StateWriteReport": "writeback_passes.reinplace_state_writes",
+    "in_place_kernel_refusal": "writeback_passes.reinplace_state_writes",
+    "reinplace_state_writes": "writeback_passes.reinplace_state_writes",
+    "state_writes_pass": "writeback_passes.reinplace_state_writes",
 }
 
 

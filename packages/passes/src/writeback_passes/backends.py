@@ -33,7 +33,14 @@ class NoDelegatePartitioner(Partitioner):  # type: ignore[misc]  # executorch is
 
 
 def xnnpack_partitioner(**options: Any) -> Partitioner:
-    """ExecuTorch's ``XnnpackPartitioner`` with ``options``."""
+    """ExecuTorch's ``XnnpackPartitioner`` with ``options``.
+
+    Also imports ExecuTorch's stock Python bindings: they link the XNNPACK runtime
+    backend and register it in the backend registry of ``libexecutorch.so``, which
+    every runtime of the process shares (writeback's pybind runtime among them), so
+    a program lowered here loads in either runtime of this process.
+    """
+    import executorch.extension.pybindings.portable_lib  # noqa: F401  # registers XnnpackBackend
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
     partitioner: Partitioner = XnnpackPartitioner(**options)

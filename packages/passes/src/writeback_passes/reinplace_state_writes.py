@@ -30,6 +30,7 @@ has 1-D index ``i``; ``index_put`` with several index tensors, a boolean mask,
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -345,10 +346,15 @@ def _hazard(
     after: Callable[[torch.fx.Node, torch.fx.Node], bool],
     ignored: frozenset[torch.fx.Node],
 ) -> str | None:
-    """Why writing ``writes`` in place would change a result, or ``None``."""
-    state = set(storage.members(placeholder))
+    """Why writing ``writes`` in place would change a result, or ``None``.
+
+    The alias analysis lets a delegate call's results alias its arguments; here they
+    do not: a delegate writes its results into outputs the runtime allocated (one
+    it writes in place has no reader left: ``reinplace_delegate_input_mutations``).
+    """
+    state = {n for n in storage.members(placeholder) if not _delegate_result(n)}
     for write in writes:
-        state |= storage.members(write.node)
+        state |= {n for n in storage.members(write.node) if not _delegate_result(n)}
     for write in writes:
         inputs = [write.values, *(n for n in write.node.all_input_nodes if n is not write.dest)]
         shared = [n.name for n in inputs if n in state]
@@ -358,6 +364,8 @@ def _hazard(
                 "share its storage: an in-place write would overlap what it reads"
             )
         for old in storage.members(write.dest):
+            if _delegate_result(old):
+                continue
             for reader in old.users:
                 if reader is write.node or reader in ignored or reader.op == "output":
                     continue
@@ -368,6 +376,14 @@ def _hazard(
                         "would change what it reads"
                     )
     return None
+
+
+def _delegate_result(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``getitem(executorch_call_delegate(...), j)``."""
+    from executorch.exir.delegate import executorch_call_delegate
+
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(source, torch.fx.Node) and source.target is executorch_call_delegate
 
 
 def _order(graph: torch.fx.Graph) -> Callable[[torch.fx.Node, torch.fx.Node], bool]:
