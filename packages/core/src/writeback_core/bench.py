@@ -661,7 +661,7 @@ def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]
     "--cache-mib",
     type=CacheMiB(MODEL_CACHE_COPIES, "writeback bench --model"),
     default=None,
-    help="With --model, for models sized by their K+V cache (the built-in decoders): the size in MiB.",
+    help="With --model, for models sized by their K+V cache (the built-in decoders, et-llama, hf-*): the size in MiB.",
 )
 @click.option(
     "--steps",

@@ -40,7 +40,7 @@ from writeback_core.pipeline import (
     state_nbytes,
 )
 from writeback_core.registry import Registry
-from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+from writeback_core.zoo import ModelCase
 
 __all__ = ["RunReport", "place_text", "run_command", "run_model", "state_lines"]
 
@@ -68,12 +68,16 @@ class RunReport:
 
 
 def _case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
-    if cache_mib is not None:
-        if model not in ("decoder", "decoder-caller-cache"):
-            raise click.UsageError(f"--cache-mib applies to the built-in decoders, not to {model!r}")
-        config = DecoderConfig.for_cache_bytes(int(cache_mib * (1 << 20)))
-        return decoder_case(config, caller_cache=model == "decoder-caller-cache")
-    return resolve_model_option(registry, model)
+    case = resolve_model_option(registry, model)
+    if cache_mib is None:
+        return case
+    if case.sized is None:
+        sized = sorted(name for name, offered in registry.models().items() if offered.sized is not None)
+        raise click.UsageError(
+            f"--cache-mib: model {model!r} has no cache size to set; models sized by their K+V cache: "
+            f"{', '.join(sized) or 'none'}"
+        )
+    return case.sized(cache_mib)
 
 
 def run_model(
@@ -222,7 +226,7 @@ def _table(report: RunReport) -> Table:
     "--cache-mib",
     type=CacheMiB(CACHE_COPIES, "writeback run"),
     default=None,
-    help="For the built-in decoders: size the K+V cache to this many MiB "
+    help="For models sized by their K+V cache (the built-in decoders, et-llama, hf-*): size it to this many MiB "
     f"(at most what memory can hold {CACHE_COPIES} times).",
 )
 @click.pass_context

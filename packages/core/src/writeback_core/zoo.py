@@ -306,6 +306,9 @@ class ModelCase:
     inputs and feeds it to every call (a model file's factory that returned
     ``(module, args)``): a decoder then writes the same position every step, and
     ``writeback run`` says so.
+
+    ``sized``, when given, builds the same model with a K+V cache of so many MiB
+    (``--cache-mib`` of ``run`` and ``bench``); a case without it has no size to set.
     """
 
     name: str
@@ -319,6 +322,7 @@ class ModelCase:
     exported: Callable[[], ExportedProgram] | None = None
     contenders: Mapping[str, Callable[[], ExportedProgram]] = field(default_factory=dict)
     same_inputs_every_step: bool = False
+    sized: Callable[[float], ModelCase] | None = None
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
         """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""
@@ -347,12 +351,14 @@ def decoder_case(cfg: DecoderConfig | None = None, caller_cache: bool = False) -
             build=lambda: CallerCacheDecoder(cfg),
             step_inputs=_token_inputs(cfg),
             make_state=lambda: tuple(torch.zeros(cfg.cache_shape) for _ in range(2 * cfg.layers)),
+            sized=lambda mib: decoder_case(DecoderConfig.for_cache_bytes(int(mib * (1 << 20))), caller_cache=True),
         )
     return ModelCase(
         name="decoder",
         description="tiny decoder, KV cache in registered buffers written by index_copy_",
         build=lambda: TinyDecoder(cfg),
         step_inputs=_token_inputs(cfg),
+        sized=lambda mib: decoder_case(DecoderConfig.for_cache_bytes(int(mib * (1 << 20)))),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from writeback_core.zoo import ModelCase
 
@@ -33,7 +34,7 @@ def _hf_sizer(architecture: str) -> Callable[[float | None], ModelCase]:
 def decoder_models() -> dict[str, ModelCase]:
     """The tiny defaults, keyed by name: ``et-llama`` always, ``hf-llama``, ``hf-qwen3`` and
     ``hf-gemma`` where transformers is installed. Building a case imports nothing heavy."""
-    return {name: make(None) for name, make in sizers().items()}
+    return {name: replace(make(None), sized=make) for name, make in sizers().items()}
 
 
 def sized_case(name: str, cache_mib: float) -> ModelCase:
