@@ -47,6 +47,11 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"`torch\.jit\.script_method` is deprecated", DeprecationWarning),
     ("invalid escape sequence", DeprecationWarning),
     ("invalid escape sequence", SyntaxWarning),
+    # strict export (dynamo) of a transformers model: transformers sets and resets a module-level
+    # output collector inside forward, which dynamo replays (the hf- models of writeback-decoders).
+    ("While compiling, we found certain side effects happened in the model.forward", UserWarning),
+    # ExecuTorch's custom KV-cache ops call torch._check_is_size, which torch deprecates.
+    ("_check_is_size will be removed", FutureWarning),
 )
 
 
