@@ -169,6 +169,46 @@ def test_explain_of_a_many_layer_model_keeps_every_name_whole_in_100_columns(tmp
     assert max(len(line) for line in result.output.splitlines()) <= 100, result.output
 
 
+def test_explain_of_four_states_with_long_names_keeps_every_name_whole(tmp_path: Path) -> None:
+    """Four states (few enough for a column each) whose names are too long for a column:
+    ExecuTorch's Llama example names its caches layers.N.attention.kv_cache.k_cache, and a
+    column per state cut them to `layers.0.attention.kv_c…`."""
+    source = tmp_path / "long.py"
+    source.write_text(
+        "import torch\n"
+        "class Cache(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('k_cache', torch.zeros(1, 2, 8, 4))\n"
+        "        self.register_buffer('v_cache', torch.zeros(1, 2, 8, 4))\n"
+        "class Attention(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.kv_cache = Cache()\n"
+        "class Layer(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.attention = Attention()\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layers = torch.nn.ModuleList(Layer() for _ in range(2))\n"
+        "    def forward(self, x, pos):\n"
+        "        for layer in self.layers:\n"
+        "            layer.attention.kv_cache.k_cache.index_copy_(2, pos, x)\n"
+        "            layer.attention.kv_cache.v_cache.index_copy_(2, pos, x * 2)\n"
+        "        return sum(b.sum() for b in self.buffers())\n"
+        "def make():\n"
+        "    return Model(), (torch.ones(1, 2, 1, 4), torch.tensor([3]))\n"
+    )
+    result = CliRunner(env={"COLUMNS": "100"}).invoke(main, ["explain", f"{source}:make"])
+    assert result.exit_code == 0, result.output
+    for i in range(2):
+        for kind in ("k", "v"):
+            assert f"layers.{i}.attention.kv_cache.{kind}_cache" in result.output, result.output
+    assert "…" not in result.output, result.output
+
+
 @pytest.mark.slow
 def test_explain_prints_nothing_on_stderr() -> None:
     """explain's columns lower the model several ways; the upstream warnings each lowering

@@ -43,6 +43,8 @@ __all__ = [
 
 # Up to this many mutations, explain prints one column per state instead of one row.
 _TRANSPOSE_AT_MOST = 4
+# explain's table width while it prints a column per state.
+_EXPLAIN_WIDTH = 130
 
 # The shell's status for a process ended by SIGINT (128 + 2).
 EXIT_INTERRUPTED = 130
@@ -262,7 +264,7 @@ def explain_command(ctx: click.Context, model: str) -> None:
         for row in rows:
             for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
                 row.columns.update(extra or {})
-    console = Console(width=130)
+    console = Console(width=_EXPLAIN_WIDTH)
     if not rows:
         console.print(f"{case.name}: no mutated state")
         return
@@ -270,7 +272,12 @@ def explain_command(ctx: click.Context, model: str) -> None:
     for row in rows:
         titles.extend(t for t in row.columns if t not in titles)
     table = Table(title=f"{case.name}: {case.description}", show_lines=True)
-    if len(rows) <= _TRANSPOSE_AT_MOST:
+    names = [row.columns.get("state", row.mutation.target) for row in rows]
+    # A column per state only while every name fits its column whole (label column, then
+    # the states, three characters of border and padding each).
+    label = max((len(t) for t in titles), default=0) + 3
+    per_state = (_EXPLAIN_WIDTH - label) // len(rows) - 3
+    if len(rows) <= _TRANSPOSE_AT_MOST and max(len(n) for n in names) <= per_state:
         # Few states, many plugin columns: one column per state reads best.
         table.add_column("", style="bold")
         for row in rows:
@@ -279,12 +286,12 @@ def explain_command(ctx: click.Context, model: str) -> None:
             if title != "state":
                 table.add_row(title, *(row.columns.get(title, "") for row in rows))
     else:
-        # Many states (a decoder has two per layer): one row per state, its full name never
+        # Many states (a decoder has two per layer), or names too long for a column each
+        # (ExecuTorch's Llama: layers.0.attention.kv_cache.k_cache): one row per state, its full name never
         # cut, the short facts in columns and every longer column as a "title: value" line,
         # so the table reads in a terminal of 100 columns.
         console = Console(width=max(80, min(console.width, Console().width)))
         longer = [t for t in titles if t not in ("state", "kind", "write", "shape")]
-        names = [row.columns.get("state", row.mutation.target) for row in rows]
         table.add_column("state", no_wrap=True, min_width=max(len(n) for n in names))
         table.add_column("shape", no_wrap=True)
         table.add_column("write, and where its write-back goes")
