@@ -271,6 +271,13 @@ def _selected_position(mask: object, dim: int, rank: int, size: Any) -> int | No
     return position if _constant_arange(view.args[0], size) else None
 
 
+def _mask_nodes(mask: object) -> list[object]:
+    """The ``eq``, ``view_copy`` and ``arange`` nodes of a ``select_scatter`` mask."""
+    view = mask.args[0] if isinstance(mask, torch.fx.Node) and mask.args else None
+    source = view.args[0] if isinstance(view, torch.fx.Node) and view.args else None
+    return [mask, view, source]
+
+
 def _plan_where(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     """``where(position == k along dim d, expand(unsqueeze(v, d)), P)``: ``select_scatter``
     as ``torch.export``'s decompositions spell it (``P[.., k, ..] = v``)."""
@@ -294,6 +301,10 @@ def _plan_where(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     position = _selected_position(node.args[0], dim, val.dim(), size)
     if position is None or not 0 <= position < size:
         return refusal
+    pattern = [expand, unsqueeze, *_mask_nodes(node.args[0])]
+    if any(isinstance(n, torch.fx.Node) and isinstance(n.meta.get(_TAG), str) for n in pattern):
+        # A delegate that takes part of the pattern hides it from the pass after lowering.
+        return "select_scatter's mask or values are computed inside a delegate"
     index = _Index(start=position, end=position + 1)
     return _finish(node, dest, dim, index, unsqueeze.args[0], 1, select=True)
 
