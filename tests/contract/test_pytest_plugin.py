@@ -30,7 +30,10 @@ def test_an_unknown_backend_is_a_usage_error_listing_what_is_offered(pytester: p
     _suite(pytester, None)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "--writeback-backend", "nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "no installed plugin offers backend(s) ['nope']; offered: ['example', 'mlx']" in result.stderr.str()
+    assert (
+        "no installed plugin offers backend(s) ['nope']; offered: ['example', 'mlx', 'portable', 'xnnpack']"
+        in result.stderr.str()
+    )
 
 
 @pytest.mark.slow
