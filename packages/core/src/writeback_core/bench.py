@@ -206,10 +206,12 @@ def _stock_call(case: ModelCase, reinplace: bool) -> Call:
         program = to_edge(export_case(case)).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))
         # The stock runtime reads the program from this buffer after loading: keep it alive.
         data = bytes(program.buffer)
-        method = Runtime.get().load_program(data).load_method("forward")
+        # ... and the Program: a stock Method whose Program was collected reads freed memory.
+        loaded = Runtime.get().load_program(data)
+        method = loaded.load_method("forward")
 
     def call(step: int) -> tuple[float, list[Any]]:
-        assert data
+        assert data and loaded
         inputs = list(case.step_inputs(step))
         start = time.perf_counter()
         outputs = method.execute(inputs)

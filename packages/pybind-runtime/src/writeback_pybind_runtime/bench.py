@@ -74,10 +74,23 @@ def _row(case: str, name: str, ms: float, stock_ms: float, note: str = "") -> st
     return f"{case:<28} {name:<34} {ms:>10.4f} {ms / stock_ms:>7.2f}x  {note}"
 
 
-def _stock(pte: bytes) -> Any:
-    from executorch.runtime import Runtime as StockRuntime
+class _StockMethod:
+    """A stock ``executorch.runtime`` Method with its Program (and bytes) kept alive: a Method
+    whose Program was collected reads freed memory."""
 
-    return StockRuntime.get().load_program(pte).load_method("forward")
+    def __init__(self, pte: bytes) -> None:
+        from executorch.runtime import Runtime as StockRuntime
+
+        self._pte = pte
+        self._program = StockRuntime.get().load_program(pte)
+        self._method = self._program.load_method("forward")
+
+    def execute(self, inputs: Any) -> Any:
+        return self._method.execute(inputs)
+
+
+def _stock(pte: bytes) -> _StockMethod:
+    return _StockMethod(pte)
 
 
 def _ours(pte: bytes) -> Any:

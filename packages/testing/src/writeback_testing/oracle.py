@@ -385,7 +385,10 @@ class StockTarget:
 
         pte = lowered.pte("planned")
         layout = lowered.layout("planned")
-        method = Runtime.get().load_program(pte).load_method("forward")
+        # Keep the Program alive while its Method runs: stock executorch.runtime frees the
+        # program's memory with it, and a Method left behind reads freed memory.
+        program = Runtime.get().load_program(pte)
+        method = program.load_method("forward")
         spec = lowered.built.spec
         state = dict(zip((s.name for s in spec.inputs), lowered.built.make_state(), strict=True))
         observations = []
@@ -401,6 +404,7 @@ class StockTarget:
                 # ExecuTorchMethod under it reads a named mutable buffer.
                 seen[fqn] = _snapshot(method._method.get_attribute(fqn))
             observations.append(Observation(tuple(_snapshot(o) for o in got[n_mut:]), seen))
+        del method, program  # the Method first, then the Program it reads
         return observations
 
 
