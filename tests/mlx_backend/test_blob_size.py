@@ -18,6 +18,7 @@ from writeback_core import lowering
 from writeback_core.pipeline import Eager, Session, assemble, compare
 from writeback_core.registry import Registry, load_registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+from writeback_decoders import ETLlamaConfig, et_llama_case
 
 # What the writeback .pte may exceed stock's by: the delegate call and its blob header.
 SLACK = 2 << 10
@@ -81,48 +82,11 @@ def test_non_zero_initial_buffer_comes_back_on_the_first_step() -> None:
     torch.testing.assert_close(first, Eager(case).step(0)[0])
 
 
-class _ETLlamaStep(torch.nn.Module):
-    """ExecuTorch's Llama example called as its ``export_llama`` calls it, positions in a tensor."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.model(tokens, {"input_pos": input_pos})
-        return logits
-
-
-def _et_llama(cache_bytes: int) -> torch.nn.Module:
-    from executorch.examples.models.llama.llama_transformer import construct_transformer
-    from executorch.examples.models.llama.model_args import ModelArgs
-
-    layers, kv_heads, head_dim = 2, 2, 32
-    context = cache_bytes // (layers * 2 * kv_heads * head_dim * 4)
-    args = ModelArgs(
-        dim=64,
-        n_layers=layers,
-        n_heads=2,
-        n_kv_heads=kv_heads,
-        head_dim=head_dim,
-        hidden_dim=128,
-        vocab_size=128,
-        max_batch_size=1,
-        max_seq_len=context,
-        max_context_len=context,
-        use_kv_cache=True,
-    )
-    torch.manual_seed(0)
-    return _ETLlamaStep(construct_transformer(args))
-
-
 @pytest.mark.slow
 def test_et_llama_example_with_a_1_mib_cache_is_no_larger_than_stock() -> None:
-    case = ModelCase(
-        "et-llama",
-        "ExecuTorch's Llama example, 1 MiB K+V cache",
-        lambda: _et_llama(1 << 20),
-        lambda step: (torch.tensor([[(5 * step + 1) % 128]]), torch.tensor([step])),
-    )
+    # writeback-decoders' case of the example: 2 layers x (K + V) x 2 heads x 1024 x 32 x fp32.
+    config = ETLlamaConfig(dim=64, layers=2, heads=2, kv_heads=2, head_dim=32, hidden=128, vocab=128, max_seq=1024)
+    assert config.cache_nbytes == 1 << 20
+    case = et_llama_case(config=config)
     mine, stock = _sizes_and_steps(case)
     assert mine <= stock + SLACK, (mine, stock)
