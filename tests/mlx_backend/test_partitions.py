@@ -179,3 +179,22 @@ def test_ops_mlx_lacks_stay_outside_the_delegate_and_the_program_matches_eager()
     assert inside, "the ops MLX runs are still delegated"
     lacking = ("cumsum", "max.dim", "getitem", "mm.default", "float64")
     assert not [op for op in inside if any(word in op for word in lacking)], inside
+
+
+def test_explain_column_names_the_owner_of_each_buffer_as_the_split_lowering_does(split_lowered: Lowered) -> None:
+    """explain's "mlx" column works on the real partitions: ``a`` and ``c`` are read in
+    partition 1 and written in partition 2, so neither is delegate-owned (it once said so for
+    every buffer whose write MLX can run)."""
+    from writeback_core import find_mutations
+    from writeback_core.explain import export_case
+
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
+    program = export_case(_split_case())
+    columns = {}
+    for mutation in find_mutations(program.run_decompositions()):
+        found = registry.hook.writeback_explain_columns(program=program, mutation=mutation)
+        columns[mutation.target] = next(c["mlx"] for c in found if c and "mlx" in c)
+    owned = {t for t, text in columns.items() if text == "delegate-owned, in place"}
+    assert owned == set(_owners(split_lowered)) == {"b", "d", "e"}
+    assert columns["c"] == "program buffer (read outside its writing partition), written in place"
+    assert columns["a"].startswith("copied back, 16 B/call") or columns["a"].startswith("copied back, 0.0 KiB/call")

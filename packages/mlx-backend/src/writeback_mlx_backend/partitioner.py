@@ -66,15 +66,14 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         """Tag supported nodes, owned buffers and constants."""
         gm = exported_program.graph_module
-        partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
         tags: dict[str, DelegationSpec] = {}
-        for partition in partitions:
-            tag = f"{BACKEND_NAME}_{partition.id}"
-            for node in partition.nodes:
-                node.meta["delegation_tag"] = tag
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for name, tag in propose_tags(gm).items():
+            nodes[name].meta["delegation_tag"] = tag
             # A spec (and compile-spec list) of its own per partition: a pass that records
             # per-delegate compile specs (the in-place outputs) edits one partition's list.
-            tags[tag] = DelegationSpec(self.delegation_spec.backend_id, list(self.delegation_spec.compile_specs))
+            if tag not in tags:
+                tags[tag] = DelegationSpec(self.delegation_spec.backend_id, list(self.delegation_spec.compile_specs))
         if self.own_buffers:
             placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
             for name, tag in owned_buffers(exported_program).items():
@@ -83,11 +82,14 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
-def owned_buffers(program: ExportedProgram) -> dict[str, str]:
+def owned_buffers(
+    program: ExportedProgram, tag_of: Callable[[torch.fx.Node], str | None] | None = None
+) -> dict[str, str]:
     """The mutated buffers one partition can own: ``{placeholder name: delegation tag}``.
 
-    Call after the operator nodes are tagged. A mutated buffer is owned by the
-    partition tagged ``t`` when:
+    ``tag_of`` gives a node's partition tag; by default the ``delegation_tag``
+    the partitioner put in its meta (call after the operator nodes are tagged).
+    A mutated buffer is owned by the partition tagged ``t`` when:
 
     1. the node producing its new value (the buffer-mutation output) is an
        operator tagged ``t`` (an op outside every delegate, such as one MLX
@@ -102,6 +104,8 @@ def owned_buffers(program: ExportedProgram) -> dict[str, str]:
     then ``s.copy_(f(b))`` in partition 2. Partition 1 reads ``s`` but
     partition 2 produces its new value, so ``s`` stays a program buffer.
     """
+    if tag_of is None:
+        tag_of = _meta_tag
     sig = program.graph_signature
     graph = program.graph_module.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -114,7 +118,20 @@ def owned_buffers(program: ExportedProgram) -> dict[str, str]:
     owned: dict[str, str] = {}
     for name, target in sig.inputs_to_buffers.items():
         value = nodes.get(new_value.get(target, ""))
-        tag = value.meta.get("delegation_tag") if value is not None and value.op == "call_function" else None
-        if tag is not None and all(user.meta.get("delegation_tag") == tag for user in nodes[name].users):
+        tag = tag_of(value) if value is not None and value.op == "call_function" else None
+        if tag is not None and all(tag_of(user) == tag for user in nodes[name].users):
             owned[name] = tag
     return owned
+
+
+def _meta_tag(node: torch.fx.Node) -> str | None:
+    tag = node.meta.get("delegation_tag")
+    return tag if isinstance(tag, str) else None
+
+
+def propose_tags(graph_module: torch.fx.GraphModule) -> dict[str, str]:
+    """``{node name: delegation tag}`` of the partitions :class:`MLXPartitioner` would make, without tagging."""
+    partitions = CapabilityBasedPartitioner(
+        graph_module, _Support(), allows_single_node_partition=True
+    ).propose_partitions()
+    return {node.name: f"{BACKEND_NAME}_{partition.id}" for partition in partitions for node in partition.nodes}

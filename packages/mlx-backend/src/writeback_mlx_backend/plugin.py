@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.fx
 from writeback_core import (
     BackendSpec,
     Mutation,
@@ -107,34 +109,58 @@ def _size(nbytes: int | None) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _taken_view(program: ExportedProgram) -> PartitionView:
-    """The operators of ``program``'s decomposed graph (where explain's mutations live) MLX runs."""
-    view = _TAKEN.get(program)
-    if view is None:
-        from writeback_mlx_backend.ops import unsupported_reason
+@dataclass(frozen=True)
+class _Plan:
+    """The partitions MLX's partitioner would make of a program's decomposed graph."""
 
-        graph = program.run_decompositions().graph_module.graph
-        taken = frozenset(n.name for n in graph.nodes if n.op == "call_function" and unsupported_reason(n) is None)
-        view = _TAKEN[program] = PartitionView(BACKEND_NAME, taken, graph)
-    return view
+    graph: torch.fx.Graph
+    tags: dict[str, str]  # operator node name -> partition tag
+    owned: dict[str, str]  # placeholder of a delegate-owned buffer -> its partition's tag
+
+    def view(self, node: str | None) -> PartitionView:
+        """The partition taking ``node`` (empty when none does)."""
+        tag = self.tags.get(node) if node is not None else None
+        members = frozenset(n for n, t in self.tags.items() if tag is not None and t == tag)
+        return PartitionView(BACKEND_NAME, members, self.graph)
 
 
-# explain asks once per mutation row; the program is decomposed once.
-_TAKEN: weakref.WeakKeyDictionary[ExportedProgram, PartitionView] = weakref.WeakKeyDictionary()
+def _plan(program: ExportedProgram) -> _Plan:
+    """What the MLX partitioner makes of ``program``, decomposed as explain's mutations were found."""
+    plan = _PLANS.get(program)
+    if plan is None:
+        from writeback_mlx_backend.partitioner import owned_buffers, propose_tags
+
+        decomposed = program.run_decompositions()
+        tags = propose_tags(decomposed.graph_module)
+        owned = owned_buffers(decomposed, lambda node: tags.get(node.name))
+        plan = _PLANS[program] = _Plan(decomposed.graph_module.graph, tags, owned)
+    return plan
+
+
+# explain asks once per mutation row; the program is decomposed and partitioned once.
+_PLANS: weakref.WeakKeyDictionary[ExportedProgram, _Plan] = weakref.WeakKeyDictionary()
 
 
 @hookimpl
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """The "mlx" column: what lowering this state to the MLX backend costs per call.
 
-    Decided by :func:`in_place_refusal`, the rule ``writeback_accepts_in_place``
-    answers with, over the operators MLX's op table runs (what its partitioner
-    takes) in the decomposed program the row's mutation was found in.
+    Worked out on the partitions MLX's partitioner makes of the decomposed
+    program the row's mutation was found in: a buffer one partition reads and
+    produces is delegate-owned (:func:`~writeback_mlx_backend.partitioner.owned_buffers`);
+    any other state is decided by :func:`in_place_refusal`, the rule
+    ``writeback_accepts_in_place`` answers with, over the partition taking its write.
     """
-    refusal = in_place_refusal(_taken_view(program), mutation)
+    plan = _plan(program)
+    if mutation.kind is MutationKind.BUFFER and mutation.placeholder in plan.owned:
+        return {"mlx": "delegate-owned, in place"}
+    write = mutation.write.node
+    refusal = in_place_refusal(plan.view(write), mutation)
     if refusal is not None:
         return {"mlx": f"copied back, {_size(mutation.nbytes)}/call: {refusal}"}
     if mutation.kind is MutationKind.BUFFER:
-        return {"mlx": "delegate-owned, in place"}
+        # Read by another partition (or an op outside): the program keeps it and the
+        # partition producing its new value writes it there.
+        return {"mlx": "program buffer (read outside its writing partition), written in place"}
     # A plain torch tensor is copied into MLX each call; one from ``empty()`` is not.
     return {"mlx": f"in place; {_size(mutation.nbytes)}/call copy-in unless from empty()"}
