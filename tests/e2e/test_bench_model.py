@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from rich.console import Console
 from writeback_core.bench import model_contenders, model_table, run_model_bench
@@ -112,3 +113,34 @@ def test_bench_model_file_prints_each_contender_with_its_copies_and_writes_the_p
         assert rows[name][1].endswith(("ms", "µs")), rows[name]  # a median: ran and matched eager
     assert rows["broken"][1:] == ["failed to lower or load: RuntimeError: no export", "-", "-", "-"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class SeqMajorCache(torch.nn.Module):
+    """``cache[:, pos] = k`` on a [batch, seq, heads, dim] cache, ExecuTorch Llama's index_put form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 8, 2, 4))
+
+    def forward(self, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        self.cache[:, pos] = k
+        return self.cache.sum(1)
+
+
+def test_kernel_failing_at_run_time_names_its_logged_reason_in_the_cell_and_the_others_still_run() -> None:
+    """exir's reinplace pass turns this write into stock's in-place ``index_put_``, whose kernel
+    refuses it (it wants the values' size at dim 1, 4 here, to equal the index length, 1). The
+    Python error says only ``0x12``; the cell also carries the kernel's logged reason."""
+    case = ModelCase(
+        "seq-major",
+        "index_put at dim 1",
+        SeqMajorCache,
+        lambda step: (torch.tensor([step]), torch.full((1, 1, 2, 4), float(step + 1))),
+    )
+    result = run_model_bench(load_registry(), case, 2, 0, ["eager", "stock+xnnpack", "stock+xnnpack+reinplace"])
+    rows = {row.name: row for row in result.rows}
+    failed = rows["stock+xnnpack+reinplace"].error
+    assert failed is not None and failed.startswith("failed at run time: RuntimeError:")
+    assert "0x12 (Special case in-place index_put requires values to match index length" in failed
+    assert rows["stock+xnnpack"].error is None and len(rows["stock+xnnpack"].times) == 2
+    assert rows["stock+xnnpack"].copies == 1  # the 256 B cache copied back whole every call

@@ -57,6 +57,7 @@ makes per call, and how many bytes they move.
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -86,7 +87,7 @@ from writeback_core.pipeline import (
     flatten_step_inputs,
     lower,
 )
-from writeback_core.quiet import known_warnings_ignored
+from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
@@ -945,15 +946,33 @@ def _model_reference(case: ModelCase, start: int) -> list[tuple[list[Any], tuple
     return found
 
 
-def _warm_up_row(row: ModelRow, session: Session | None, reference: list[Any], start: int) -> None:
+# A kernel's own reason, as the ExecuTorch runtime logs it: "[op_x.cpp:228] Check failed (cond): reason".
+_CHECK_FAILED = re.compile(r"Check failed \(.*\): (\S.*)$")
+
+
+def _run_failure(error: BaseException, log: NativeLog | None, mark: int) -> str:
+    """A cell's text for a call that raised: the exception, and the reason the runtime logged
+    since ``mark`` (the Python error of a stock Method says only its error code)."""
+    text = f"failed at run time: {_short(error)}"
+    lines = log.since(mark) if log is not None else []
+    reasons = [m.group(1).strip() for m in map(_CHECK_FAILED.search, lines) if m is not None]
+    failed = [line.split("] ", 1)[-1] for line in lines if " failed" in line]
+    reason = reasons[0] if reasons else failed[-1] if failed else None
+    return f"{text} ({reason})" if reason else text
+
+
+def _warm_up_row(
+    row: ModelRow, session: Session | None, reference: list[Any], start: int, log: NativeLog | None = None
+) -> None:
     """The warm-up calls, each checked against eager (outputs, and caller-owned state after the last)."""
     assert row.call is not None
     for offset, (expected, _) in enumerate(reference):
         step = start + offset
+        mark = log.mark() if log is not None else 0
         try:
             _, outputs = row.call(step)
         except Exception as error:  # a contender that fails at run time is reported, not dropped
-            row.error = f"failed at run time: {_short(error)}"
+            row.error = _run_failure(error, log, mark)
             return
         check = compare(StepResult(step, 0.0, outputs, 0, 0), expected, (), ())
         if not check.ok:
@@ -1006,27 +1025,30 @@ def run_model_bench(
     reference = _model_reference(case, start)
     rows: list[ModelRow] = []
     task = progress.add_task("lower", total=len(chosen)) if progress is not None else None
-    for name in chosen:
-        session = None
-        if name in UPSTREAM:
-            row = _upstream_row(name, case, exported)
-        elif name.startswith(WRITEBACK_PREFIX) and name not in case.contenders:
-            row, session = _writeback_row(name, case, registry, name.removeprefix(WRITEBACK_PREFIX))
-        else:
-            row = _contender_row(name, case, case.contenders[name])
-        if row.error is None:
-            _warm_up_row(row, session, reference, start)
-        rows.append(row)
-        if progress is not None and task is not None:
-            progress.advance(task)
-    _time_model_rounds(rows, steps, start + WARMUP)
+    # The runtimes' C++ log goes through a file: a failing kernel's reason goes into its row's
+    # cell, the stock runtime's start-up lines are dropped, any other line is printed at the end.
+    with native_stderr_captured() as log:
+        for name in chosen:
+            session = None
+            if name in UPSTREAM:
+                row = _upstream_row(name, case, exported)
+            elif name.startswith(WRITEBACK_PREFIX) and name not in case.contenders:
+                row, session = _writeback_row(name, case, registry, name.removeprefix(WRITEBACK_PREFIX))
+            else:
+                row = _contender_row(name, case, case.contenders[name])
+            if row.error is None:
+                _warm_up_row(row, session, reference, start, log)
+            rows.append(row)
+            if progress is not None and task is not None:
+                progress.advance(task)
+        _time_model_rounds(rows, steps, start + WARMUP, log)
     for row in rows:
         row.call = None
     gc.collect()
     return ModelBenchResult(case, rows, steps, start)
 
 
-def _time_model_rounds(rows: Sequence[ModelRow], steps: int, first: int) -> None:
+def _time_model_rounds(rows: Sequence[ModelRow], steps: int, first: int, log: NativeLog | None = None) -> None:
     """One call of each live row per round, the order rotated each round; a row that
     raises keeps its error and leaves the rounds."""
     live = [r for r in rows if r.error is None and r.call is not None]
@@ -1037,10 +1059,11 @@ def _time_model_rounds(rows: Sequence[ModelRow], steps: int, first: int) -> None
             shift = round_ % max(1, len(live))
             for row in live[shift:] + live[:shift]:
                 assert row.call is not None
+                mark = log.mark() if log is not None else 0
                 try:
                     seconds, _ = row.call(first + round_)
                 except Exception as error:
-                    row.error = f"failed at run time: {_short(error)}"
+                    row.error = _run_failure(error, log, mark)
                     continue
                 row.times.append(seconds)
             live = [r for r in live if r.error is None]

@@ -21,12 +21,15 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
+from typing import IO
 
 __all__ = [
     "KNOWN_WARNINGS",
     "NATIVE_NOISE",
     "NOISE",
+    "NativeLog",
     "known_warnings_ignored",
+    "native_stderr_captured",
     "native_stderr_filtered",
     "quiet_upstream_noise",
 ]
@@ -100,26 +103,53 @@ def quiet_upstream_noise() -> None:
 # Lines the C++ runtime libraries print on stderr, below Python: the threadpool of stock
 # ``executorch.runtime`` (its own static copy of the runtime, whose log sink writeback's
 # runtime cannot replace) logs five lines about /sys CPU files the first time a kernel
-# runs in parallel, in either of its two formats.
-NATIVE_NOISE = re.compile(r"^(\[cpuinfo_utils\.cpp:\d+\]|[DI] [\d:.]+ executorch:cpuinfo_utils\.cpp:\d+\]) ")
+# runs in parallel, in either of its two formats; and when both runtimes are loaded in one
+# process, the second to register its platform layer says so (harmless: both print).
+NATIVE_NOISE = re.compile(
+    r"^(\[cpuinfo_utils\.cpp:\d+\]|[DI] [\d:.]+ executorch:cpuinfo_utils\.cpp:\d+\]) "
+    r"|^\[platform\.cpp:\d+\] register_pal\(\) called multiple times"
+)
+
+
+class NativeLog:
+    """What anything in the process wrote to file descriptor 2 inside
+    :func:`native_stderr_captured`, readable while the block runs."""
+
+    def __init__(self, capture: IO[bytes]) -> None:
+        self._capture = capture
+
+    def mark(self) -> int:
+        """A position to read :meth:`since` from."""
+        sys.stderr.flush()
+        return os.fstat(self._capture.fileno()).st_size
+
+    def since(self, mark: int) -> list[str]:
+        """The lines written since ``mark``."""
+        sys.stderr.flush()
+        data = os.pread(self._capture.fileno(), max(0, self.mark() - mark), mark)
+        return data.decode(errors="replace").splitlines()
 
 
 @contextlib.contextmanager
-def native_stderr_filtered(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[None]:
+def native_stderr_captured(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[NativeLog]:
     """Inside the block, what anything in this process writes to file descriptor 2 (C++
-    libraries included) goes to a temporary file; at the end every line not matching
-    ``pattern`` is written to stderr, in order. Errors are delayed to the end of the block,
-    never dropped. For work in a process of its own (a fuzz worker), where a native
-    library's log lines cannot be stopped where they are made.
+    libraries included) goes to a temporary file the yielded :class:`NativeLog` reads; at the
+    end every line not matching ``pattern`` is written to stderr, in order. Errors are
+    delayed to the end of the block, never dropped. For work whose native libraries' log
+    lines cannot be stopped where they are made (a fuzz worker, a benchmark's stock runtime).
     """
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, python_stderr = os.dup(2), sys.stderr
     with tempfile.TemporaryFile() as capture:
         os.dup2(capture.fileno(), 2)
+        # Native code may also write through Python's sys.stderr (the stock runtime's pybind
+        # module redirects its C++ log there), which a host such as pytest may have replaced.
+        sys.stderr = open(os.dup(2), "w", buffering=1, errors="replace")  # noqa: SIM115
         try:
-            yield
+            yield NativeLog(capture)
         finally:
-            sys.stderr.flush()
+            sys.stderr.close()
+            sys.stderr = python_stderr
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
@@ -129,3 +159,10 @@ def native_stderr_filtered(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def native_stderr_filtered(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[None]:
+    """:func:`native_stderr_captured` for a block that does not read the log."""
+    with native_stderr_captured(pattern):
+        yield
