@@ -144,7 +144,7 @@ def native_stderr_captured(pattern: re.Pattern[str] = NATIVE_NOISE) -> Iterator[
         os.dup2(capture.fileno(), 2)
         # Native code may also write through Python's sys.stderr (the stock runtime's pybind
         # module redirects its C++ log there), which a host such as pytest may have replaced.
-        sys.stderr = open(os.dup(2), "w", buffering=1, errors="replace")  # noqa: SIM115
+        sys.stderr = open(os.dup(2), "w", buffering=1, errors="replace")
         try:
             yield NativeLog(capture)
         finally:
