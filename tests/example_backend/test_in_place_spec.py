@@ -66,3 +66,26 @@ def test_kv_alias_delegate_refuses_an_in_place_entry_its_engine_did_not_alias() 
     KVAliasRuntimeDelegate().init(blob, {})
     with pytest.raises(BlobError, match=r"the engine aliased only \[\]"):
         KVAliasRuntimeDelegate().init(blob, {IN_PLACE_OUTPUTS_SPEC: encode_in_place_outputs([(0, 3)])})
+
+
+def test_example_delegate_broadcasts_values_as_index_put_does() -> None:
+    """``cache[:, pos] = k`` with ``k`` of shape [1, 1, 2] (ExecuTorch Llama's form) writes
+    ``k`` at ``pos`` like eager's index_put; index_copy alone refused the lower-rank values."""
+    plan = {"dim": 1, "dest": 0, "index": 1, "source": 2, "inputs": 3}
+    delegate = ExampleRuntimeDelegate()
+    handle = delegate.init(json.dumps(plan).encode(), {IN_PLACE_OUTPUTS_SPEC: encode_in_place_outputs([(0, 0)])})
+    dest, values = torch.zeros(1, 4, 2), torch.tensor([5.0, 6.0])
+    expected = torch.zeros(1, 4, 2)
+    expected[:, torch.tensor([3])] = values
+    delegate.execute(handle, [dest, torch.tensor([3]), values, torch.empty(1, 4, 2)])
+    assert torch.equal(dest, expected)
+
+
+def test_example_delegate_refuses_values_that_do_not_broadcast_and_writes_nothing() -> None:
+    plan = {"dim": 1, "dest": 0, "index": 1, "source": 2, "inputs": 3}
+    delegate = ExampleRuntimeDelegate()
+    handle = delegate.init(json.dumps(plan).encode(), {IN_PLACE_OUTPUTS_SPEC: encode_in_place_outputs([(0, 0)])})
+    dest = torch.zeros(1, 4, 2)
+    with pytest.raises(ValueError, match=r"values of shape \[3\] do not broadcast to the indexed region \[1, 1, 2\]"):
+        delegate.execute(handle, [dest, torch.tensor([3]), torch.ones(3), torch.empty(1, 4, 2)])
+    assert not dest.any()

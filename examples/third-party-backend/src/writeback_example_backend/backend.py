@@ -93,6 +93,13 @@ class WritebackExampleBackend(BackendDetails):  # type: ignore[misc]  # executor
 IN_PLACE_OUTPUTS_SPEC = meta.IN_PLACE_OUTPUTS_SPEC
 
 
+def _broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (trailing dims equal or 1)."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
 class ExampleRuntimeDelegate:
     """Performs ``index_copy(dest, dim, index, source)``, in place only when told to.
 
@@ -145,6 +152,15 @@ class ExampleRuntimeDelegate:
                 f"index_copy: index {index.tolist()} out of range for dim {handle['dim']} "
                 f"of size {dest.shape[handle['dim']]}"
             )
+        # index_put broadcasts its values to the indexed region (ExecuTorch's Llama writes
+        # [batch, 1, heads, dim] values at one position); index_copy wants them whole.
+        region = [*dest.shape]
+        region[handle["dim"]] = index.numel()
+        if not _broadcasts(source.shape, region):
+            raise ValueError(
+                f"index_put: values of shape {[*source.shape]} do not broadcast to the indexed region {region}"
+            )
+        source = source.expand(region)
         if handle["in_place"]:
             dest.index_copy_(handle["dim"], index, source)
             return
