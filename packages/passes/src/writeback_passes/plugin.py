@@ -76,15 +76,16 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     """At ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order
-    50), writing state in place with the stock runtime's kernels (order 60), then early
-    write-back (order 100: after graph-editing passes)."""
+    50), writing state in place with the stock runtime's kernels (order 60), making
+    reshape-only copies views (65), then early write-back (order 100: after graph-editing passes)."""
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.pipeline import early_write_back_pass
     from writeback_passes.reinplace_delegate import reinplace_delegate_pass
     from writeback_passes.reinplace_state_writes import state_writes_pass
+    from writeback_passes.view_copies import copies_as_views_pass
 
-    return (reinplace_delegate_pass(), state_writes_pass(), early_write_back_pass())
+    return (reinplace_delegate_pass(), state_writes_pass(), copies_as_views_pass(), early_write_back_pass())
 
 
 @hookimpl
