@@ -173,3 +173,59 @@ class RepeatKV(torch.nn.Module):
 
 def _step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([step]), torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(step))
+
+
+def test_scalar_multiply_of_the_big_matmul_operand_moves_to_the_small_one() -> None:
+    """``bmm(q * a, view(k * a))`` (decomposed attention: ``k`` is the whole cache) becomes
+    ``bmm(q * a * a, view(k))``: the same product, and no multiply of the cache-sized operand."""
+    from writeback_passes.attention import scale_smaller_operand
+
+    def fn(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        small = aten.mul.Scalar(q, 0.5)
+        big = aten.view_copy.default(aten.mul.Scalar(k, 0.5), [2, 4, 16])
+        return aten.bmm.default(small, big)
+
+    q, k = torch.randn(2, 1, 4), torch.randn(2, 4, 16)
+    gm = _trace(fn, q, k)
+    report = scale_smaller_operand(gm)
+    assert report.moved
+    muls = [n for n in gm.graph.nodes if n.target == aten.mul.Scalar]
+    assert [tuple(n.meta["val"].shape) for n in muls] == [(2, 1, 4), (2, 1, 4)]
+    torch.testing.assert_close(gm(q, k), (q * 0.5) @ (k * 0.5))
+
+
+def test_scalar_multiply_read_elsewhere_or_of_the_small_operand_stays() -> None:
+    from writeback_passes.attention import scale_smaller_operand
+
+    def read_twice(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = aten.mul.Scalar(k, 0.5)
+        return aten.bmm.default(q, scaled), aten.sum.default(scaled)
+
+    def small_scaled(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(q, aten.mul.Scalar(k, 0.5))
+
+    q = torch.randn(2, 1, 4)
+    assert not scale_smaller_operand(_trace(read_twice, q, torch.randn(2, 4, 16))).moved
+    # k [2, 4, 1] has fewer elements than q [2, 1, 4]... equal: nothing is gained, nothing moves.
+    assert not scale_smaller_operand(_trace(small_scaled, q, torch.randn(2, 4, 1))).moved
+
+
+def test_functional_pass_drops_a_plain_clone_but_not_one_of_a_placeholder() -> None:
+    """Before partitioning: ``clone(unsqueeze(x * 2))`` is the value of ``x * 2``, so both copies
+    go; ``clone(state)`` stays, since a later in-place write of the state may need its old value."""
+    from writeback_passes.view_copies import functional_copies_as_views
+
+    def fn(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        made = aten.clone.default(aten.unsqueeze_copy.default(aten.mul.Tensor(x, 2.0), 0))
+        kept = aten.clone.default(state)
+        return aten.add.Tensor(made, 1.0), aten.add.Tensor(kept, 1.0)
+
+    x, state = torch.randn(2, 3), torch.randn(2, 3)
+    gm = _trace(fn, x, state)
+    report = functional_copies_as_views(gm)
+    assert report.viewed and report.removed
+    assert [str(n.target) for n in gm.graph.nodes if "clone" in str(n.target)] == ["aten.clone.default"]
+    assert any("placeholder" in why for why in report.kept.values())
+    made, kept = gm(x, state)
+    torch.testing.assert_close(made, (x * 2.0).unsqueeze(0) + 1.0)
+    torch.testing.assert_close(kept, state + 1.0)

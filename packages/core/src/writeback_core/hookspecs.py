@@ -70,9 +70,10 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookspec
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """Called when the pipeline assembles the passes of one stage of ``to_executorch``.
+    """Called when the pipeline assembles the passes of one stage of its lowering.
 
-    :param stage: ``"edge"`` or ``"before_memory_planning"`` (see ``writeback_core.types.Stage``).
+    :param stage: ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
+        ``writeback_core.types.Stage``).
     :return: the passes this plugin runs at that stage; empty for none.
     """
     raise NotImplementedError

@@ -236,9 +236,9 @@ class Partitioned:
 
 
 def partition(program: ExportedProgram, registry: Registry | None, backend: BackendSpec | None) -> Partitioned:
-    """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
-    delegate), wrapped by :func:`writeback_core.annotating` so core records a decision per
-    mutation a partition touches.
+    """``to_edge_transform_and_lower`` of ``program`` with the registry's ``"before_partition"``
+    passes and ``backend``'s partitioner (none: no delegate), wrapped by
+    :func:`writeback_core.annotating` so core records a decision per mutation a partition touches.
 
     ``program`` is not changed. :raises LoweringError: naming the backend.
     """
@@ -252,9 +252,13 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
             raise ValueError(f"backend {backend.name!r} needs a registry to ask per mutation")
         # The backend's partitioner only tags; core records the per-mutation decisions.
         wrapped = annotating(backend.partitioner(registry), backend.name, registry)
+    # Passes of the "before_partition" stage edit the functional edge graph the partitioner sees.
+    transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")] if registry else []
     try:
         with known_warnings_ignored():
-            edge = to_edge_transform_and_lower(program, partitioner=[wrapped] if wrapped is not None else [])
+            edge = to_edge_transform_and_lower(
+                program, transform_passes=transforms or None, partitioner=[wrapped] if wrapped is not None else []
+            )
     except InPlaceConflictError:
         raise  # the plugins' disagreement, named by core: not a failure of the lowering
     except Exception as error:
@@ -266,7 +270,8 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
 
 
 def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:
-    """Adapt a ``"before_memory_planning"`` pass to exir's contract (always a ``PassResult``)."""
+    """Adapt a ``"before_partition"`` or ``"before_memory_planning"`` pass to exir's contract
+    (always a ``PassResult``)."""
 
     def run(gm: torch.fx.GraphModule) -> PassResult:
         result = program_pass.run(gm)
@@ -551,4 +556,8 @@ def pass_names(registry: Registry | None) -> tuple[str, ...]:
     """Names of the program passes :func:`to_executorch` runs with ``registry``, in order."""
     if registry is None:
         return ()
-    return tuple(p.name for stage in ("edge", "before_memory_planning") for p in registry.program_passes(stage))
+    return tuple(
+        p.name
+        for stage in ("before_partition", "edge", "before_memory_planning")
+        for p in registry.program_passes(stage)
+    )

@@ -25,13 +25,17 @@ __all__ = [
     "StateAllocator",
 ]
 
-# Where a program pass runs inside ``to_executorch``:
+# Where a program pass runs:
+#   "before_partition": on the edge ``GraphModule`` after ``to_edge``, before the
+#           backend's partitioner tags it (``to_edge_transform_and_lower``'s
+#           ``transform_passes``; a function ``GraphModule -> PassResult | None``);
+#           the graph is functional: no write-back exists yet;
 #   "edge": on the edge ``ExportedProgram`` before ``to_executorch`` starts
 #           (a function ``ExportedProgram -> ExportedProgram | None``);
 #   "before_memory_planning": on the ``GraphModule`` after exir inserted its
 #           write-backs and before memory planning (``ExecutorchBackendConfig.passes``;
 #           a function ``GraphModule -> PassResult | None``).
-Stage = Literal["edge", "before_memory_planning"]
+Stage = Literal["before_partition", "edge", "before_memory_planning"]
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,16 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """At ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order
-    50), writing state in place with the stock runtime's kernels (order 60), making
-    reshape-only copies views (65), then early write-back (order 100: after graph-editing passes)."""
+    """At ``"before_partition"``: reshape-only copies made views (order 0), then each scalar
+    multiply of a ``bmm`` operand moved to the smaller one (10). At
+    ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order 50),
+    writing state in place with the stock runtime's kernels (60), making reshape-only copies
+    views (65), then early write-back (100: after graph-editing passes)."""
+    if stage == "before_partition":
+        from writeback_passes.attention import scale_smaller_operand_pass
+        from writeback_passes.view_copies import functional_copies_as_views_pass
+
+        return (functional_copies_as_views_pass(), scale_smaller_operand_pass())
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.pipeline import early_write_back_pass

@@ -47,9 +47,17 @@ from writeback_core import ProgramPass, meta
 from writeback_core.alias import AliasAnalysis
 from writeback_core.ops import packet_name
 
-__all__ = ["ViewCopyReport", "copies_as_views", "copies_as_views_pass"]
+__all__ = [
+    "ViewCopyReport",
+    "copies_as_views",
+    "copies_as_views_pass",
+    "functional_copies_as_views",
+    "functional_copies_as_views_pass",
+]
 
 _RESHAPES = frozenset({"unsqueeze_copy", "squeeze_copy"})
+_CLONES = frozenset({"clone", "_clone_dim_order"})
+_VIEW_LIKE = frozenset({"view_copy", "expand_copy", *_RESHAPES, *_CLONES})
 
 
 @dataclass
@@ -62,12 +70,13 @@ class ViewCopyReport:
     graph_module: torch.fx.GraphModule
     removed: list[str] = field(default_factory=list)  # same-shape expand_copy nodes
     viewed: list[str] = field(default_factory=list)  # unsqueeze/squeeze copies now view_copy
+    rerooted: list[str] = field(default_factory=list)  # view_copy of an in-place result, now of its input
     kept: dict[str, str] = field(default_factory=dict)  # node name -> why it stays a copy
     bytes_per_call: int = 0
 
     @property
     def modified(self) -> bool:
-        return bool(self.removed or self.viewed)
+        return bool(self.removed or self.viewed or self.rerooted)
 
 
 def _val(node: Any) -> torch.Tensor | None:
@@ -104,6 +113,18 @@ def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopy
 
     See the module docstring for the rule and the refusals. Edits the graph in place.
     """
+    return _copies_as_views(program, functional=False)
+
+
+def functional_copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopyReport:
+    """:func:`copies_as_views` on the functional edge graph, before partitioning; also drops a
+    ``clone`` that changes no layout. Nothing writes in place yet, so a copy whose input comes
+    from a placeholder (through reshapes) is left alone: a later in-place state write may need
+    it to keep the old value, and keeping it lets that write happen."""
+    return _copies_as_views(program, functional=True)
+
+
+def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional: bool) -> ViewCopyReport:
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
     graph = gm.graph
     report = ViewCopyReport(gm)
@@ -111,7 +132,15 @@ def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopy
     view_copy: Any = None
     for node in list(graph.nodes):
         name = packet_name(node.target) if node.op == "call_function" else None
-        if name != "expand_copy" and name not in _RESHAPES:
+        if name == "view_copy" and not functional and isinstance(node.args[0], torch.fx.Node):
+            # A view exir plans on an in-place result (which has no allocation of its own) is
+            # taken of the tensor the op wrote: the same storage, with a plan behind it.
+            root = _written_root(node.args[0])
+            if root is not node.args[0]:
+                node.args = (root, *node.args[1:])
+                report.rerooted.append(node.name)
+            continue
+        if name != "expand_copy" and name not in _RESHAPES and not (functional and name in _CLONES):
             continue
         base = node.args[0] if node.args else None
         out, val = _val(node), _val(base)
@@ -122,6 +151,11 @@ def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopy
             continue
         if name == "expand_copy" and tuple(val.shape) != shape:
             continue  # a real broadcast: the copy makes the data
+        if name in _CLONES and not _plain_clone(node, val):
+            continue  # a clone that changes the layout makes the data
+        if functional and _read_from_placeholder(base):
+            report.kept[node.name] = "it reads a placeholder, whose old value a later state write may need"
+            continue
         if name in _RESHAPES and not val.is_contiguous():
             report.kept[node.name] = "its input is not contiguous, so the reshape is no view of it"
             continue
@@ -138,7 +172,7 @@ def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopy
             report.kept[node.name] = f"{later[0].name} writes storage it may share afterwards"
             continue
         report.bytes_per_call += _nbytes(out)
-        if name == "expand_copy":
+        if name == "expand_copy" or name in _CLONES:
             node.replace_all_uses_with(base)
             graph.erase_node(node)
             report.removed.append(node.name)
@@ -151,10 +185,30 @@ def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopy
             node.args = (_written_root(base), list(shape))
             node.kwargs = {}
             report.viewed.append(node.name)
-    if report.removed or report.viewed:
+    if report.modified:
         graph.lint()
         gm.recompile()
     return report
+
+
+def _plain_clone(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """A clone of a contiguous tensor into the same, contiguous layout (no dim order, no format)."""
+    layout = {k: v for k, v in node.kwargs.items() if v is not None}
+    order = layout.pop("dim_order", None)
+    if order is not None and (not isinstance(order, list | tuple) or list(order) != list(range(val.dim()))):
+        return False
+    if layout.pop("memory_format", torch.contiguous_format) not in (torch.contiguous_format, torch.preserve_format):
+        return False
+    return not layout and val.is_contiguous()
+
+
+def _read_from_placeholder(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a placeholder or reshapes one (through the ops this pass rewrites)."""
+    while node.op == "call_function" and packet_name(node.target) in _VIEW_LIKE and node.args:
+        if not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return node.op == "placeholder"
 
 
 def _written_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -188,3 +242,9 @@ def copies_as_views_pass() -> ProgramPass:
     return ProgramPass(
         name="copies_as_views", stage="before_memory_planning", run=copies_as_views, order=VIEW_COPIES_ORDER
     )
+
+
+def functional_copies_as_views_pass() -> ProgramPass:
+    """:func:`functional_copies_as_views` as a ``"before_partition"`` :class:`~writeback_core.ProgramPass`
+    (so a delegate, which would copy a reshape it takes, sees none)."""
+    return ProgramPass(name="functional_copies_as_views", stage="before_partition", run=functional_copies_as_views)
