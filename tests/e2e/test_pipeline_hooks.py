@@ -41,7 +41,14 @@ def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     pipeline = assemble(registry)
     lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
-    assert lowered.passes == ("reinplace_delegate_input_mutations", "reinplace_state_writes", "insert_write_back_early")
+    assert lowered.passes == (
+        "functional_copies_as_views",
+        "scale_smaller_operand",
+        "reinplace_delegate_input_mutations",
+        "reinplace_state_writes",
+        "copies_as_views",
+        "insert_write_back_early",
+    )
     assert lowered.write_back_bytes == {}
     # Only the token and the position (8 B each) are copied, into the delegate.
     _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16)

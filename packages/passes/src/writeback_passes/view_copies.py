@@ -156,6 +156,8 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
         if functional and _read_from_placeholder(base):
             report.kept[node.name] = "it reads a placeholder, whose old value a later state write may need"
             continue
+        if name in _RESHAPES and node.users and all(_broadcasts(user, shape) for user in node.users):
+            continue  # feeds only a real broadcast, which copies anyway (and keeps a pattern readable)
         if name in _RESHAPES and not val.is_contiguous():
             report.kept[node.name] = "its input is not contiguous, so the reshape is no view of it"
             continue
@@ -189,6 +191,12 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
         graph.lint()
         gm.recompile()
     return report
+
+
+def _broadcasts(node: torch.fx.Node, shape: tuple[int, ...]) -> bool:
+    """Whether ``node`` is an ``expand_copy`` to a shape other than ``shape``."""
+    out = _val(node)
+    return packet_name(node.target) == "expand_copy" and out is not None and tuple(out.shape) != shape
 
 
 def _plain_clone(node: torch.fx.Node, val: torch.Tensor) -> bool:
