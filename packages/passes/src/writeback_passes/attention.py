@@ -25,6 +25,8 @@ from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 from writeback_core.ops import aten_op, packet_name
 
+from writeback_passes.reinplace_state_writes import _val
+
 __all__ = ["ScaleReport", "scale_smaller_operand", "scale_smaller_operand_pass"]
 
 _MATMULS = frozenset({"bmm", "mm"})
@@ -44,8 +46,8 @@ class ScaleReport:
 
 
 def _numel(node: Any) -> int | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+    val = _val(node)
+    if val is None or not all(isinstance(d, int) for d in val.shape):
         return None
     return int(val.numel())
 

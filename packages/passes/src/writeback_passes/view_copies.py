@@ -47,6 +47,8 @@ from writeback_core import ProgramPass, meta
 from writeback_core.alias import AliasAnalysis
 from writeback_core.ops import packet_name
 
+from writeback_passes.reinplace_state_writes import _val
+
 __all__ = [
     "ViewCopyReport",
     "copies_as_views",
@@ -79,11 +81,6 @@ class ViewCopyReport:
         return bool(self.removed or self.viewed or self.rerooted)
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _static_shape(val: torch.Tensor) -> tuple[int, ...] | None:
     shape = tuple(val.shape)
     return shape if all(isinstance(d, int) for d in shape) else None
@@ -105,7 +102,9 @@ def _writes_its_inputs(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
 
 
 def _is_delegate_call(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__name__", "") == "executorch_call_delegate"
+    from executorch.exir.delegate import executorch_call_delegate
+
+    return node.op == "call_function" and node.target is executorch_call_delegate
 
 
 def copies_as_views(program: ExportedProgram | torch.fx.GraphModule) -> ViewCopyReport:
