@@ -10,7 +10,7 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 from click.testing import CliRunner
 from rich.console import Console
-from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, _tables, run_bench
+from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, XNNPACK, _tables, run_bench
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
 
@@ -27,11 +27,14 @@ def test_bench_two_smallest_sizes_one_repeat_prints_every_pipeline_and_writes_th
         "2 MiB",
         STOCK,
         REINPLACE,
+        XNNPACK,
         WRITEBACK,
         "eager (floor)",
         "slice copy_ (floor)",
         "stock / writeback",
+        "stock+xnnpack / writeback",
         "goals at 2 MiB:",
+        "stock+xnnpack / writeback, state update:",
     ):
         assert text in result.output
     # Every pipeline lowered, ran and matched eager on its warm-up calls.
@@ -45,7 +48,8 @@ def test_bench_reports_a_pipeline_that_cannot_be_assembled_instead_of_dropping_i
     (size,) = result.sizes
     error = size.error(WRITEBACK, "step")
     assert error is not None and "no writeback pipeline" in error
-    assert size.error(STOCK, "step") is None and size.median(STOCK, "step") is not None
+    for stock in (STOCK, XNNPACK):
+        assert size.error(stock, "step") is None and size.median(stock, "step") is not None
     console = Console(record=True, width=200)
     for table in _tables(result):
         console.print(table)

@@ -11,6 +11,8 @@ grows with the cache is only what a pipeline does with the state:
   ``to_edge(...).to_executorch()`` defaults, stock ``executorch.runtime``
   (the way ExecuTorch users write a KV cache today);
 - ``stock+reinplace``: the same with ``ExecutorchBackendConfig(run_reinplace_pass=True)``;
+- ``stock+xnnpack``: the same lowered with ExecuTorch's ``XnnpackPartitioner``
+  (what ExecuTorch users deploy on CPU);
 - ``writeback``: the same decoder with a caller-owned cache
   (``decoder-caller-cache``), lowered by the pipeline (default backend, the
   registered passes), run by the pipeline's runtime with the cache allocated
@@ -87,7 +89,7 @@ from writeback_core.pipeline import (
     flatten_step_inputs,
     lower,
 )
-from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured
+from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured, native_stderr_filtered
 from writeback_core.registry import Registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
 
@@ -107,10 +109,11 @@ __all__ = [
 
 STOCK = "stock"
 REINPLACE = "stock+reinplace"
+XNNPACK = "stock+xnnpack"
 WRITEBACK = "writeback"
 EAGER = "eager"
 SLICE_COPY = "slice copy_"
-PIPELINES = (STOCK, REINPLACE, WRITEBACK)
+PIPELINES = (STOCK, REINPLACE, XNNPACK, WRITEBACK)
 WARMUP = 2
 # Positions each decode step attends over (see the module docstring).
 WINDOW = 64
@@ -196,15 +199,21 @@ class Contender:
         return statistics.median(self.times) if self.times and self.error is None else None
 
 
-def _stock_call(case: ModelCase, reinplace: bool) -> Call:
-    from executorch.exir import ExecutorchBackendConfig, to_edge
+def _stock_call(case: ModelCase, reinplace: bool, xnnpack: bool = False) -> Call:
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from writeback_core.lowering import export_case
 
     with known_warnings_ignored():
         from executorch.runtime import Runtime
 
-        program = to_edge(export_case(case)).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))
+        partitioners: list[Any] = []
+        if xnnpack:
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+            partitioners.append(XnnpackPartitioner())
+        edge = to_edge_transform_and_lower(export_case(case), partitioner=partitioners)
+        program = edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))
         # The stock runtime reads the program from this buffer after loading: keep it alive.
         data = bytes(program.buffer)
         # ... and the Program: a stock Method whose Program was collected reads freed memory.
@@ -300,7 +309,7 @@ def _build(pipeline_name: str, kind: str, case: ModelCase, pipeline: Pipeline | 
                 raise PipelineError("no writeback pipeline could be assembled")
             contender.call, session = _writeback_call(case, pipeline)
         else:
-            contender.call = _stock_call(case, reinplace=pipeline_name == REINPLACE)
+            contender.call = _stock_call(case, reinplace=pipeline_name == REINPLACE, xnnpack=pipeline_name == XNNPACK)
     except Exception as error:  # reported in the table
         contender.error = f"failed to lower or load: {_short(error)}"
     return contender, session
@@ -389,6 +398,7 @@ class BenchResult:
 
     sizes: list[SizeResult]
     repeats: int
+    backend: str | None = None
 
 
 def run_bench(
@@ -403,6 +413,7 @@ def run_bench(
         pipeline: Pipeline | None = assemble(registry, backend)
     except PipelineError:
         pipeline = None
+    chosen = (pipeline.backend.name if pipeline.backend is not None else "none") if pipeline is not None else backend
     results = []
     task = progress.add_task("bench", total=len(sizes)) if progress is not None else None
     for mib in sizes:
@@ -415,7 +426,7 @@ def run_bench(
         gc.collect()
         if progress is not None and task is not None:
             progress.advance(task)
-    return BenchResult(results, repeats)
+    return BenchResult(results, repeats, chosen)
 
 
 def _ms(seconds: float | None) -> str:
@@ -441,8 +452,19 @@ def _cell(size: SizeResult, pipeline: str, kind: str) -> str:
 
 
 def _tables(result: BenchResult) -> list[Table]:
+    writeback = f"{WRITEBACK} ({result.backend})" if result.backend else WRITEBACK
     step = Table(title=f"decode step, median of {result.repeats} interleaved calls")
-    for title in ("K+V cache", STOCK, REINPLACE, WRITEBACK, "eager (floor)", "stock / writeback", "writeback / eager"):
+    for title in (
+        "K+V cache",
+        STOCK,
+        REINPLACE,
+        XNNPACK,
+        writeback,
+        "eager (floor)",
+        "stock / writeback",
+        f"{XNNPACK} / writeback",
+        "writeback / eager",
+    ):
         step.add_column(title, justify="right")
     update = Table(
         title=f"state update: median(update-only call) - median(idle call), "
@@ -452,9 +474,11 @@ def _tables(result: BenchResult) -> list[Table]:
         "K+V cache",
         STOCK,
         REINPLACE,
-        WRITEBACK,
+        XNNPACK,
+        writeback,
         "slice copy_ (floor)",
         "stock / writeback",
+        f"{XNNPACK} / writeback",
         "writeback / slice copy_",
         "writeback update, idle calls",
     ):
@@ -467,6 +491,7 @@ def _tables(result: BenchResult) -> list[Table]:
             *(_cell(size, p, "step") for p in PIPELINES),
             _ms(size.median(EAGER, "step")),
             _ratio(size.median(STOCK, "step"), wb),
+            _ratio(size.median(XNNPACK, "step"), wb),
             _ratio(wb, size.median(EAGER, "step")),
         )
         update.add_row(
@@ -474,6 +499,7 @@ def _tables(result: BenchResult) -> list[Table]:
             *(_cell(size, p, "update") for p in PIPELINES),
             _ms(size.update(SLICE_COPY)),
             _ratio(size.update(STOCK), size.update(WRITEBACK)),
+            _ratio(size.update(XNNPACK), size.update(WRITEBACK)),
             _ratio(size.update(WRITEBACK), size.update(SLICE_COPY)),
             f"{_ms(size.median(WRITEBACK, 'update'))}, {_ms(size.median(WRITEBACK, 'idle'))}",
         )
@@ -511,6 +537,7 @@ def goals(result: BenchResult) -> list[str]:
         f"goals at {big.mib:g} MiB:",
         _goal("  stock / writeback, whole step", ratio(big.median(STOCK, "step"), wb_big), 3, True),
         _goal("  stock / writeback, state update", ratio(big.update(STOCK), big.update(WRITEBACK)), 50, True),
+        _goal(f"  {XNNPACK} / writeback, state update", ratio(big.update(XNNPACK), big.update(WRITEBACK)), 50, True),
         _goal("  writeback update / slice copy_", ratio(big.update(WRITEBACK), big.update(SLICE_COPY)), 10, False),
         _goal(f"  writeback step {big.mib:g} MiB / {small.mib:g} MiB", ratio(wb_big, wb_small), 1.5, False),
         f"  for reference, eager step {big.mib:g} MiB / {small.mib:g} MiB: "
@@ -561,7 +588,7 @@ def plot(result: BenchResult, path: Path) -> None:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     sizes = [s.mib for s in result.sizes]
-    styles = {STOCK: "o-", REINPLACE: "s-", WRITEBACK: "^-", EAGER: "k--", SLICE_COPY: "k:"}
+    styles = {STOCK: "o-", REINPLACE: "s-", XNNPACK: "D-", WRITEBACK: "^-", EAGER: "k--", SLICE_COPY: "k:"}
 
     def line(axis: Any, name: str, values: list[float | None]) -> None:
         points = [(x, v * 1e3) for x, v in zip(sizes, values, strict=True) if v is not None and v > 0]
@@ -700,7 +727,7 @@ def bench_command(
     start: int,
     contender_names: str | None,
 ) -> None:
-    """Time one decode step through stock ExecuTorch, stock + reinplace and writeback, interleaved,
+    """Time one decode step through stock ExecuTorch, stock + reinplace, stock + XNNPACK and writeback, interleaved,
     at each cache size; print medians, ratios and floors (eager, raw slice copy_). With --model,
     time one model through every contender instead, with the whole-state copies each leaves."""
     registry = ctx.find_object(Registry)
@@ -720,8 +747,8 @@ def bench_command(
     if plot_path is not None:
         _check_plot(plot_path)
     torch.set_num_threads(torch_threads)
-    console = Console(width=160)
-    with progress_bar(Progress(console=console, transient=True)) as progress:
+    console = Console(width=200)
+    with native_stderr_filtered(), progress_bar(Progress(console=console, transient=True)) as progress:
         result = run_bench(registry, sizes, repeats, backend, progress)
     for table in _tables(result):
         console.print(table)
@@ -734,7 +761,6 @@ def bench_command(
 # ``writeback bench --model NAME``: every contender on one model, side by side.
 # ---------------------------------------------------------------------------
 
-XNNPACK = "stock+xnnpack"
 XNNPACK_REINPLACE = "stock+xnnpack+reinplace"
 # The baseline every row is compared with: what ExecuTorch users deploy on CPU.
 BASELINE = XNNPACK
