@@ -1,0 +1,62 @@
+"""The hand-written MLX models that anchor ``bench --vs-mlx`` compute what eager PyTorch
+computes, step after step (past the end of the cache, where positions wrap), and the
+``--vs-mlx`` mode runs end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from writeback_core.zoo import DecoderConfig, decoder_case
+from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
+from writeback_mlx_backend.handwritten import Attend, HandwrittenDecoder, HandwrittenETLlama
+
+ATTENDS: list[Attend] = ["filled", "masked"]
+
+
+def _assert_matches(logits: object, expected: torch.Tensor, step: int) -> None:
+    found = np.array(logits)
+    assert found.shape == tuple(expected.shape), f"step {step}"
+    np.testing.assert_allclose(found, expected.numpy(), rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("attend", ATTENDS)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_handwritten_decoder_matches_eager(attend: Attend, window: int | None) -> None:
+    cfg = DecoderConfig(max_seq=12, layers=2, window=window)
+    case = decoder_case(cfg)
+    eager = case.build().eval()
+    mine = HandwrittenDecoder(case.build(), attend=attend)
+    for step in range(2 * cfg.max_seq):
+        tokens, pos = case.step_inputs(step)
+        with torch.no_grad():
+            expected = eager(tokens, pos)
+        _assert_matches(mine.step(int(tokens), int(pos)), expected, step)
+
+
+@pytest.mark.parametrize("attend", ATTENDS)
+def test_handwritten_et_llama_matches_eager(attend: Attend) -> None:
+    """ExecuTorch's Llama example as writeback-decoders builds it (GQA: 4 heads over 2 KV
+    heads), fed its greedy tokens for more steps than the cache holds."""
+    cfg = ETLlamaConfig(max_seq=10)
+    case = et_llama_case(config=cfg)
+    eager = case.build()
+    mine = HandwrittenETLlama(case.build(), attend=attend)
+    for step in range(2 * cfg.max_seq + 3):
+        (tokens,) = case.step_inputs(step)
+        kwargs = case.step_kwargs(step)
+        with torch.no_grad():
+            expected = eager(tokens, **kwargs)
+        _assert_matches(mine.step(int(tokens), int(kwargs["attn_options"]["input_pos"])), expected, step)
+
+
+def test_handwritten_et_llama_refuses_a_configuration_it_does_not_implement() -> None:
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+    from executorch.examples.models.llama.model_args import ModelArgs
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=16, max_seq_len=8)
+    args.max_context_len = 8
+    args.use_kv_cache = True
+    args.use_qk_norm = True
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        HandwrittenETLlama(construct_transformer(args))
