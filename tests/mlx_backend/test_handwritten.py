@@ -60,3 +60,29 @@ def test_handwritten_et_llama_refuses_a_configuration_it_does_not_implement() ->
     args.use_qk_norm = True
     with pytest.raises(ValueError, match="use_qk_norm"):
         HandwrittenETLlama(construct_transformer(args))
+
+
+@pytest.mark.slow
+def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.CaptureFixture[str]) -> None:
+    from writeback_mlx_backend.bench import main
+
+    threads = torch.get_num_threads()
+    assert main(["--vs-mlx", "--cache-mib", "0.0625", "--steps", "1"]) == 0
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out
+    for model in ("decoder:", "et-llama:"):
+        table = out[out.index(model) :]
+        rows = table.splitlines()[2:6]
+        assert [row.split("  ")[1].strip() for row in rows] == [
+            "eager PyTorch",
+            "hand-written MLX",
+            "hand-written MLX, masked whole cache",
+            "writeback+mlx delegate",
+        ]
+        # Every contender matched eager at warm-up and was timed.
+        assert all("ok, max |err|" in row and " ms" in row for row in rows), rows
+        assert "goal: writeback+mlx delegate step <= 1.2x hand-written MLX: " in table
+    idle = out[out.index("idle call:") :].splitlines()
+    assert idle[2].split("  ")[1].strip() == "writeback+mlx delegate"
+    assert all("ok, max |err| 0" in row for row in idle[2:5]), idle
+    assert "goal: writeback+mlx delegate idle call <= 50 µs: " in idle[5]

@@ -1,5 +1,8 @@
 """Decode-step time against cache size: ``python -m writeback_mlx_backend.bench``.
 
+(``--vs-mlx`` runs another benchmark: the delegate against the same models written
+by hand in MLX, see :func:`run_vs_mlx`.)
+
 One decode step of an attention layer writes one slot of a static K and V cache
 ``[1, heads, S, head_dim]`` with ``index_copy_`` and attends over a fixed window
 of the first ``window`` positions. The window keeps the step's arithmetic the
@@ -37,15 +40,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from writeback_core.quiet import known_warnings_ignored
 
-__all__ = ["WindowDecodeStep", "main"]
+if TYPE_CHECKING:
+    from writeback_core.zoo import ModelCase
+
+    from writeback_mlx_backend.handwritten import Attend
+
+__all__ = ["WindowDecodeStep", "main", "run_vs_mlx"]
 
 
 class WindowDecodeStep(nn.Module):
@@ -216,13 +224,414 @@ def _table(rows: Sequence[tuple[str, list[float]]], columns: Sequence[str]) -> s
     return "\n".join(lines)
 
 
+# ``--vs-mlx``: the delegate against the same models written by hand in MLX.
+
+_VS_WARMUP = 2
+_IDLE_CALLS_PER_ROUND = 20
+_STEP_GOAL = 1.2  # the delegate's step, as a multiple of hand-written MLX's
+_IDLE_GOAL = 50e-6  # seconds per idle call through the delegate
+# fp32 on both sides; MLX's fused kernels sum in another order than torch's.
+_ATOL = _RTOL = 1e-4
+_MIB = 1 << 20
+_EAGER = "eager PyTorch"
+_HANDWRITTEN = "hand-written MLX"
+_MASKED = "hand-written MLX, masked whole cache"
+_DELEGATE = "writeback+mlx delegate"
+
+# One call at a step: ``(seconds, outputs)``; the clock covers the work alone, the
+# step's inputs are made before it starts.
+Timed = Callable[[int], tuple[float, list[Any]]]
+
+
+@dataclass
+class _Contender:
+    """One row of the ``--vs-mlx`` table: its calls, their times, and what went wrong."""
+
+    model: str
+    name: str
+    call: Timed | None = None
+    calls_per_round: int = 1
+    note: str = ""
+    error: str | None = None
+    max_error: float = 0.0
+    times: list[float] = field(default_factory=list)
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times and self.error is None else None
+
+
+class _AddOne(nn.Module):
+    """The idle program: one op on a small tensor, so a call costs what calling costs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def _decoder_case(cache_mib: float) -> ModelCase:
+    from writeback_core.zoo import DecoderConfig, decoder_case
+
+    return decoder_case(DecoderConfig.for_cache_bytes(int(cache_mib * _MIB)))
+
+
+def _et_llama_case(cache_mib: float, seed: int = 0) -> ModelCase:
+    """ExecuTorch's Llama example (``construct_transformer``, KV cache in buffers), sized as
+    writeback-decoders sizes it for ``--cache-mib`` (4 layers, 16 heads of 128, dim 128),
+    weights drawn from ``seed``, called as ``export_llama`` calls it:
+    ``model(tokens, attn_options={"input_pos": pos})``, exported non-strict.
+
+    Step ``s`` feeds token ``(7 s + 3) % vocab`` at position ``s % max_seq`` (a fixed
+    sequence rather than greedy decoding: every contender is fed the same tokens).
+    """
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+    from executorch.examples.models.llama.model_args import ModelArgs
+    from writeback_core.zoo import ModelCase
+
+    layers, heads, head_dim, vocab = 4, 16, 128, 256
+    max_seq = max(8, int(cache_mib * _MIB) // (layers * 2 * heads * head_dim * 4))
+    args = ModelArgs(
+        dim=128,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=heads,
+        head_dim=head_dim,
+        hidden_dim=256,
+        vocab_size=vocab,
+        max_batch_size=1,
+        max_seq_len=max_seq,
+        max_context_len=max_seq,
+        use_kv_cache=True,
+    )
+
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module: nn.Module = construct_transformer(args)
+        return module.eval().requires_grad_(False)
+
+    return ModelCase(
+        name="et-llama",
+        description=f"ExecuTorch's Llama example, {layers} layers, dim 128, {max_seq} positions",
+        build=build,
+        step_inputs=lambda step: (torch.tensor([[(7 * step + 3) % vocab]]),),
+        step_kwargs=lambda step: {"attn_options": {"input_pos": torch.tensor([step % max_seq])}},
+        strict=False,
+    )
+
+
+def _token_position(case: ModelCase, step: int) -> tuple[int, int]:
+    """The step's token and cache position: the first and the last input of both models."""
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves((case.step_inputs(step), case.example_kwargs(step)))
+    return int(leaves[0]), int(leaves[-1])
+
+
+def _eager_timed(case: ModelCase) -> Timed:
+    module = case.build().eval().requires_grad_(False)
+    state = case.make_state()
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        args, kwargs = case.step_inputs(step), case.example_kwargs(step)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = module(*args, *state, **kwargs)
+            seconds = time.perf_counter() - start
+        return seconds, [out]
+
+    return call
+
+
+def _handwritten_timed(case: ModelCase, attend: Attend) -> Timed:
+    from writeback_mlx_backend.handwritten import HandwrittenDecoder, HandwrittenETLlama
+
+    module = case.build()
+    model = HandwrittenETLlama(module, attend) if case.name == "et-llama" else HandwrittenDecoder(module, attend)
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        token, position = _token_position(case, step)
+        start = time.perf_counter()
+        logits = model.step(token, position)
+        return time.perf_counter() - start, [logits]
+
+    return call
+
+
+def _delegate_timed(case: ModelCase, registry: Any) -> tuple[Timed, str]:
+    """The case lowered as ``writeback run --backend mlx`` lowers it and run by writeback's
+    runtime; the time is the runtime's execute alone. Also returns a note on what stayed
+    outside the delegate."""
+    from executorch.exir.delegate import executorch_call_delegate
+    from writeback_core.pipeline import Session, assemble, lower
+
+    pipeline = assemble(registry, "mlx")
+    with known_warnings_ignored():
+        lowered = lower(case, pipeline)
+    session = Session.open(pipeline, lowered)
+    graph = lowered.program.exported_program().graph_module.graph
+    delegated = sum(1 for n in graph.nodes if n.target is executorch_call_delegate)
+    outside = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target not in (executorch_call_delegate, operator.getitem)
+    ]
+    note = f"{delegated} delegate call(s), {len(outside)} op(s) outside, {lowered.copied_per_call} B copied per call"
+
+    def call(step: int) -> tuple[float, list[Any]]:
+        result = session.step(step)  # times the runtime's execute alone
+        return result.seconds, result.outputs
+
+    return call, note
+
+
+def _idle_case() -> ModelCase:
+    from writeback_core.zoo import ModelCase
+
+    return ModelCase(
+        name="idle",
+        description="x + 1 on 4 floats",
+        build=_AddOne,
+        step_inputs=lambda step: (torch.full((4,), float(step)),),
+    )
+
+
+def _idle_contenders(registry: Any) -> list[_Contender]:
+    import mlx.core as mx
+
+    case = _idle_case()
+    rows = [
+        _Contender("idle", _DELEGATE, calls_per_round=_IDLE_CALLS_PER_ROUND),
+        _Contender("idle", "hand-written MLX: mx.eval(x + 1)", calls_per_round=_IDLE_CALLS_PER_ROUND),
+        _Contender("idle", _EAGER, calls_per_round=_IDLE_CALLS_PER_ROUND),
+    ]
+    try:
+        rows[0].call, rows[0].note = _delegate_timed(case, registry)
+    except Exception as error:  # reported in its cell; the other rows go on
+        rows[0].error = f"failed to lower or load: {_short(error)}"
+
+    def mlx_call(step: int) -> tuple[float, list[Any]]:
+        x = mx.full((4,), float(step))
+        mx.eval(x)
+        start = time.perf_counter()
+        y = x + 1
+        mx.eval(y)
+        return time.perf_counter() - start, [y]
+
+    def eager_call(step: int) -> tuple[float, list[Any]]:
+        x = torch.full((4,), float(step))
+        start = time.perf_counter()
+        y = x + 1
+        return time.perf_counter() - start, [y]
+
+    rows[1].call, rows[2].call = mlx_call, eager_call
+    return rows
+
+
+def _model_contenders(case: ModelCase, registry: Any) -> list[_Contender]:
+    makers: list[tuple[str, Callable[[], Timed]]] = [
+        (_EAGER, lambda: _eager_timed(case)),
+        (_HANDWRITTEN, lambda: _handwritten_timed(case, "filled")),
+        (_MASKED, lambda: _handwritten_timed(case, "masked")),
+    ]
+    rows = []
+    for name, make in makers:
+        row = _Contender(case.name, name)
+        try:
+            row.call = make()
+        except Exception as error:  # reported in its cell; the other rows go on
+            row.error = f"failed to build: {_short(error)}"
+        rows.append(row)
+    row = _Contender(case.name, _DELEGATE)
+    try:
+        row.call, row.note = _delegate_timed(case, registry)
+    except Exception as error:
+        row.error = f"failed to lower or load: {_short(error)}"
+    rows.append(row)
+    return rows
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+def _numpy(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().numpy()
+    return np.array(value)
+
+
+def _check(row: _Contender, outputs: list[Any], expected: list[Any]) -> str | None:
+    """Why ``outputs`` differ from eager's (``None``: they match); tracks the largest error."""
+    import numpy as np
+
+    if len(outputs) != len(expected):
+        return f"{len(outputs)} outputs, eager {len(expected)}"
+    for index, (mine, theirs) in enumerate(zip(outputs, expected, strict=True)):
+        found, wanted = _numpy(mine), _numpy(theirs)
+        if found.shape != wanted.shape:
+            return f"output {index} has shape {found.shape}, eager {wanted.shape}"
+        error = float(np.abs(found.astype(np.float64) - wanted.astype(np.float64)).max(initial=0.0))
+        row.max_error = max(row.max_error, error)
+        if not np.allclose(found, wanted, rtol=_RTOL, atol=_ATOL):
+            return f"output {index} differs from eager by {error:.3g}"
+    return None
+
+
+def _warm_up(rows: Sequence[_Contender], case: ModelCase, start: int) -> None:
+    """Run each row's warm-up steps, each checked against a separate eager copy; a row that
+    fails or differs keeps the reason in its cell and is not timed."""
+    from writeback_core.pipeline import Eager
+
+    eager = Eager(case)
+    reference = [[o.clone() for o in eager.step(step)] for step in range(start, start + _VS_WARMUP)]
+    for row in rows:
+        for offset, expected in enumerate(reference):
+            if row.call is None or row.error is not None:
+                break
+            step = start + offset
+            try:
+                _, outputs = row.call(step)
+            except Exception as error:
+                row.error = f"failed at run time: {_short(error)}"
+                break
+            problem = _check(row, outputs, expected)
+            if problem is not None:
+                row.error = f"wrong at warm-up step {step}: {problem}"
+
+
+def _rounds(rows: Sequence[_Contender], first: int, steps: int) -> None:
+    """Steps ``first`` .. ``first + steps - 1``, every row in each, in a fresh shuffled order per step."""
+    live = [row for row in rows if row.call is not None and row.error is None]
+    for step in range(first, first + steps):
+        for row in random.Random(step).sample(live, len(live)):
+            assert row.call is not None
+            for _ in range(row.calls_per_round):
+                if row.error is not None:
+                    break
+                try:
+                    seconds, _ = row.call(step)
+                except Exception as error:
+                    row.error = f"failed at run time, step {step}: {_short(error)}"
+                    break
+                row.times.append(seconds)
+
+
+def _time_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3f} ms"
+
+
+def _goal_text(value: float | None, limit: float, text: str) -> str:
+    if value is None:
+        return "not measured"
+    return f"{text} ({'met' if value <= limit else 'MISSED'})"
+
+
+def _model_table(case: ModelCase, rows: Sequence[_Contender], start: int, steps: int) -> list[str]:
+    by_name = {row.name: row for row in rows}
+    anchor = by_name[_HANDWRITTEN].median()
+    lines = [
+        f"{case.name}: {case.description}; steps {start + _VS_WARMUP}..{start + _VS_WARMUP + steps - 1}",
+        f"  {'contender':<38}{'step (median)':>14}{'/ hand-written':>16}  check against eager",
+    ]
+    for row in rows:
+        median = row.median()
+        times = "-" if median is None or anchor is None else f"{median / anchor:.2f}x"
+        check = row.error or f"ok, max |err| {row.max_error:.2g}"
+        note = f"; {row.note}" if row.note else ""
+        lines.append(f"  {row.name:<38}{_time_text(median):>14}{times:>16}  {check}{note}")
+    delegate = by_name[_DELEGATE].median()
+    ratio = None if delegate is None or anchor is None else delegate / anchor
+    text = "" if ratio is None else f"{ratio:.2f}x"
+    lines.append(f"  goal: {_DELEGATE} step <= {_STEP_GOAL}x {_HANDWRITTEN}: {_goal_text(ratio, _STEP_GOAL, text)}")
+    return lines
+
+
+def _idle_table(rows: Sequence[_Contender]) -> list[str]:
+    lines = [
+        f"idle call: x + 1 on a [4] fp32 tensor, median of {_IDLE_CALLS_PER_ROUND} calls per round",
+        f"  {'contender':<38}{'call (median)':>14}  check against eager",
+    ]
+    for row in rows:
+        check = row.error or f"ok, max |err| {row.max_error:.2g}"
+        note = f"; {row.note}" if row.note else ""
+        lines.append(f"  {row.name:<38}{_time_text(row.median()):>14}  {check}{note}")
+    delegate = rows[0].median()
+    text = _time_text(delegate)
+    lines.append(f"  goal: {_DELEGATE} idle call <= 50 µs: {_goal_text(delegate, _IDLE_GOAL, text)}")
+    return lines
+
+
+def run_vs_mlx(cache_mib: float, steps: int, start: int) -> int:
+    """Time the delegate against the same models written by hand in MLX; print the tables.
+
+    For the built-in decoder and ExecuTorch's Llama example, each with a K+V cache of
+    ``cache_mib`` MiB, the rows are: eager PyTorch; the model written by hand in MLX
+    (:mod:`writeback_mlx_backend.handwritten`: attention over the filled cache slots,
+    as mlx-lm does, and over the whole cache with a mask, which is the work a graph
+    of static shapes does); and the model lowered by writeback's one lowering path
+    with ``--backend mlx`` and run by writeback's runtime (the time of its execute).
+    Then the idle call: ``x + 1`` through the delegate, in MLX, in eager PyTorch.
+
+    Every row runs ``2`` warm-up steps from ``start``, checked against eager
+    PyTorch (``allclose``, ``rtol = atol = 1e-4``); a row that fails or differs
+    shows why in its cell and is not timed. Then ``steps`` timed steps, every row
+    once per step (the idle rows 20 times) in a fresh shuffled order, all in one
+    process with one torch thread (the caller's thread count is restored after);
+    the table gives medians.
+
+    :returns: 0 (the goals are reported, not enforced).
+    """
+    from writeback_core import load_registry
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _vs_mlx(load_registry(), cache_mib, steps, start)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _vs_mlx(registry: Any, cache_mib: float, steps: int, start: int) -> None:
+    cases = [_decoder_case(cache_mib), _et_llama_case(cache_mib)]
+    model_rows = []
+    for case in cases:
+        rows = _model_contenders(case, registry)
+        _warm_up(rows, case, start)
+        model_rows.append(rows)
+        print(f"{case.name} lowered and checked", flush=True)
+    idle = _idle_contenders(registry)
+    _warm_up(idle, _idle_case(), start)
+    every = [row for rows in model_rows for row in rows] + idle
+    _rounds(every, start + _VS_WARMUP, steps)
+    print(f"MLX delegate against hand-written MLX, K+V cache {cache_mib:g} MiB per model, 1 torch thread")
+    for case, rows in zip(cases, model_rows, strict=True):
+        print("\n".join(_model_table(case, rows, start, steps)))
+    print("\n".join(_idle_table(idle)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the table and the ``time(largest)/time(smallest)`` ratio of each column."""
+    """Print the table and the ``time(largest)/time(smallest)`` ratio of each column; with
+    ``--vs-mlx``, the delegate against the same models hand-written in MLX instead
+    (:func:`run_vs_mlx`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,8,32,128", help="K+V cache sizes in MiB")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per cell")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock column")
+    parser.add_argument(
+        "--vs-mlx",
+        action="store_true",
+        help="the delegate's decode step and idle call against the same models hand-written in MLX",
+    )
+    parser.add_argument("--cache-mib", type=float, default=8.0, help="--vs-mlx: each model's K+V cache in MiB")
+    parser.add_argument("--start", type=int, default=0, help="--vs-mlx: the first decode step (cache position)")
     options = parser.parse_args(argv)
+    if options.vs_mlx:
+        return run_vs_mlx(options.cache_mib, options.steps, options.start)
     sizes = [int(s) for s in options.sizes.split(",")]
     columns = ["mlx owned", "mlx caller (empty)", "mlx caller (torch)"]
     if not options.no_stock:
