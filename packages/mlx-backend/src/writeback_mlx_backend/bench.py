@@ -39,6 +39,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,6 +361,7 @@ def _delegate_timed(case: ModelCase, registry: Any) -> tuple[Timed, str]:
     """The case lowered as ``writeback run --backend mlx`` lowers it and run by writeback's
     runtime; the time is the runtime's execute alone. Also returns a note on what stayed
     outside the delegate."""
+    from executorch.exir import memory
     from executorch.exir.delegate import executorch_call_delegate
     from writeback_core.pipeline import Session, assemble, lower
 
@@ -369,12 +371,14 @@ def _delegate_timed(case: ModelCase, registry: Any) -> tuple[Timed, str]:
     session = Session.open(pipeline, lowered)
     graph = lowered.program.exported_program().graph_module.graph
     delegated = sum(1 for n in graph.nodes if n.target is executorch_call_delegate)
-    outside = [
-        n
+    # Ops the runtime runs on its own kernels (the memory planner's allocations are not ops).
+    outside = Counter(
+        str(getattr(n.target, "__name__", n.target))
         for n in graph.nodes
-        if n.op == "call_function" and n.target not in (executorch_call_delegate, operator.getitem)
-    ]
-    note = f"{delegated} delegate call(s), {len(outside)} op(s) outside, {lowered.copied_per_call} B copied per call"
+        if n.op == "call_function" and n.target not in (executorch_call_delegate, operator.getitem, memory.alloc)
+    )
+    ops = ", ".join(f"{name} x{count}" for name, count in sorted(outside.items())) or "none"
+    note = f"{delegated} delegate call(s); ops outside: {ops}; {lowered.copied_per_call} B copied per call"
 
     def call(step: int) -> tuple[float, list[Any]]:
         result = session.step(step)  # times the runtime's execute alone
