@@ -86,3 +86,22 @@ def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.Capture
     assert idle[2].split("  ")[1].strip() == "writeback+mlx delegate"
     assert all("ok, max |err| 0" in row for row in idle[2:5]), idle
     assert "goal: writeback+mlx delegate idle call <= 50 µs: " in idle[5]
+
+
+def _address(array: object) -> int:
+    address: int = np.asarray(memoryview(array)).__array_interface__["data"][0]  # type: ignore[arg-type]  # mx.array exports the buffer protocol
+    return address
+
+
+def test_handwritten_caches_are_written_in_place() -> None:
+    """The anchor writes its K/V caches as mlx-lm does, by donation: each step's slice
+    assignment reuses the cache's buffer instead of copying the cache (a copy would
+    leave the cache at another address after some step)."""
+    decoder = HandwrittenDecoder(decoder_case(DecoderConfig(max_seq=16, layers=2)).build())
+    llama = HandwrittenETLlama(et_llama_case(config=ETLlamaConfig(max_seq=16)).build())
+    for model in (decoder, llama):
+        caches = (*model.cache.keys, *model.cache.values)
+        before = [_address(a) for a in caches]
+        for step in range(5):
+            model.step(3, step)
+            assert [_address(a) for a in (*model.cache.keys, *model.cache.values)] == before, step
