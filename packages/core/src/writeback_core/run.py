@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,6 +207,19 @@ def _table(report: RunReport) -> Table:
     return table
 
 
+def _execution_paths(pipeline: Pipeline) -> list[str]:
+    """``delegate NAME: how it ran each partition`` for each runtime delegate that says
+    (the optional ``execution_paths`` attribute, see :class:`RuntimeSpec`)."""
+    lines = []
+    for backend_id, delegate in pipeline.delegates.items():
+        paths = getattr(delegate, "execution_paths", None)
+        if paths:
+            counts = Counter(str(p) for p in paths)
+            text = "; ".join(f"{path} ({count})" if len(paths) > 1 else path for path, count in counts.items())
+            lines.append(f"delegate {backend_id}, per partition: {text}")
+    return lines
+
+
 @click.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps to run.")
@@ -270,6 +284,8 @@ def run_command(
         "state write-back: bytes of whole-state copies the program makes per call; copied into delegate: "
         "bytes a delegate reported copying to bind its inputs (state and per-step inputs alike)"
     )
+    for line in _execution_paths(pipeline):
+        console.print(line, markup=False)
     if report.failures:
         result, check = report.failures[0]
         raise click.ClickException(

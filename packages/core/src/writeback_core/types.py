@@ -219,7 +219,9 @@ class RuntimeSpec:
     ``.pte`` bytes). The pipeline passes the same delegate objects to every
     load of one session and reads, from any delegate that has one, the
     optional attribute ``copied_input_bytes_total: int`` (bytes the delegate
-    has copied to bind inputs, over all calls) to report copies it made.
+    has copied to bind inputs, over all calls) to report copies it made, and
+    ``execution_paths`` (a sequence of ``str``, one per delegate instance it
+    initialized, such as ``"compiled"``) to say how it runs them.
     """
 
     name: str

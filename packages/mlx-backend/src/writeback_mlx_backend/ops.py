@@ -81,6 +81,15 @@ class OpHandler:
     # ``run`` returns its first argument itself (clone and alias ops on immutable
     # MLX arrays): the runtime may name that argument instead of running a step.
     alias: bool = False
+    # For ops that index: the positions of ``args`` holding the indices ``validate`` reads.
+    index_args: tuple[int, ...] = ()
+    # ``run`` without host reads, for a traced (``mx.compile``) step: the indices were
+    # validated on the call's inputs before the graph was built. ``None``: ``run`` is
+    # already pure MLX.
+    trace: Callable[..., Any] | None = None
+    # ``bounds(*args, **kwargs)``: each index argument with the range ``[lo, hi)`` its
+    # values must lie in, for a quick check on the host; ``validate`` says why not.
+    bounds: Callable[..., list[tuple[Any, int, int]]] | None = None
 
 
 def op_key(target: Any) -> str:
@@ -289,6 +298,84 @@ def _index_copy_run(dest: Any, dim: int, index: Any, source: Any) -> Any:
     return out
 
 
+def _slot_update(dest: Any, dim: int, index: Any, source: Any) -> Any:
+    """``dest`` with ``source`` written at the one position ``index`` holds along ``dim``,
+    without reading ``index`` on the host (a traced step)."""
+    start = index.reshape(1).astype(mx.int32)
+    return mx.slice_update(dest, source.astype(dest.dtype), start, [dim])
+
+
+def _index_copy_trace(dest: Any, dim: int, index: Any, source: Any) -> Any:
+    dim = _dim(dim, dest.ndim)
+    if index.size == 1 and source.ndim == dest.ndim and source.shape[dim] == 1:
+        return _slot_update(dest, dim, index, source)
+    out = mx.array(dest)
+    out[(*_prefix(dim), index.reshape(-1))] = source
+    return out
+
+
+def _index_put_trace(dest: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
+    given = [(position, index) for position, index in enumerate(indices) if index is not None]
+    if not accumulate and len(given) == 1 and given[0][1].size == 1 and given[0][1].ndim == 1:
+        # The decode step's form (``cache[:, :, pos] = values``): one slot of one dim.
+        position, index = given[0]
+        size = dest.shape[position]
+        slot = mx.where(index < 0, index + size, index)
+        shape = list(dest.shape)
+        shape[position] = 1
+        return _slot_update(dest, position, slot, mx.broadcast_to(values, shape))
+    key = _wrapped_key(dest, indices)
+    if accumulate:
+        return dest.at[key].add(values)
+    out = mx.array(dest)
+    out[key] = values
+    return out
+
+
+def _take_trace(x: Any, dim: int, index: Any) -> Any:
+    return mx.take(x, index, axis=_dim(dim, x.ndim))
+
+
+def _embedding_trace(weight: Any, indices: Any, *_: Any) -> Any:
+    return mx.take(weight, indices, axis=0)
+
+
+def _along_dim_bounds(x: Any, dim: int, index: Any, *_: Any) -> list[tuple[Any, int, int]]:
+    return [(index, 0, x.shape[_dim(dim, x.ndim)])]
+
+
+def _embedding_bounds(weight: Any, indices: Any, *_: Any) -> list[tuple[Any, int, int]]:
+    return [(indices, 0, weight.shape[0])]
+
+
+def _index_put_bounds(dest: Any, indices: Sequence[Any], *_: Any, **__: Any) -> list[tuple[Any, int, int]]:
+    # index_put wraps negative indices, as ATen does.
+    return [(index, -dest.shape[p], dest.shape[p]) for p, index in enumerate(indices) if index is not None]
+
+
+def _wrapped_key(x: Any, indices: Sequence[Any]) -> tuple[Any, ...]:
+    """``indices`` as an MLX key into ``x``, negative indices wrapped, no host reads."""
+    return tuple(
+        slice(None) if index is None else mx.where(index < 0, index + x.shape[position], index)
+        for position, index in enumerate(indices)
+    )
+
+
+def _index_tensor_run(x: Any, indices: Sequence[Any]) -> Any:
+    # MLX gathers out of range silently; ATen raises: check on the host first.
+    key = _index_put_key(x, indices, "index")
+    return x[tuple(mx.array(k) if isinstance(k, np.ndarray) else k for k in key)]
+
+
+def _index_tensor_trace(x: Any, indices: Sequence[Any]) -> Any:
+    return x[_wrapped_key(x, indices)]
+
+
+def _index_tensor_validate(x: Any, indices: Sequence[Any]) -> None:
+    if x is not UNKNOWN and indices is not UNKNOWN and UNKNOWN not in indices:
+        _index_put_key(x, indices, "index")
+
+
 def _index_copy_validate(dest: Any, dim: int, index: Any, *_: Any) -> None:
     if not any(v is UNKNOWN for v in (dest, dim, index)):
         _index_copy_key(dest, dim, index)
@@ -303,7 +390,7 @@ def _index_copy_region(dest: Any, dim: int, index: Any, source: Any) -> Region:
     return Region(_index_copy_key(dest, dim, index), np.asarray(source))
 
 
-def _index_put_key(dest: Any, indices: Sequence[Any]) -> tuple[Any, ...]:
+def _index_put_key(dest: Any, indices: Sequence[Any], op: str = "index_put") -> tuple[Any, ...]:
     key: list[Any] = []
     for position, index in enumerate(indices):
         if index is None:
@@ -314,7 +401,7 @@ def _index_put_key(dest: Any, indices: Sequence[Any]) -> tuple[Any, ...]:
         bad = np.flatnonzero(((idx < -size) | (idx >= size)).reshape(-1))
         if bad.size:
             value = int(idx.reshape(-1)[int(bad[0])])
-            raise IndexError(f"index_put: index {value} is out of range for dimension {position} of size {size}")
+            raise IndexError(f"{op}: index {value} is out of range for dimension {position} of size {size}")
         key.append(np.where(idx < 0, idx + size, idx))
     return tuple(key)
 
@@ -581,7 +668,14 @@ _COMPARE = {
 }
 
 OPS: dict[str, OpHandler] = {
-    "aten.embedding.default": OpHandler(_literal_ints_check(2), _embedding, validate=_embedding_validate),
+    "aten.embedding.default": OpHandler(
+        _literal_ints_check(2),
+        _embedding,
+        validate=_embedding_validate,
+        index_args=(1,),
+        trace=_embedding_trace,
+        bounds=_embedding_bounds,
+    ),
     "aten.mm.default": OpHandler(_float_check, _binary(mx.matmul)),
     "aten.bmm.default": OpHandler(_float_check, _binary(mx.matmul)),
     "aten.matmul.default": OpHandler(_float_check, _binary(mx.matmul)),
@@ -671,11 +765,40 @@ OPS: dict[str, OpHandler] = {
     "aten._to_copy.default": OpHandler(_ok, _cast),
     "dim_order_ops._to_dim_order_copy.default": OpHandler(_ok, _cast),
     "aten.scaled_dot_product_attention.default": OpHandler(_sdpa_check, _sdpa),
-    "aten.index_select.default": OpHandler(_one_index_check("source"), _index_select, validate=_index_select_validate),
-    "aten.index_copy.default": OpHandler(
-        _one_index_check("destination"), _index_copy_run, _index_copy_region, _index_copy_validate
+    "aten.index_select.default": OpHandler(
+        _one_index_check("source"),
+        _index_select,
+        validate=_index_select_validate,
+        index_args=(2,),
+        trace=_take_trace,
+        bounds=_along_dim_bounds,
     ),
-    "aten.index_put.default": OpHandler(_index_put_check, _index_put_run, _index_put_region, _index_put_validate),
+    "aten.index_copy.default": OpHandler(
+        _one_index_check("destination"),
+        _index_copy_run,
+        _index_copy_region,
+        _index_copy_validate,
+        index_args=(2,),
+        trace=_index_copy_trace,
+        bounds=_along_dim_bounds,
+    ),
+    "aten.index.Tensor": OpHandler(
+        _index_put_check,
+        _index_tensor_run,
+        validate=_index_tensor_validate,
+        index_args=(1,),
+        trace=_index_tensor_trace,
+        bounds=_index_put_bounds,
+    ),
+    "aten.index_put.default": OpHandler(
+        _index_put_check,
+        _index_put_run,
+        _index_put_region,
+        _index_put_validate,
+        index_args=(1,),
+        trace=_index_put_trace,
+        bounds=_index_put_bounds,
+    ),
     "aten.slice_scatter.default": OpHandler(_literal_ints_check(2, 3, 4, 5), _slice_scatter_run, _slice_scatter_region),
     **{
         f"aten.{name}.{overload}": _binary_handler(fn)

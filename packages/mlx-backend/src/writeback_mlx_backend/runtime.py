@@ -20,14 +20,27 @@ memory (inputs, then outputs). What it guarantees:
    snapshotted first; an output already in its destination memory is not
    copied.
 5. A bad index raises (``IndexError``) before anything is written.
+
+How a call runs. At ``init`` every step whose arguments are all constants (the
+transposes of weights that ``linear`` decomposes into, masks built from
+``arange``) is computed once and kept contiguous, so matmuls read weights laid out
+for them. Then the step is traced once with ``mx.compile`` when the program allows
+it: static shapes, no scalar inputs, every index read from the delegate's inputs
+or constants (so it is checked on them, before the graph is built), and no write
+the program requires in caller memory. A compiled call checks its indices, runs
+the traced graph, evaluates it once, then writes outputs and state: no op is
+interpreted in Python and nothing is evaluated midway. Any other program, or a
+call that writes a caller's tensor in place, takes the interpreted path above,
+which evaluates at each in-place write. :meth:`MLXDelegate.path` says which path
+a handle got and why.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -86,6 +99,36 @@ class _Handle:
     watch: dict[str, list[str]]
     # Which value each delegate-owned buffer becomes after a call (aliases folded).
     state_updates: dict[str, str]
+    # The traced step (see the module docstring), or None with ``path`` saying why not.
+    compiled: _Compiled | None = None
+    path: str = "interpreted"
+
+
+@dataclass(frozen=True)
+class _ShapeOnly:
+    """What an index check reads of the indexed tensor: its shape (for a traced step)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class _Compiled:
+    """A program traced once: ``fn(inputs, state) -> [*outputs, *new state]``."""
+
+    fn: Callable[[list[Any], list[Any]], list[Any]]
+    state_keys: list[str]
+    update_keys: list[str]
+    # Each indexing step's check, recorded while tracing: ``validate`` and its
+    # arguments, the indices as references to inputs or constants, the rest as
+    # shapes or literals. It names the bad index when a bound below fails.
+    checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = field(default_factory=list)
+    # ``(input position, lo, hi, check)``: that input's values must lie in ``[lo, hi)``;
+    # read on the host from the caller's tensor before the graph is built.
+    bounds: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def _decode(value: Any) -> Any:
@@ -270,6 +313,128 @@ def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Map
     return watch
 
 
+# A folded constant may be at most this many bytes larger than the constants it
+# is computed from (a mask built from ``arange`` is allowed; an ``expand`` of a
+# weight into a much larger array is left to run per call).
+_FOLD_GROWTH = 1 << 20
+
+
+def _fold_constants(steps: Sequence[_Step], constants: dict[str, Any], kept: Sequence[str]) -> list[_Step]:
+    """Compute once every step whose arguments are all constants; return the steps left.
+
+    Each folded value joins ``constants`` contiguous (``permute_copy`` of a weight
+    becomes the transposed weight laid out for the matmul that reads it); a constant
+    nothing reads any more is dropped. Writes are never folded, nor a step that
+    raises here (it raises on each call instead) or whose value would be much larger
+    than its inputs.
+    """
+    left = []
+    for step in steps:
+        refs = _refs((step.args, step.kwargs))
+        if step.handler.region is not None or not all(name in constants for name in refs):
+            left.append(step)
+            continue
+        try:
+            value = step.handler.run(
+                *_resolve(step.args, constants), **{k: _resolve(v, constants) for k, v in step.kwargs.items()}
+            )
+            if step.dtype is not None and value.dtype != step.dtype:
+                value = value.astype(step.dtype)
+        except Exception:
+            left.append(step)
+            continue
+        budget = sum(constants[name].nbytes for name in set(refs)) + _FOLD_GROWTH
+        if not isinstance(value, mx.array) or value.nbytes > budget:
+            left.append(step)
+            continue
+        value = mx.contiguous(value)
+        mx.eval(value)
+        constants[step.name] = value
+    read = set(_refs([[(s.args, s.kwargs) for s in left], list(kept)])) | set(kept)
+    for name in [n for n in constants if n not in read]:
+        del constants[name]
+    return left
+
+
+def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
+    """Trace ``handle``'s step with ``mx.compile`` if the program allows it (see the module
+    docstring); else ``None`` and why, for :meth:`MLXDelegate.path`."""
+    program = handle.program
+    if handle.forced:
+        return None, "interpreted: it writes a caller's tensor in place, which needs the written values mid-graph"
+    if any("scalar" in meta for meta in program.input_meta):
+        return None, "interpreted: it has scalar inputs"
+    if not all(isinstance(o, _Ref) for o in handle.outputs):
+        return None, "interpreted: an output is a literal"
+    known = set(program.inputs) | set(handle.constants)
+    for step in handle.steps:
+        if step.handler.validate is None:
+            continue
+        if step.handler.trace is None or step.handler.bounds is None:
+            return None, f"interpreted: {step.name} has no traced form"
+        for position in step.handler.index_args:
+            inside = [n for n in _refs(step.args[position : position + 1]) if n not in known]
+            if inside:
+                return None, f"interpreted: the indices of {step.name} are computed inside the program ({inside[0]})"
+    state_keys = sorted(handle.state)
+    update_keys = sorted(handle.state_updates)
+    checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = []
+    recording = [True]
+
+    def body(arrays: list[Any], state: list[Any]) -> list[Any]:
+        env: dict[str, Any] = dict(handle.constants)
+        env.update(zip(program.inputs, arrays, strict=True))
+        env.update(zip(state_keys, state, strict=True))
+        for step in handle.steps:
+            args = _resolve(step.args, env)
+            kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+            handler = step.handler
+            if handler.validate is not None and recording[0]:
+                checks.append((handler, _check_args(step, args), dict(step.kwargs)))
+            value = (handler.trace or handler.run)(*args, **kwargs)
+            if step.dtype is not None and value.dtype != step.dtype:
+                value = value.astype(step.dtype)
+            env[step.name] = value
+        return [*(_resolve(o, env) for o in handle.outputs), *(env[handle.state_updates[k]] for k in update_keys)]
+
+    fn = mx.compile(body)
+    placeholders = [mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])]) for meta in program.input_meta]
+    try:
+        # Trace now, and evaluate once so MLX builds its fused kernels here rather than in
+        # the first call. The handle keeps its state referenced: nothing is donated.
+        mx.eval(*fn(placeholders, [handle.state[k] for k in state_keys]))
+    except Exception as error:
+        return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    recording[0] = False
+    compiled = _Compiled(fn, state_keys, update_keys, checks)
+    for which, (handler, args, kwargs) in enumerate(checks):
+        assert handler.bounds is not None and handler.validate is not None
+        for ref, lo, hi in handler.bounds(*args, **kwargs):
+            if not isinstance(ref, _Ref):
+                continue
+            if ref.name in program.inputs:
+                compiled.bounds.append((program.inputs.index(ref.name), lo, hi, which))
+            else:  # a constant: checked once, here
+                handler.validate(
+                    *_resolve(args, handle.constants), **{k: _resolve(v, handle.constants) for k, v in kwargs.items()}
+                )
+    return compiled, "compiled"
+
+
+def _check_args(step: _Step, traced: Sequence[Any]) -> list[Any]:
+    """A traced indexing step's arguments as its check reads them on each call: the indices
+    as references (resolved from the call's inputs), arrays as their shapes, literals kept."""
+    found = []
+    for position, (raw, value) in enumerate(zip(step.args, traced, strict=True)):
+        if position in step.handler.index_args:
+            found.append(raw)
+        elif isinstance(value, mx.array):
+            found.append(_ShapeOnly(tuple(value.shape)))
+        else:
+            found.append(raw)
+    return found
+
+
 def _load(program: DelegateProgram, record: TensorRecord) -> Any:
     """A record as an MLX array of its own: zeros allocated here, or a copy of its bytes."""
     if record.zeros:
@@ -303,6 +468,12 @@ class MLXDelegate:
         # entry each (bounded: a long decode loop must not grow it), for tests.
         self.copied_input_bytes_total = 0
         self.copied_input_bytes: deque[int] = deque(maxlen=COPY_HISTORY)
+        # Evaluations of MLX graphs over all calls: explicit ones, and host reads of a
+        # value mid-graph (an in-place write's region on the interpreted path).
+        self.evaluations_total = 0
+        # How each handle initialized since the delegate was made runs (see ``path``),
+        # the latest few: what ``writeback run`` reports as the delegate's execution.
+        self.execution_paths: deque[str] = deque(maxlen=COPY_HISTORY)
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
@@ -323,6 +494,8 @@ class MLXDelegate:
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
+        constants = {k: _load(program, r) for k, r in program.constants.items()}
+        steps = _fold_constants(steps, constants, [*_refs(outputs), *state_updates.values()])
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
@@ -332,13 +505,12 @@ class MLXDelegate:
             last_use[name] = end
         dies_at: list[list[str]] = [[] for _ in range(end + 1)]
         for name, position in last_use.items():
-            if name not in program.constants:
+            if name not in constants:
                 dies_at[position].append(name)
-        constants = {k: _load(program, r) for k, r in program.constants.items()}
         state = {k: _load(program, r) for k, r in program.state.items()}
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
-        return _Handle(
+        handle = _Handle(
             program,
             steps,
             constants,
@@ -351,6 +523,14 @@ class MLXDelegate:
             watch,
             state_updates,
         )
+        handle.compiled, handle.path = _compile(handle)
+        self.execution_paths.append(handle.path)
+        return handle
+
+    @staticmethod
+    def path(handle: _Handle) -> str:
+        """``"compiled"``, or ``"interpreted: <why>"``: how ``execute`` runs this handle."""
+        return handle.path
 
     def destroy(self, handle: _Handle) -> None:
         """Drop the handle's MLX arrays."""
@@ -377,6 +557,9 @@ class MLXDelegate:
         for c in handle.candidates:
             if c.node not in active and _same_memory(outputs[c.output], inputs[c.input]):
                 active[c.node] = c
+        if handle.compiled is not None and not active:
+            self._execute_compiled(handle, handle.compiled, env, inputs, outputs, shared)
+            return
         # Two inputs over one MLX allocation (the caller passed the same cache twice)
         # defeat the per-input dependency plan: then every live value is checked.
         pointers = [inputs[i].data_ptr() for i, is_shared in shared.items() if is_shared]
@@ -411,7 +594,7 @@ class MLXDelegate:
         del old_state
         env.clear()
         handle.state = {**untouched, **new_state}
-        mx.eval(*[r for r in results if isinstance(r, mx.array)], *handle.state.values())
+        self._evaluate(*[r for r in results if isinstance(r, mx.array)], *handle.state.values())
         # An output that is the array written in place already holds its value.
         done = {index for index, array in written.items() if results[index] is array}
         done |= {c.output for c in handle.forced}  # nothing reads these outputs
@@ -427,6 +610,57 @@ class MLXDelegate:
         )
         self._write_outputs(results, outputs, done, maybe_shared)
 
+    def _evaluate(self, *arrays: Any) -> None:
+        self.evaluations_total += 1
+        mx.eval(*arrays)
+
+    def _execute_compiled(
+        self,
+        handle: _Handle,
+        compiled: _Compiled,
+        env: dict[str, Any],
+        inputs: list[Any],
+        outputs: list[Any],
+        shared: dict[int, bool],
+    ) -> None:
+        """One call on the traced step: check indices, build, evaluate once, write."""
+        for position, lo, hi, which in compiled.bounds:
+            host = inputs[position].detach().numpy()
+            if host.size == 1:
+                value = int(host.reshape(-1)[0])
+                inside = lo <= value < hi
+            else:
+                inside = host.size == 0 or (lo <= int(host.min()) and int(host.max()) < hi)
+            if not inside:
+                handler, args, kwargs = compiled.checks[which]
+                assert handler.validate is not None
+                handler.validate(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+                raise IndexError(f"input {handle.program.inputs[position]}: an index is outside [{lo}, {hi})")
+        arrays = [env[name] for name in handle.program.inputs]
+        state = [handle.state[k] for k in compiled.state_keys]
+        env.clear()
+        kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
+        # Drop the handle's references so MLX can donate each buffer to its update.
+        handle.state = {}
+        try:
+            values = compiled.fn(arrays, state)
+        except BaseException:
+            handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
+            raise
+        del state
+        count = len(handle.outputs)
+        results, new_state = list(values[:count]), values[count:]
+        handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))}
+        self._evaluate(*results, *new_state)
+        shared_spans = [_tensor_span(inputs[i]) for i, is_shared in shared.items() if is_shared]
+        maybe_shared = any(
+            _overlaps(_tensor_span(tensor), span)
+            for tensor in outputs
+            if isinstance(tensor, torch.Tensor)
+            for span in shared_spans
+        )
+        self._write_outputs(results, outputs, set(), maybe_shared)
+
     def _bind(self, value: Any) -> tuple[Any, bool]:
         """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
         if not isinstance(value, torch.Tensor):
@@ -437,7 +671,10 @@ class MLXDelegate:
         nbytes = value.numel() * value.element_size()
         self.copied_input_bytes_total += nbytes
         self.copied_input_bytes.append(nbytes)
-        return mx.array(value.detach().contiguous().numpy()), False
+        host = (
+            value.numpy() if value.is_contiguous() and not value.requires_grad else value.detach().contiguous().numpy()
+        )
+        return mx.array(host), False
 
     def _write_in_place(
         self,
@@ -455,6 +692,7 @@ class MLXDelegate:
         kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()} if step.kwargs else {}
         dest = args[0]
         region = step.handler.region(*args, **kwargs)
+        self.evaluations_total += 1  # the region's values are read on the host here
         view = np.asarray(dest)
         if region.values.dtype != view.dtype:
             region = Region(region.key, region.values.astype(view.dtype), region.accumulate)
@@ -469,7 +707,7 @@ class MLXDelegate:
             if isinstance(env.get(n), mx.array) and handle.last_use.get(n, -1) > position and n not in handle.constants
         ]
         if live:
-            mx.eval(*[env[n] for n in live])
+            self._evaluate(*[env[n] for n in live])
             target = _span(dest)
             for name in live:
                 if _overlaps(_span(env[name]), target):

@@ -1,0 +1,192 @@
+"""The MLX delegate's compiled path: a static program is traced once at ``init`` and each
+call checks its indices on the host, builds nothing in Python and evaluates MLX once; a
+program that writes a caller's tensor in place takes the interpreted path and says why.
+Real lowering, real pybind-runtime, real MLX; every value compared with eager PyTorch."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import writeback_mlx_backend.ops as ops_module
+from executorch.exir.lowered_backend_module import LoweredBackendModule
+from writeback_core.zoo import DecoderConfig, TinyDecoder
+from writeback_mlx_backend import MLXDelegate
+
+from tests.mlx_backend.lowering import lower_mlx
+
+OPS_FILE = str(Path(ops_module.__file__).resolve())
+
+
+@contextmanager
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Count ``mx.eval`` calls and Python calls into the delegate's op handlers (ops.py)."""
+    counts = {"eval": 0, "op calls": 0}
+    real_eval = mx.eval
+
+    def eval_(*arrays: Any) -> None:
+        counts["eval"] += 1
+        real_eval(*arrays)
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and str(Path(frame.f_code.co_filename).resolve()) == OPS_FILE:
+            counts["op calls"] += 1
+
+    monkeypatch.setattr(mx, "eval", eval_)
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
+        monkeypatch.setattr(mx, "eval", real_eval)
+
+
+def _blob(module: torch.nn.Module, args: tuple[Any, ...]) -> bytes:
+    lowered = lower_mlx(module, args)
+    assert lowered.only_delegate_runs()
+    (found,) = [
+        m for m in lowered.program.exported_program().graph_module.children() if isinstance(m, LoweredBackendModule)
+    ]
+    return bytes(found.processed_bytes)
+
+
+def _decoder() -> tuple[TinyDecoder, TinyDecoder]:
+    cfg = DecoderConfig(vocab=32, dim=64, heads=4, max_seq=16, layers=2, hidden=128)
+    return TinyDecoder(cfg, seed=3), TinyDecoder(cfg, seed=3)
+
+
+def test_decoder_call_runs_no_op_in_python_and_evaluates_once_and_matches_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mine, eager = _decoder()
+    lowered = lower_mlx(mine, (torch.tensor([[1]]), torch.tensor([0])))
+    assert lowered.only_delegate_runs()
+    method = lowered.method()
+    delegate = lowered.delegate()
+    assert list(delegate.execution_paths) == ["compiled"]
+    for step in range(6):
+        tokens, pos = torch.tensor([[(5 * step + 2) % 32]]), torch.tensor([step])
+        with counted(monkeypatch) as counts:
+            (logits,) = method.execute([tokens, pos])
+        assert counts == {"eval": 1, "op calls": 0}, f"step {step}"
+        with torch.no_grad():
+            expected = eager(tokens, pos)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_read_through_a_transpose_are_laid_out_once_at_init() -> None:
+    mine, _ = _decoder()
+    handle = MLXDelegate().init(_blob(mine, (torch.tensor([[1]]), torch.tensor([0]))), {})
+    transposed = [
+        s.name
+        for s in handle.steps
+        if s.handler is ops_module.OPS["aten.permute_copy.default"] and s.args[0].name in handle.constants
+    ]
+    assert transposed == []
+    # The weights the program read only through their transpose are gone; their
+    # transposes are the constants now, contiguous.
+    assert not any(name.startswith("p_") and name.endswith("wq_weight") for name in handle.constants)
+
+
+class RowCache(torch.nn.Module):
+    def __init__(self, rows: int = 8, width: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(rows, width))
+        self.register_buffer("table", torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3))
+
+    def forward(self, pos: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.index_copy_(0, pos, row)
+        return self.cache.sum(0), self.table[pos]
+
+
+def _call(delegate: MLXDelegate, handle: Any, pos: int, value: float) -> list[torch.Tensor]:
+    outputs = [torch.full((4,), -7.0), torch.full((1, 3), -7.0)]
+    delegate.execute(handle, [torch.tensor([pos]), torch.full((1, 4), value), *outputs])
+    return outputs
+
+
+def test_index_out_of_range_on_the_compiled_path_is_named_and_writes_nothing() -> None:
+    delegate = MLXDelegate()
+    handle = delegate.init(_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))), {})
+    assert handle.path == "compiled"
+    eager = RowCache()
+    for pos in (2, 5):
+        got = _call(delegate, handle, pos, pos + 0.5)
+        with torch.no_grad():
+            expected = eager(torch.tensor([pos]), torch.full((1, 4), pos + 0.5))
+        for mine, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(mine, theirs)
+    before = {k: np.array(v) for k, v in handle.state.items()}
+    outputs = [torch.full((4,), -7.0), torch.full((1, 3), -7.0)]
+    with pytest.raises(IndexError, match=r"index 8 .*out of range for dimension 0 of size 8"):
+        delegate.execute(handle, [torch.tensor([8]), torch.ones(1, 4), *outputs])
+    for output in outputs:
+        assert bool((output == -7.0).all())
+    for name, array in handle.state.items():
+        np.testing.assert_array_equal(np.array(array), before[name])
+    # The next call goes on from the state before the refused one.
+    got = _call(delegate, handle, 7, 9.0)
+    with torch.no_grad():
+        expected = eager(torch.tensor([7]), torch.full((1, 4), 9.0))
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+class Gather(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(24, dtype=torch.float32).reshape(8, 3))
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.table[pos] * 2.0
+
+
+def test_gather_runs_inside_the_delegate_wraps_a_negative_index_and_refuses_one_out_of_range() -> None:
+    lowered = lower_mlx(Gather(), (torch.tensor([0]),))
+    assert "aten.index.Tensor" in lowered.delegated_ops()
+    delegate = MLXDelegate()
+    first = delegate.init(_blob(Gather(), (torch.tensor([0]),)), {})
+    assert first.path == "compiled"
+    eager = Gather()
+    for pos in ([3], [-1], [0, -8, 7]):
+        index = torch.tensor(pos)
+        handle = delegate.init(_blob(Gather(), (index,)), {})
+        out = torch.empty(len(pos), 3)
+        delegate.execute(handle, [index, out])
+        torch.testing.assert_close(out, eager(index))
+    out = torch.full((1, 3), -7.0)
+    with pytest.raises(IndexError, match=r"index: index 8 is out of range for dimension 0 of size 8"):
+        delegate.execute(first, [torch.tensor([8]), out])
+    assert bool((out == -7.0).all())
+
+
+class CallerRows(torch.nn.Module):
+    def forward(self, pos: torch.Tensor, row: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, row)
+        return cache.sum(0)
+
+
+def test_a_write_into_a_caller_tensor_takes_the_interpreted_path_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from writeback_mlx_backend import empty
+
+    lowered = lower_mlx(CallerRows(), (torch.tensor([0]), torch.ones(1, 4), torch.zeros(8, 4)))
+    method = lowered.method()
+    (path,) = lowered.delegate().execution_paths
+    assert path.startswith("interpreted: it writes a caller's tensor in place")
+    cache, expected = empty((8, 4)), torch.zeros(8, 4)
+    with counted(monkeypatch) as counts:
+        *_, total = method.execute([torch.tensor([3]), torch.full((1, 4), 2.0), cache])
+    assert counts["op calls"] > 0  # ops run one by one in Python
+    expected[3] = 2.0
+    torch.testing.assert_close(cache, expected)
+    torch.testing.assert_close(total, expected.sum(0))
