@@ -442,6 +442,14 @@ def _load(program: DelegateProgram, record: TensorRecord) -> Any:
     return mx.array(program.array(record))
 
 
+def _as_mlx(value: Any) -> Any:
+    """A tensor as an MLX array (the caller's own when MLX allocated it); anything else as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    found = lookup(value)
+    return found if found is not None else mx.array(value.detach().contiguous().numpy())
+
+
 def _tensor_span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``_span`` of a tensor, quick for the contiguous case."""
     if tensor.is_contiguous():
@@ -549,6 +557,14 @@ class MLXDelegate:
                 f"MLX delegate expects {count} inputs and {len(handle.outputs)} outputs, got "
                 f"{len(args)} arguments in all"
             )
+        compiled = handle.compiled
+        if (
+            compiled is not None
+            and not handle.forced
+            and not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
+        ):
+            self._execute_compiled(handle, compiled, inputs, outputs)
+            return
         env: dict[str, Any] = dict(handle.constants)
         shared: dict[int, bool] = {}
         for index, (name, value) in enumerate(zip(program.inputs, inputs, strict=True)):
@@ -557,9 +573,6 @@ class MLXDelegate:
         for c in handle.candidates:
             if c.node not in active and _same_memory(outputs[c.output], inputs[c.input]):
                 active[c.node] = c
-        if handle.compiled is not None and not active:
-            self._execute_compiled(handle, handle.compiled, env, inputs, outputs, shared)
-            return
         # Two inputs over one MLX allocation (the caller passed the same cache twice)
         # defeat the per-input dependency plan: then every live value is checked.
         pointers = [inputs[i].data_ptr() for i, is_shared in shared.items() if is_shared]
@@ -614,31 +627,29 @@ class MLXDelegate:
         self.evaluations_total += 1
         mx.eval(*arrays)
 
-    def _execute_compiled(
-        self,
-        handle: _Handle,
-        compiled: _Compiled,
-        env: dict[str, Any],
-        inputs: list[Any],
-        outputs: list[Any],
-        shared: dict[int, bool],
-    ) -> None:
+    def _execute_compiled(self, handle: _Handle, compiled: _Compiled, inputs: list[Any], outputs: list[Any]) -> None:
         """One call on the traced step: check indices, build, evaluate once, write."""
         for position, lo, hi, which in compiled.bounds:
             host = inputs[position].detach().numpy()
             if host.size == 1:
-                value = int(host.reshape(-1)[0])
-                inside = lo <= value < hi
+                inside = lo <= int(host.reshape(-1)[0]) < hi
             else:
                 inside = host.size == 0 or (lo <= int(host.min()) and int(host.max()) < hi)
             if not inside:
+                # Only to name the bad index: read the inputs without counting a copy.
+                bound = {n: _as_mlx(v) for n, v in zip(handle.program.inputs, inputs, strict=True)}
+                env = {**handle.constants, **bound}
                 handler, args, kwargs = compiled.checks[which]
                 assert handler.validate is not None
                 handler.validate(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
                 raise IndexError(f"input {handle.program.inputs[position]}: an index is outside [{lo}, {hi})")
-        arrays = [env[name] for name in handle.program.inputs]
+        arrays, shared_spans = [], []
+        for value in inputs:
+            array, shared = self._bind(value)
+            arrays.append(array)
+            if shared:
+                shared_spans.append(_tensor_span(value))
         state = [handle.state[k] for k in compiled.state_keys]
-        env.clear()
         kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
         # Drop the handle's references so MLX can donate each buffer to its update.
         handle.state = {}
@@ -647,13 +658,14 @@ class MLXDelegate:
         except BaseException:
             handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
             raise
-        del state
+        del state, arrays
         count = len(handle.outputs)
-        results, new_state = list(values[:count]), values[count:]
-        handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))}
-        self._evaluate(*results, *new_state)
-        shared_spans = [_tensor_span(inputs[i]) for i, is_shared in shared.items() if is_shared]
-        maybe_shared = any(
+        results, new_state = values[:count], values[count:]
+        handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))} if new_state or kept else {}
+        self._evaluate(*values)
+        del values, new_state
+        # A result can be in runtime-visible memory only over a shared input (see execute).
+        maybe_shared = bool(shared_spans) and any(
             _overlaps(_tensor_span(tensor), span)
             for tensor in outputs
             if isinstance(tensor, torch.Tensor)
