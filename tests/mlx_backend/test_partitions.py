@@ -198,3 +198,65 @@ def test_explain_column_names_the_owner_of_each_buffer_as_the_split_lowering_doe
     assert owned == set(_owners(split_lowered)) == {"b", "d", "e"}
     assert columns["c"] == "program buffer (read outside its writing partition), written in place"
     assert columns["a"].startswith("copied back, 16 B/call") or columns["a"].startswith("copied back, 0.0 KiB/call")
+
+
+class ReturnsAReadBuffer(torch.nn.Module):
+    """Found by the fuzzer: a buffer read inside a partition and also returned as it is.
+    exir tagged it into the partition and then refused the lowering (its other user, the
+    graph output, is outside); it must stay outside and reach the delegate as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(4, dtype=torch.float32).reshape(2, 2) * 0.5)
+        self.register_buffer("s", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.s.copy_(self.table.reshape(-1)[1:4] * -1.0 + x)
+        return self.table, self.s * 2.0, x + 1.0
+
+
+def test_buffer_read_in_a_partition_and_returned_lowers_and_matches_eager() -> None:
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
+    case = ModelCase(
+        name="returns-a-read-buffer",
+        description="",
+        build=ReturnsAReadBuffer,
+        step_inputs=lambda step: (torch.full((3,), float(step)),),
+        make_state=lambda: (),
+    )
+    pipeline = assemble(registry, "mlx")
+    session = Session.open(pipeline, lower(case, pipeline), case)
+    eager = Eager(case)
+    for step in range(3):
+        result = session.step(step)
+        check = compare(result, eager.step(step), session.state, eager.state)
+        assert check.ok, check.problems
+
+
+class MaskRows(torch.nn.Module):
+    """A non-persistent buffer (a lifted constant, as ExecuTorch's Llama keeps its mask)
+    that a delegate takes with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.mask[pos] * 3.0
+
+
+def test_lowering_leaves_the_callers_program_whole_so_it_lowers_again() -> None:
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+    from writeback_core import lowering
+
+    registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
+    exported = lowering.export_model(MaskRows(), (torch.tensor([1]),))
+    constants = dict(exported.constants)
+    lowering.lower(exported, registry, registry.backends()["mlx"])
+    assert set(exported.constants) == set(constants)
+    # A second, stock lowering of the same program still finds the mask, and runs.
+    data = bytes(to_edge(exported).to_executorch().buffer)
+    program = Runtime.get().load_program(data)
+    (out,) = program.load_method("forward").execute([torch.tensor([2])])
+    torch.testing.assert_close(out, MaskRows()(torch.tensor([2])))

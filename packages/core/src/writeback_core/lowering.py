@@ -257,7 +257,9 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
     try:
         with known_warnings_ignored():
             edge = to_edge_transform_and_lower(
-                program, transform_passes=transforms or None, partitioner=[wrapped] if wrapped is not None else []
+                _own_tables(program),
+                transform_passes=transforms or None,
+                partitioner=[wrapped] if wrapped is not None else [],
             )
     except InPlaceConflictError:
         raise  # the plugins' disagreement, named by core: not a failure of the lowering
@@ -267,6 +269,27 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
     decisions = {d.target: d for d in wrapped.decisions} if wrapped is not None else {}
     decisions.update(in_place_decisions(edge.exported_program()))
     return Partitioned(edge, decisions)
+
+
+def _own_tables(program: ExportedProgram) -> ExportedProgram:
+    """``program`` over dicts of constants and weights of its own (the tensors are shared).
+
+    exir's edge program keeps the very ``constants`` dict of the program it was made
+    from, and lowering a delegate deletes from it the constants the delegate took
+    (a Llama mask, RoPE tables): the caller's program would lose them, and a second
+    lowering of it (a stock contender in ``writeback bench``) would fail.
+    """
+    return ExportedProgram(
+        root=program.graph_module,
+        graph=program.graph,
+        graph_signature=program.graph_signature,
+        state_dict=dict(program.state_dict),
+        range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph,
+        example_inputs=program.example_inputs,
+        constants=dict(program.constants),
+        verifiers=program.verifiers,
+    )
 
 
 def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:

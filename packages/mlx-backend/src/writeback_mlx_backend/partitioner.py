@@ -79,7 +79,22 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
             for name, tag in owned_buffers(exported_program).items():
                 placeholders[name].meta["delegation_tag"] = tag
         tag_constant_data(exported_program)
+        _untag_shared_constants(gm)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+
+def _untag_shared_constants(gm: torch.fx.GraphModule) -> None:
+    """Leave outside every partition a weight or buffer that something outside also uses.
+
+    exir's ``tag_constant_data`` tags a constant with the one partition among its users
+    and ignores users outside every partition (the graph output, when the program
+    returns a buffer it also reads), which exir's lowering then refuses. Left untagged,
+    the constant reaches the delegate as an input instead.
+    """
+    for node in gm.graph.nodes:
+        tag = _meta_tag(node) if node.op == "placeholder" else None
+        if tag is not None and any(_meta_tag(user) != tag for user in node.users):
+            del node.meta["delegation_tag"]
 
 
 def owned_buffers(
