@@ -19,6 +19,7 @@ the fuzzer certifies is byte for byte what users get.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -272,22 +273,49 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
 
 
 def _own_tables(program: ExportedProgram) -> ExportedProgram:
-    """``program`` over dicts of constants and weights of its own (the tensors are shared).
+    """``program`` over a graph and dicts of constants and weights of its own (the tensors
+    are shared), without the weights, buffers and constants nothing reads.
 
     exir's edge program keeps the very ``constants`` dict of the program it was made
     from, and lowering a delegate deletes from it the constants the delegate took
     (a Llama mask, RoPE tables): the caller's program would lose them, and a second
-    lowering of it (a stock contender in ``writeback bench``) would fail.
+    lowering of it (a stock contender in ``writeback bench``) would fail. An unread
+    constant (each ExecuTorch Llama layer keeps a RoPE table the model never reads)
+    would otherwise stay in the ``.pte`` beside the delegate's copy of the one it reads.
     """
+    from torch.export.graph_signature import ExportGraphSignature, InputKind
+
+    graph_module = copy.deepcopy(program.graph_module)
+    signature = program.graph_signature
+    placeholders = {n.name: n for n in graph_module.graph.nodes if n.op == "placeholder"}
+    mutated = set(signature.buffers_to_mutate.values())
+    state_dict, constants = dict(program.state_dict), dict(program.constants)
+    kept = []
+    for spec in signature.input_specs:
+        node = placeholders.get(getattr(spec.arg, "name", ""))
+        unread = (
+            spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+            and node is not None
+            and not node.users
+            and spec.target not in mutated
+        )
+        if not unread:
+            kept.append(spec)
+            continue
+        assert node is not None and spec.target is not None
+        graph_module.graph.erase_node(node)
+        state_dict.pop(spec.target, None)
+        constants.pop(spec.target, None)
+    graph_module.recompile()
     return ExportedProgram(
-        root=program.graph_module,
-        graph=program.graph,
-        graph_signature=program.graph_signature,
-        state_dict=dict(program.state_dict),
+        root=graph_module,
+        graph=graph_module.graph,
+        graph_signature=ExportGraphSignature(input_specs=kept, output_specs=list(signature.output_specs)),
+        state_dict=state_dict,
         range_constraints=program.range_constraints,
         module_call_graph=program.module_call_graph,
         example_inputs=program.example_inputs,
-        constants=dict(program.constants),
+        constants=constants,
         verifiers=program.verifiers,
     )
 

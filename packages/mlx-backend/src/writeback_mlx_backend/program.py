@@ -17,6 +17,7 @@ refuses a blob whose version it does not know.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -252,6 +253,9 @@ class DelegateProgram:
     state_updates: dict[str, str] = field(default_factory=dict)
     in_place: list[InPlaceCandidate] = field(default_factory=list)
     data: bytearray = field(default_factory=bytearray)
+    # Where each distinct run of bytes already is in ``data`` (by digest), so a tensor
+    # stored twice (each layer's copy of one Llama mask) is stored once. Not serialized.
+    _stored: dict[bytes, int] = field(default_factory=dict, repr=False, compare=False)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -360,17 +364,23 @@ class DelegateProgram:
     def add_tensor(self, tensor: torch.Tensor) -> TensorRecord:
         """Append ``tensor``'s bytes to the data section (64-byte aligned) and describe them.
 
-        A tensor whose every byte is zero is described as zeros and adds no bytes.
+        A tensor whose every byte is zero is described as zeros and adds no bytes; one
+        whose bytes are already in the data section points at them (the runtime copies
+        each record into an array of its own, so sharing bytes shares no memory).
         """
         flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         if not bool(flat.any()):
             return TensorRecord(0, flat.numel(), dtype_name(tensor.dtype), tuple(tensor.shape), zeros=True)
-        pad = (-len(self.data)) % 64
         raw = flat.numpy().tobytes()
-        record = TensorRecord(len(self.data) + pad, len(raw), dtype_name(tensor.dtype), tuple(tensor.shape))
-        self.data += b"\x00" * pad
-        self.data += raw
-        return record
+        digest = hashlib.sha256(raw).digest() + len(raw).to_bytes(8, "little")
+        offset = self._stored.get(digest)
+        if offset is None:
+            pad = (-len(self.data)) % 64
+            self.data += b"\x00" * pad
+            offset = len(self.data)
+            self.data += raw
+            self._stored[digest] = offset
+        return TensorRecord(offset, len(raw), dtype_name(tensor.dtype), tuple(tensor.shape))
 
     def array(self, record: TensorRecord) -> np.ndarray:
         """A numpy view of a record's bytes (read only); a new zero array for a zeros record."""
