@@ -50,6 +50,7 @@ from writeback_core.blob import BlobError, Kind, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
+from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import (
@@ -60,6 +61,7 @@ from writeback_mlx_backend.program import (
     float_value,
     torch_dtype,
 )
+from writeback_mlx_backend.window import Window, plan
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 
@@ -67,24 +69,10 @@ __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 COPY_HISTORY = 64
 
 
-@dataclass(frozen=True)
-class _Ref:
-    name: str
-
-
-@dataclass(frozen=True)
-class _Step:
-    name: str
-    handler: OpHandler
-    args: Any
-    kwargs: dict[str, Any]
-    dtype: Any
-
-
 @dataclass
 class _Handle:
     program: DelegateProgram
-    steps: list[_Step]
+    steps: list[Step]
     constants: dict[str, Any]
     state: dict[str, Any]
     outputs: list[Any]
@@ -129,6 +117,10 @@ class _Compiled:
     # ``(input position, lo, hi, check)``: that input's values must lie in ``[lo, hi)``;
     # read on the host from the caller's tensor before the graph is built.
     bounds: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # The attention window (see ``writeback_mlx_backend.window``), and the step traced
+    # per bounded length, made on the first call that needs it.
+    window: Window | None = None
+    bounded: dict[int, Callable[[list[Any], list[Any]], list[Any]]] = field(default_factory=dict)
 
 
 def _decode(value: Any) -> Any:
@@ -136,7 +128,7 @@ def _decode(value: Any) -> Any:
         return [_decode(v) for v in value]
     if isinstance(value, dict):
         if "$v" in value:
-            return _Ref(str(value["$v"]))
+            return Ref(str(value["$v"]))
         if "$dtype" in value:
             return MX_DTYPES[torch_dtype(str(value["$dtype"]))]
         if "$float" in value:
@@ -146,27 +138,9 @@ def _decode(value: Any) -> Any:
 
 
 def _kind(value: Any) -> Kind:
-    if isinstance(value, _Ref):
+    if isinstance(value, Ref):
         return "ref"
     return "dtype" if isinstance(value, mx.Dtype) else None
-
-
-def _refs(value: Any) -> list[str]:
-    if isinstance(value, _Ref):
-        return [value.name]
-    if isinstance(value, (list, tuple)):
-        return [n for v in value for n in _refs(v)]
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in _refs(v)]
-    return []
-
-
-def _resolve(value: Any, env: Mapping[str, Any]) -> Any:
-    if isinstance(value, _Ref):
-        return env[value.name]
-    if isinstance(value, list):
-        return [_resolve(v, env) for v in value]
-    return value
 
 
 def _span(value: Any) -> tuple[int, int] | None:
@@ -207,7 +181,7 @@ def _apply(dest: np.ndarray, region: Region) -> None:
 
 
 def _resolve_known(value: Any, env: Mapping[str, Any]) -> Any:
-    if isinstance(value, _Ref):
+    if isinstance(value, Ref):
         return env.get(value.name, UNKNOWN)
     if isinstance(value, list):
         return [_resolve_known(v, env) for v in value]
@@ -257,8 +231,8 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
 
 
 def _rename(value: Any, renames: Mapping[str, str]) -> Any:
-    if isinstance(value, _Ref):
-        return _Ref(renames.get(value.name, value.name))
+    if isinstance(value, Ref):
+        return Ref(renames.get(value.name, value.name))
     if isinstance(value, list):
         return [_rename(v, renames) for v in value]
     if isinstance(value, dict):
@@ -266,7 +240,7 @@ def _rename(value: Any, renames: Mapping[str, str]) -> Any:
     return value
 
 
-def _fold_aliases(steps: Sequence[_Step]) -> tuple[list[_Step], dict[str, str]]:
+def _fold_aliases(steps: Sequence[Step]) -> tuple[list[Step], dict[str, str]]:
     """Drop the steps whose op returns its argument itself; later uses name that argument.
 
     Every write keeps its own step. Returns the steps left and ``{alias: value}``.
@@ -275,14 +249,14 @@ def _fold_aliases(steps: Sequence[_Step]) -> tuple[list[_Step], dict[str, str]]:
     kept = []
     for step in steps:
         args, kwargs = _rename(step.args, renames), _rename(step.kwargs, renames)
-        if step.handler.alias and args and isinstance(args[0], _Ref):
+        if step.handler.alias and args and isinstance(args[0], Ref):
             renames[step.name] = args[0].name
             continue
-        kept.append(_Step(step.name, step.handler, args, kwargs, step.dtype))
+        kept.append(Step(step.name, step.op, step.handler, args, kwargs, step.dtype))
     return kept, renames
 
 
-def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Mapping[str, int]) -> dict[str, list[str]]:
+def _memory_plan(program: DelegateProgram, steps: Sequence[Step], last_use: Mapping[str, int]) -> dict[str, list[str]]:
     """For each in-place candidate, the values an in-place write by it may change, decided once.
 
     An MLX value can share or read a user input's memory only if it depends on
@@ -296,7 +270,7 @@ def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Map
     defined_at: dict[str, int] = {name: -1 for name in program.inputs}
     for position, step in enumerate(steps):
         found: set[int] = set()
-        for name in _refs((step.args, step.kwargs)):
+        for name in refs((step.args, step.kwargs)):
             found |= reaches.get(name, frozenset())
         if step.name in by_node:
             found.add(by_node[step.name])
@@ -319,7 +293,7 @@ def _memory_plan(program: DelegateProgram, steps: Sequence[_Step], last_use: Map
 _FOLD_GROWTH = 1 << 20
 
 
-def _fold_constants(steps: Sequence[_Step], constants: dict[str, Any], kept: Sequence[str]) -> list[_Step]:
+def _fold_constants(steps: Sequence[Step], constants: dict[str, Any], kept: Sequence[str]) -> list[Step]:
     """Compute once every step whose arguments are all constants; return the steps left.
 
     Each folded value joins ``constants`` contiguous (``permute_copy`` of a weight
@@ -330,27 +304,27 @@ def _fold_constants(steps: Sequence[_Step], constants: dict[str, Any], kept: Seq
     """
     left = []
     for step in steps:
-        refs = _refs((step.args, step.kwargs))
-        if step.handler.region is not None or not all(name in constants for name in refs):
+        names = refs((step.args, step.kwargs))
+        if step.handler.region is not None or not all(name in constants for name in names):
             left.append(step)
             continue
         try:
             value = step.handler.run(
-                *_resolve(step.args, constants), **{k: _resolve(v, constants) for k, v in step.kwargs.items()}
+                *resolve(step.args, constants), **{k: resolve(v, constants) for k, v in step.kwargs.items()}
             )
             if step.dtype is not None and value.dtype != step.dtype:
                 value = value.astype(step.dtype)
         except Exception:
             left.append(step)
             continue
-        budget = sum(constants[name].nbytes for name in set(refs)) + _FOLD_GROWTH
+        budget = sum(constants[name].nbytes for name in set(names)) + _FOLD_GROWTH
         if not isinstance(value, mx.array) or value.nbytes > budget:
             left.append(step)
             continue
         value = mx.contiguous(value)
         mx.eval(value)
         constants[step.name] = value
-    read = set(_refs([[(s.args, s.kwargs) for s in left], list(kept)])) | set(kept)
+    read = set(refs([[(s.args, s.kwargs) for s in left], list(kept)])) | set(kept)
     for name in [n for n in constants if n not in read]:
         del constants[name]
     return left
@@ -364,7 +338,7 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
         return None, "interpreted: it writes a caller's tensor in place, which needs the written values mid-graph"
     if any("scalar" in meta for meta in program.input_meta):
         return None, "interpreted: it has scalar inputs"
-    if not all(isinstance(o, _Ref) for o in handle.outputs):
+    if not all(isinstance(o, Ref) for o in handle.outputs):
         return None, "interpreted: an output is a literal"
     known = set(program.inputs) | set(handle.constants)
     for step in handle.steps:
@@ -373,55 +347,86 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
         if step.handler.trace is None or step.handler.bounds is None:
             return None, f"interpreted: {step.name} has no traced form"
         for position in step.handler.index_args:
-            inside = [n for n in _refs(step.args[position : position + 1]) if n not in known]
+            inside = [n for n in refs(step.args[position : position + 1]) if n not in known]
             if inside:
                 return None, f"interpreted: the indices of {step.name} are computed inside the program ({inside[0]})"
     state_keys = sorted(handle.state)
     update_keys = sorted(handle.state_updates)
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = []
-    recording = [True]
-
-    def body(arrays: list[Any], state: list[Any]) -> list[Any]:
-        env: dict[str, Any] = dict(handle.constants)
-        env.update(zip(program.inputs, arrays, strict=True))
-        env.update(zip(state_keys, state, strict=True))
-        for step in handle.steps:
-            args = _resolve(step.args, env)
-            kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
-            handler = step.handler
-            if handler.validate is not None and recording[0]:
-                checks.append((handler, _check_args(step, args), dict(step.kwargs)))
-            value = (handler.trace or handler.run)(*args, **kwargs)
-            if step.dtype is not None and value.dtype != step.dtype:
-                value = value.astype(step.dtype)
-            env[step.name] = value
-        return [*(_resolve(o, env) for o in handle.outputs), *(env[handle.state_updates[k]] for k in update_keys)]
-
-    fn = mx.compile(body)
-    placeholders = [mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])]) for meta in program.input_meta]
+    shapes: dict[str, tuple[int, ...]] = {}
+    fn = mx.compile(_body(handle, state_keys, update_keys, None, 0, checks, shapes))
+    placeholders = _placeholders(program)
     try:
         # Trace now, and evaluate once so MLX builds its fused kernels here rather than in
         # the first call. The handle keeps its state referenced: nothing is donated.
         mx.eval(*fn(placeholders, [handle.state[k] for k in state_keys]))
     except Exception as error:
         return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-    recording[0] = False
     compiled = _Compiled(fn, state_keys, update_keys, checks)
+    ranges: dict[int, tuple[int, int]] = {}
     for which, (handler, args, kwargs) in enumerate(checks):
         assert handler.bounds is not None and handler.validate is not None
         for ref, lo, hi in handler.bounds(*args, **kwargs):
-            if not isinstance(ref, _Ref):
+            if not isinstance(ref, Ref):
                 continue
             if ref.name in program.inputs:
-                compiled.bounds.append((program.inputs.index(ref.name), lo, hi, which))
+                index = program.inputs.index(ref.name)
+                compiled.bounds.append((index, lo, hi, which))
+                old = ranges.get(index, (lo, hi))
+                ranges[index] = (max(lo, old[0]), min(hi, old[1]))
             else:  # a constant: checked once, here
                 handler.validate(
-                    *_resolve(args, handle.constants), **{k: _resolve(v, handle.constants) for k, v in kwargs.items()}
+                    *resolve(args, handle.constants), **{k: resolve(v, handle.constants) for k, v in kwargs.items()}
                 )
-    return compiled, "compiled"
+    kept = [*refs(handle.outputs), *handle.state_updates.values()]
+    window = plan(handle.steps, shapes, handle.constants, program.inputs, program.input_meta, ranges, kept)
+    if window is None:
+        return compiled, "compiled"
+    if isinstance(window, str):
+        return compiled, f"compiled; attention over the whole axis: {window}"
+    compiled.window = window
+    return compiled, f"compiled; {window.describe()}"
 
 
-def _check_args(step: _Step, traced: Sequence[Any]) -> list[Any]:
+def _body(
+    handle: _Handle,
+    state_keys: Sequence[str],
+    update_keys: Sequence[str],
+    window: Window | None,
+    length: int,
+    checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """The step as a function to trace: ``(inputs, state) -> [*outputs, *new state]``; with
+    ``window``, its attention bounded to ``length`` columns (see ``writeback_mlx_backend.window``).
+    While tracing, records each index check into ``checks`` and each value's shape into ``shapes``."""
+    program = handle.program
+
+    def body(arrays: list[Any], state: list[Any]) -> list[Any]:
+        env: dict[str, Any] = dict(handle.constants)
+        env.update(zip(program.inputs, arrays, strict=True))
+        env.update(zip(state_keys, state, strict=True))
+        bounded = window.trace(env, length) if window is not None else None
+        for step in handle.steps:
+            if bounded is not None and window is not None and window.bounds(step):
+                bounded.run(step)
+                continue
+            args = resolve(step.args, env)
+            if checks is not None and step.handler.validate is not None:
+                checks.append((step.handler, _check_args(step, args), dict(step.kwargs)))
+            env[step.name] = call(step, args, {k: resolve(v, env) for k, v in step.kwargs.items()}, True)
+        if shapes is not None:
+            shapes.update({k: tuple(v.shape) for k, v in env.items() if isinstance(v, mx.array)})
+        return [*(resolve(o, env) for o in handle.outputs), *(env[handle.state_updates[k]] for k in update_keys)]
+
+    return body
+
+
+def _placeholders(program: DelegateProgram) -> list[Any]:
+    return [mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])]) for meta in program.input_meta]
+
+
+def _check_args(step: Step, traced: Sequence[Any]) -> list[Any]:
     """A traced indexing step's arguments as its check reads them on each call: the indices
     as references (resolved from the call's inputs), arrays as their shapes, literals kept."""
     found = []
@@ -482,6 +487,9 @@ class MLXDelegate:
         # How each handle initialized since the delegate was made runs (see ``path``),
         # the latest few: what ``writeback run`` reports as the delegate's execution.
         self.execution_paths: deque[str] = deque(maxlen=COPY_HISTORY)
+        # For each of the latest calls of a program with an attention window, how many
+        # positions its attention read (see ``writeback_mlx_backend.window``).
+        self.attention_lengths: deque[int] = deque(maxlen=COPY_HISTORY)
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
@@ -498,18 +506,18 @@ class MLXDelegate:
             dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
             args, kwargs = _decode(node["args"]), _decode(node["kwargs"])
             check_call(node["op"], args, kwargs, DELEGATE, f"nodes[{position}]", _kind)
-            steps.append(_Step(node["name"], handler, args, kwargs, dtype))
+            steps.append(Step(node["name"], node["op"], handler, args, kwargs, dtype))
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
         constants = {k: _load(program, r) for k, r in program.constants.items()}
-        steps = _fold_constants(steps, constants, [*_refs(outputs), *state_updates.values()])
+        steps = _fold_constants(steps, constants, [*refs(outputs), *state_updates.values()])
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
-            for name in _refs((step.args, step.kwargs)):
+            for name in refs((step.args, step.kwargs)):
                 last_use[name] = position
-        for name in [*_refs(outputs), *state_updates.values()]:
+        for name in [*refs(outputs), *state_updates.values()]:
             last_use[name] = end
         dies_at: list[list[str]] = [[] for _ in range(end + 1)]
         for name, position in last_use.items():
@@ -590,14 +598,14 @@ class MLXDelegate:
                         handle, step, position, env, candidate, inputs, shared, exact
                     )
                 else:
-                    kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
-                    value = step.handler.run(*_resolve(step.args, env), **kwargs)
+                    kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
+                    value = step.handler.run(*resolve(step.args, env), **kwargs)
                     if step.dtype is not None and value.dtype != step.dtype:
                         value = value.astype(step.dtype)
                     env[step.name] = value
                 for name in handle.dies_at[position]:
                     env.pop(name, None)
-            results = [_resolve(o, env) for o in handle.outputs]
+            results = [resolve(o, env) for o in handle.outputs]
             new_state = {k: env[v] for k, v in handle.state_updates.items()}
             untouched = {k: v for k, v in old_state.items() if k not in new_state}
         except BaseException:
@@ -641,7 +649,7 @@ class MLXDelegate:
                 env = {**handle.constants, **bound}
                 handler, args, kwargs = compiled.checks[which]
                 assert handler.validate is not None
-                handler.validate(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+                handler.validate(*resolve(args, env), **{k: resolve(v, env) for k, v in kwargs.items()})
                 raise IndexError(f"input {handle.program.inputs[position]}: an index is outside [{lo}, {hi})")
         arrays, shared_spans = [], []
         for value in inputs:
@@ -649,12 +657,19 @@ class MLXDelegate:
             arrays.append(array)
             if shared:
                 shared_spans.append(_tensor_span(value))
+        fn = compiled.fn
+        window = compiled.window
+        if window is not None:
+            length = window.length(int(inputs[window.input_index].reshape(-1)[0]))
+            self.attention_lengths.append(length or window.size)
+            if length:
+                fn = compiled.bounded.get(length) or self._bounded(handle, compiled, window, length)
         state = [handle.state[k] for k in compiled.state_keys]
         kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
         # Drop the handle's references so MLX can donate each buffer to its update.
         handle.state = {}
         try:
-            values = compiled.fn(arrays, state)
+            values = fn(arrays, state)
         except BaseException:
             handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
             raise
@@ -672,6 +687,23 @@ class MLXDelegate:
             for span in shared_spans
         )
         self._write_outputs(results, outputs, set(), maybe_shared)
+
+    @staticmethod
+    def _bounded(
+        handle: _Handle, compiled: _Compiled, window: Window, length: int
+    ) -> Callable[[list[Any], list[Any]], list[Any]]:
+        """The step traced with its attention bounded to ``length`` columns, made once per length.
+
+        Traced here on placeholders (nothing is evaluated); a trace that fails leaves that
+        length on the whole-axis step, and :meth:`path` says so."""
+        fn = mx.compile(_body(handle, compiled.state_keys, compiled.update_keys, window, length))
+        try:
+            fn(_placeholders(handle.program), [handle.state[k] for k in compiled.state_keys])
+        except Exception as error:
+            handle.path += f"; length {length} runs the whole axis (its trace failed: {type(error).__name__})"
+            fn = compiled.fn
+        compiled.bounded[length] = fn
+        return fn
 
     def _bind(self, value: Any) -> tuple[Any, bool]:
         """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
@@ -691,7 +723,7 @@ class MLXDelegate:
     def _write_in_place(
         self,
         handle: _Handle,
-        step: _Step,
+        step: Step,
         position: int,
         env: dict[str, Any],
         candidate: InPlaceCandidate,
@@ -700,8 +732,8 @@ class MLXDelegate:
         exact: bool,
     ) -> Any:
         assert step.handler.region is not None
-        args = _resolve(step.args, env)
-        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()} if step.kwargs else {}
+        args = resolve(step.args, env)
+        kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()} if step.kwargs else {}
         dest = args[0]
         region = step.handler.region(*args, **kwargs)
         self.evaluations_total += 1  # the region's values are read on the host here
