@@ -190,3 +190,71 @@ def test_a_write_into_a_caller_tensor_takes_the_interpreted_path_and_says_why(
     expected[3] = 2.0
     torch.testing.assert_close(cache, expected)
     torch.testing.assert_close(total, expected.sum(0))
+
+
+class CounterCache(torch.nn.Module):
+    """Writes row ``count + shift`` of its cache, then counts: the index is computed inside
+    the program from a buffer and an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(6, 4))
+
+    def forward(self, row: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, self.count.reshape(1) + shift, row)
+        self.count.add_(1)
+        return self.cache * 1.0
+
+
+def test_index_computed_from_state_and_input_is_checked_before_the_graph_and_a_bad_one_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mine, eager = CounterCache(), CounterCache()
+    lowered = lower_mlx(mine, (torch.ones(1, 4), torch.tensor([0])))
+    assert lowered.only_delegate_runs()
+    method, delegate = lowered.method(), lowered.delegate()
+    assert list(delegate.execution_paths) == ["compiled"]
+
+    def step(value: float, shift: int) -> None:
+        row, moved = torch.full((1, 4), value), torch.tensor([shift])
+        with counted(monkeypatch) as counts:
+            (out,) = method.execute([row, moved])
+        # The index alone first (a small graph), then the step: two evaluations, no op in Python.
+        assert counts == {"eval": 2, "op calls": 0}
+        with torch.no_grad():
+            torch.testing.assert_close(out, eager(row, moved))
+
+    for value in (1.0, 2.0, 3.0):
+        step(value, 0)
+    with pytest.raises(Exception, match=r"IndexError: index_copy: index 13 .* out of range for dimension 0 of size 6"):
+        method.execute([torch.full((1, 4), 9.0), torch.tensor([10])])
+    with pytest.raises(IndexError):
+        eager(torch.full((1, 4), 9.0), torch.tensor([10]))
+    # Nothing changed: row 3 is written next, and the count goes on from 3.
+    step(4.0, 0)
+    step(5.0, -2)
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen3"])
+def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attention_and_matches_eager(
+    name: str, tmp_path: Path
+) -> None:
+    from writeback_core.pipeline import assemble
+    from writeback_core.registry import load_registry
+    from writeback_core.run import run_model
+    from writeback_decoders import hf_case, hf_config
+
+    registry = load_registry()
+    pipeline = assemble(registry, "mlx")
+    case = hf_case(hf_config(name.removeprefix("hf-")), name=name, max_cache_len=64)
+    report = run_model(pipeline, case, 40, tmp_path / "model.pte")
+    assert not report.failures, report.failures[0][1].problems
+    delegate = pipeline.delegates["WritebackMLXBackend"]
+    assert isinstance(delegate, MLXDelegate)
+    (path,) = delegate.execution_paths
+    # The cache position is the mask's input; the write index is computed from the cache's
+    # own length counter, evaluated alone before the graph.
+    assert path.startswith("compiled; attention over 2 masked softmax(es) bounded by cache_position"), path
+    assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
+    assert all(result.copied_bytes - result.delegate_copied_bytes == 0 for result, _ in report.steps)

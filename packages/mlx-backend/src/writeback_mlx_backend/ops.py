@@ -715,6 +715,8 @@ OPS: dict[str, OpHandler] = {
     "aten.rsqrt.default": _unary(mx.rsqrt),
     "aten.sqrt.default": _unary(mx.sqrt),
     "aten.exp.default": _unary(mx.exp),
+    "aten.cos.default": _unary(mx.cos),
+    "aten.sin.default": _unary(mx.sin),
     "aten.log.default": _unary(mx.log),
     "aten.neg.default": _unary(mx.negative),
     "aten.abs.default": _unary(mx.abs),

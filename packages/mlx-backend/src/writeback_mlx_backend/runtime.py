@@ -26,10 +26,14 @@ transposes of weights that ``linear`` decomposes into, masks built from
 ``arange``) is computed once and kept contiguous, so matmuls read weights laid out
 for them. Then the step is traced once with ``mx.compile`` when the program allows
 it: static shapes, no scalar inputs, every index read from the delegate's inputs
-or constants (so it is checked on them, before the graph is built), and no write
+or constants (so it is checked on them, before the graph is built) or computed in a
+few steps from inputs, constants and state (those steps are traced apart and
+evaluated first, alone, so the index is checked on the host too), and no write
 the program requires in caller memory. A compiled call checks its indices, runs
 the traced graph, evaluates it once, then writes outputs and state: no op is
-interpreted in Python and nothing is evaluated midway. Any other program, or a
+interpreted in Python and nothing is evaluated midway. A softmax whose mask rules
+out later positions is computed over the positions it lets through
+(``writeback_mlx_backend.window``). Any other program, or a
 call that writes a caller's tensor in place, takes the interpreted path above,
 which evaluates at each in-place write. :meth:`MLXDelegate.path` says which path
 a handle got and why.
@@ -114,13 +118,18 @@ class _Compiled:
     # arguments, the indices as references to inputs or constants, the rest as
     # shapes or literals. It names the bad index when a bound below fails.
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = field(default_factory=list)
-    # ``(input position, lo, hi, check)``: that input's values must lie in ``[lo, hi)``;
-    # read on the host from the caller's tensor before the graph is built.
+    # ``(position, lo, hi, check)``: the values of that input (or, past the inputs, of that
+    # pinned index) must lie in ``[lo, hi)``; read on the host before the graph is built.
     bounds: list[tuple[int, int, int, int]] = field(default_factory=list)
     # The attention window (see ``writeback_mlx_backend.window``), and the step traced
     # per bounded length, made on the first call that needs it.
     window: Window | None = None
     bounded: dict[int, Callable[[list[Any], list[Any]], list[Any]]] = field(default_factory=dict)
+    # Indices computed inside the program (from inputs, constants and the state at the
+    # call's start): ``pinned_fn`` computes them alone, evaluated before the graph is
+    # built so they are checked on the host; the traced step reads them as extra inputs.
+    pinned: list[str] = field(default_factory=list)
+    pinned_fn: Callable[[list[Any], list[Any]], list[Any]] | None = None
 
 
 def _decode(value: Any) -> Any:
@@ -341,36 +350,46 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     if not all(isinstance(o, Ref) for o in handle.outputs):
         return None, "interpreted: an output is a literal"
     known = set(program.inputs) | set(handle.constants)
+    pinned: list[str] = []
     for step in handle.steps:
         if step.handler.validate is None:
             continue
         if step.handler.trace is None or step.handler.bounds is None:
             return None, f"interpreted: {step.name} has no traced form"
         for position in step.handler.index_args:
-            inside = [n for n in refs(step.args[position : position + 1]) if n not in known]
-            if inside:
-                return None, f"interpreted: the indices of {step.name} are computed inside the program ({inside[0]})"
+            for name in refs(step.args[position : position + 1]):
+                if name in known or name in pinned:
+                    continue
+                refusal = _index_cone(handle, name)
+                if isinstance(refusal, str):
+                    return None, f"interpreted: the indices of {step.name} are computed inside the program ({refusal})"
+                pinned.append(name)
+    pinned_steps = [s for s in handle.steps if s.name in _cone_names(handle, pinned)]
     state_keys = sorted(handle.state)
     update_keys = sorted(handle.state_updates)
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = []
     shapes: dict[str, tuple[int, ...]] = {}
-    fn = mx.compile(_body(handle, state_keys, update_keys, None, 0, checks, shapes))
+    fn = mx.compile(_body(handle, state_keys, update_keys, None, 0, checks, shapes, pinned))
     placeholders = _placeholders(program)
+    pinned_fn = mx.compile(_pinned_body(handle, pinned_steps, pinned, state_keys)) if pinned else None
     try:
+        if pinned_fn is not None:
+            placeholders += pinned_fn(placeholders, [handle.state[k] for k in state_keys])
         # Trace now, and evaluate once so MLX builds its fused kernels here rather than in
         # the first call. The handle keeps its state referenced: nothing is donated.
-        mx.eval(*fn(placeholders, [handle.state[k] for k in state_keys]))
+        traced = fn(placeholders, [handle.state[k] for k in state_keys])
     except Exception as error:
         return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-    compiled = _Compiled(fn, state_keys, update_keys, checks)
+    compiled = _Compiled(fn, state_keys, update_keys, checks, pinned=pinned, pinned_fn=pinned_fn)
+    names = [*program.inputs, *pinned]
     ranges: dict[int, tuple[int, int]] = {}
     for which, (handler, args, kwargs) in enumerate(checks):
         assert handler.bounds is not None and handler.validate is not None
         for ref, lo, hi in handler.bounds(*args, **kwargs):
             if not isinstance(ref, Ref):
                 continue
-            if ref.name in program.inputs:
-                index = program.inputs.index(ref.name)
+            if ref.name in names:
+                index = names.index(ref.name)
                 compiled.bounds.append((index, lo, hi, which))
                 old = ranges.get(index, (lo, hi))
                 ranges[index] = (max(lo, old[0]), min(hi, old[1]))
@@ -378,6 +397,14 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
                 handler.validate(
                     *resolve(args, handle.constants), **{k: resolve(v, handle.constants) for k, v in kwargs.items()}
                 )
+    # Evaluated only when every index of the placeholders is in range: MLX writes out of
+    # bounds silently.
+    if all(_inside(np.asarray(placeholders[i]), lo, hi) for i, lo, hi, _ in compiled.bounds):
+        try:
+            mx.eval(*traced)
+        except Exception as error:
+            return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    del traced
     kept = [*refs(handle.outputs), *handle.state_updates.values()]
     window = plan(handle.steps, shapes, handle.constants, program.inputs, program.input_meta, ranges, kept)
     if window is None:
@@ -396,18 +423,24 @@ def _body(
     length: int,
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    pinned: Sequence[str] = (),
 ) -> Callable[[list[Any], list[Any]], list[Any]]:
     """The step as a function to trace: ``(inputs, state) -> [*outputs, *new state]``; with
     ``window``, its attention bounded to ``length`` columns (see ``writeback_mlx_backend.window``).
-    While tracing, records each index check into ``checks`` and each value's shape into ``shapes``."""
+    While tracing, records each index check into ``checks`` and each value's shape into ``shapes``.
+    The ``pinned`` values are read from the inputs past the program's own, not computed."""
     program = handle.program
+    names = [*program.inputs, *pinned]
+    skip = set(pinned)
 
     def body(arrays: list[Any], state: list[Any]) -> list[Any]:
         env: dict[str, Any] = dict(handle.constants)
-        env.update(zip(program.inputs, arrays, strict=True))
+        env.update(zip(names, arrays, strict=True))
         env.update(zip(state_keys, state, strict=True))
         bounded = window.trace(env, length) if window is not None else None
         for step in handle.steps:
+            if step.name in skip:
+                continue
             if bounded is not None and window is not None and window.bounds(step):
                 bounded.run(step)
                 continue
@@ -424,6 +457,60 @@ def _body(
 
 def _placeholders(program: DelegateProgram) -> list[Any]:
     return [mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])]) for meta in program.input_meta]
+
+
+# A computed index is evaluated alone only when it takes at most this many steps.
+_MAX_CONE = 16
+
+
+def _cone_names(handle: _Handle, names: Sequence[str]) -> set[str]:
+    """The steps ``names`` are computed by (``names`` included)."""
+    producers = {s.name: s for s in handle.steps}
+    found: set[str] = set()
+    pending = [n for n in names if n in producers]
+    while pending:
+        name = pending.pop()
+        if name not in found:
+            found.add(name)
+            pending += [n for n in refs((producers[name].args, producers[name].kwargs)) if n in producers]
+    return found
+
+
+def _index_cone(handle: _Handle, name: str) -> str | None:
+    """``None`` when index ``name`` can be evaluated alone before the graph: computed in a few
+    steps, none of them a write or an indexing op, from inputs, constants and the state as
+    the call finds it; else why not."""
+    cone = [s for s in handle.steps if s.name in _cone_names(handle, [name])]
+    if len(cone) > _MAX_CONE:
+        return f"{name}, from {len(cone)} steps"
+    for step in cone:
+        if step.handler.region is not None or step.handler.validate is not None:
+            return f"{name}, through {step.name}, which writes or indexes"
+    return None
+
+
+def _pinned_body(
+    handle: _Handle, steps: Sequence[Step], pinned: Sequence[str], state_keys: Sequence[str]
+) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """The pinned indices as a function to trace: ``(inputs, state) -> [*pinned]``."""
+
+    def body(arrays: list[Any], state: list[Any]) -> list[Any]:
+        env: dict[str, Any] = dict(handle.constants)
+        env.update(zip(handle.program.inputs, arrays, strict=True))
+        env.update(zip(state_keys, state, strict=True))
+        for step in steps:
+            env[step.name] = call(
+                step, resolve(step.args, env), {k: resolve(v, env) for k, v in step.kwargs.items()}, True
+            )
+        return [env[name] for name in pinned]
+
+    return body
+
+
+def _inside(host: np.ndarray, lo: int, hi: int) -> bool:
+    if host.size == 1:
+        return lo <= int(host.reshape(-1)[0]) < hi
+    return host.size == 0 or (lo <= int(host.min()) and int(host.max()) < hi)
 
 
 def _check_args(step: Step, traced: Sequence[Any]) -> list[Any]:
@@ -637,26 +724,24 @@ class MLXDelegate:
 
     def _execute_compiled(self, handle: _Handle, compiled: _Compiled, inputs: list[Any], outputs: list[Any]) -> None:
         """One call on the traced step: check indices, build, evaluate once, write."""
+        count = len(inputs)
         for position, lo, hi, which in compiled.bounds:
-            host = inputs[position].detach().numpy()
-            if host.size == 1:
-                inside = lo <= int(host.reshape(-1)[0]) < hi
-            else:
-                inside = host.size == 0 or (lo <= int(host.min()) and int(host.max()) < hi)
-            if not inside:
-                # Only to name the bad index: read the inputs without counting a copy.
-                bound = {n: _as_mlx(v) for n, v in zip(handle.program.inputs, inputs, strict=True)}
-                env = {**handle.constants, **bound}
-                handler, args, kwargs = compiled.checks[which]
-                assert handler.validate is not None
-                handler.validate(*resolve(args, env), **{k: resolve(v, env) for k, v in kwargs.items()})
-                raise IndexError(f"input {handle.program.inputs[position]}: an index is outside [{lo}, {hi})")
+            if position < count and not _inside(inputs[position].detach().numpy(), lo, hi):
+                self._index_error(handle, compiled, which, inputs, [], position, lo, hi)
         arrays, shared_spans = [], []
         for value in inputs:
             array, shared = self._bind(value)
             arrays.append(array)
             if shared:
                 shared_spans.append(_tensor_span(value))
+        if compiled.pinned_fn is not None:
+            # Computed indices: evaluated alone (a small graph), checked like inputs.
+            pinned = compiled.pinned_fn(arrays, [handle.state[k] for k in compiled.state_keys])
+            self._evaluate(*pinned)
+            for position, lo, hi, which in compiled.bounds:
+                if position >= count and not _inside(np.asarray(pinned[position - count]), lo, hi):
+                    self._index_error(handle, compiled, which, inputs, pinned, position, lo, hi)
+            arrays += pinned
         fn = compiled.fn
         window = compiled.window
         if window is not None:
@@ -689,6 +774,27 @@ class MLXDelegate:
         self._write_outputs(results, outputs, set(), maybe_shared)
 
     @staticmethod
+    def _index_error(
+        handle: _Handle,
+        compiled: _Compiled,
+        which: int,
+        inputs: list[Any],
+        pinned: list[Any],
+        position: int,
+        lo: int,
+        hi: int,
+    ) -> None:
+        """Raise ``IndexError`` naming the bad index (nothing is written yet)."""
+        # Only to name the bad index: read the inputs without counting a copy.
+        bound = {n: _as_mlx(v) for n, v in zip(handle.program.inputs, inputs, strict=True)}
+        env = {**handle.constants, **bound, **dict(zip(compiled.pinned, pinned, strict=False))}
+        handler, args, kwargs = compiled.checks[which]
+        assert handler.validate is not None
+        handler.validate(*resolve(args, env), **{k: resolve(v, env) for k, v in kwargs.items()})
+        names = [*handle.program.inputs, *(f"{n} (computed from the inputs and state)" for n in compiled.pinned)]
+        raise IndexError(f"input {names[position]}: an index is outside [{lo}, {hi})")
+
+    @staticmethod
     def _bounded(
         handle: _Handle, compiled: _Compiled, window: Window, length: int
     ) -> Callable[[list[Any], list[Any]], list[Any]]:
@@ -696,9 +802,14 @@ class MLXDelegate:
 
         Traced here on placeholders (nothing is evaluated); a trace that fails leaves that
         length on the whole-axis step, and :meth:`path` says so."""
-        fn = mx.compile(_body(handle, compiled.state_keys, compiled.update_keys, window, length))
+        fn = mx.compile(
+            _body(handle, compiled.state_keys, compiled.update_keys, window, length, pinned=compiled.pinned)
+        )
         try:
-            fn(_placeholders(handle.program), [handle.state[k] for k in compiled.state_keys])
+            placeholders = _placeholders(handle.program)
+            if compiled.pinned_fn is not None:
+                placeholders += compiled.pinned_fn(placeholders, [handle.state[k] for k in compiled.state_keys])
+            fn(placeholders, [handle.state[k] for k in compiled.state_keys])
         except Exception as error:
             handle.path += f"; length {length} runs the whole axis (its trace failed: {type(error).__name__})"
             fn = compiled.fn

@@ -10,7 +10,8 @@ program can do the same without changing a result:
    scalings, views and permutes, to the masks added to it: values computed from
    constants and one single-element integer input alone (the position).
 2. The masks are computed at ``init`` for every value the position may take (the
-   runtime checks that range on the host before each call). The *extent* at
+   range the runtime checks on the host before each call; without one, the positions
+   of the axis, and a call at any other position attends over the whole axis). The *extent* at
    position ``p`` is one past the last column any mask leaves above ``-inf``: every
    column from there on is ``-inf`` in every mask, whatever else the program holds.
 3. A pass over the steps follows those columns forward and proves what they hold:
@@ -99,8 +100,9 @@ class Window:
     producers: dict[str, Step] = field(repr=False)
 
     def length(self, position: int) -> int:
-        """The traced length for a position value in range, 0 for the whole axis."""
-        return int(self.table[position - self.lo])
+        """The traced length at a position value, 0 for the whole axis."""
+        at = position - self.lo
+        return int(self.table[at]) if 0 <= at < len(self.table) else 0
 
     def describe(self) -> str:
         used = sorted({int(v) for v in self.table if v})
@@ -430,9 +432,9 @@ def plan(
         return f"the masks depend on {sorted(used) or 'no input'}, not on one position input"
     (position,) = used
     index = list(inputs).index(position)
-    if index not in bounds:
-        return f"{position} has no checked range to compute the masks over"
-    lo, hi = bounds[index]
+    # Without a checked range, the masks are computed for the positions of the axis; a call
+    # at any other position attends over the whole axis.
+    lo, hi = bounds.get(index, (0, an.size))
     if not 0 < hi - lo <= _MAX_POSITIONS:
         return f"{position} ranges over [{lo}, {hi}), too many values to compute the masks for"
     an.tags = {name: _Tag(axis, NEG_INF) for name, axis in masks.items()}
