@@ -236,7 +236,7 @@ def test_index_computed_from_state_and_input_is_checked_before_the_graph_and_a_b
     step(5.0, -2)
 
 
-@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen3"])
+@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen3", "hf-gemma"])
 def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attention_and_matches_eager(
     name: str, tmp_path: Path
 ) -> None:

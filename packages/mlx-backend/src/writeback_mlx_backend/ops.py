@@ -650,6 +650,17 @@ def _copy(dest: Any, src: Any, non_blocking: bool = False) -> Any:
     return out if out.dtype == dest.dtype else out.astype(dest.dtype)
 
 
+def _gelu(x: Any, approximate: str = "none") -> Any:
+    if approximate == "tanh":
+        return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + mx.erf(x / math.sqrt(2)))
+
+
+def _gelu_check(node: torch.fx.Node) -> str | None:
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    return None if approximate in ("none", "tanh") else f"gelu approximate={approximate!r}"
+
+
 def _unary(fn: Callable[[Any], Any]) -> OpHandler:
     return OpHandler(_ok, fn)
 
@@ -716,6 +727,7 @@ OPS: dict[str, OpHandler] = {
     "aten.sqrt.default": _unary(mx.sqrt),
     "aten.exp.default": _unary(mx.exp),
     "aten.cos.default": _unary(mx.cos),
+    "aten.gelu.default": OpHandler(_gelu_check, _gelu),
     "aten.sin.default": _unary(mx.sin),
     "aten.log.default": _unary(mx.log),
     "aten.neg.default": _unary(mx.negative),
