@@ -121,6 +121,10 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
         def writeback_explain_columns(self, mutation) -> dict[str, str] | None:  # type: ignore[no-untyped-def]
             return {"plugin says": f"saw {mutation.target}"}
 
+        @hookimpl
+        def writeback_explain_notes(self, program) -> list[str]:  # type: ignore[no-untyped-def]
+            return [f"a note on a program of {len(program.graph.nodes)} nodes"]
+
     real = registry.load_registry
     monkeypatch.setattr("writeback_core.cli.load_registry", lambda: real(plugins=[Offers()]))
     group = type(main)(name="writeback", callback=main.callback)
@@ -129,6 +133,10 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
     assert "a plugin's model" in result.output
     assert "saw ticks" in result.output
     assert "16 B" in result.output  # 4 fp32 values copied back each call
+    # The plugin's note on the whole program comes after the table.
+    lines = result.output.splitlines()
+    table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
+    assert any(line.startswith("a note on a program of ") for line in lines[table_end + 1 :]), result.output
 
 
 def test_explain_of_a_many_layer_model_keeps_every_name_whole_in_100_columns(tmp_path: Path) -> None:

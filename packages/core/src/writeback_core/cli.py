@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -264,9 +264,15 @@ def explain_command(ctx: click.Context, model: str) -> None:
         for row in rows:
             for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
                 row.columns.update(extra or {})
+        notes = [
+            line
+            for lines in registry.hook.writeback_explain_notes(program=program, registry=registry)
+            for line in lines or ()
+        ]
     console = Console(width=_EXPLAIN_WIDTH)
     if not rows:
         console.print(f"{case.name}: no mutated state")
+        _print_notes(console, notes)
         return
     titles: list[str] = []
     for row in rows:
@@ -300,6 +306,13 @@ def explain_command(ctx: click.Context, model: str) -> None:
             details = [first, *(f"{t}: {row.columns[t]}" for t in longer if row.columns.get(t))]
             table.add_row(name, row.columns.get("shape", ""), "\n".join(d for d in details if d))
     console.print(table)
+    _print_notes(console, notes)
+
+
+def _print_notes(console: Console, notes: Sequence[str]) -> None:
+    """The plugins' lines about the whole program, under the table."""
+    for line in notes:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
     from writeback_core.mutations import Mutation
+    from writeback_core.registry import Registry
     from writeback_core.types import (
         AliasingEngine,
         BackendSpec,
@@ -148,6 +149,18 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
     :param program: the exported (aten) program being explained.
     :param mutation: the row's mutation.
     :return: extra columns for the row, keyed by column title; ``None`` for none.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> Sequence[str] | None:
+    """Called once by ``writeback explain``, after the table: facts about the whole program
+    rather than one state (how a backend's delegate will execute it, say).
+
+    :param program: the exported (aten) program being explained; not to be changed.
+    :param registry: the registry explain runs with (to lower the program as ``run`` would).
+    :return: lines printed under the table, each a sentence; ``None`` or empty for none.
     """
     raise NotImplementedError
 

@@ -164,3 +164,45 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
         return {"mlx": "program buffer (read outside its writing partition), written in place"}
     # A plain torch tensor is copied into MLX each call; one from ``empty()`` is not.
     return {"mlx": f"in place; {_size(mutation.nbytes)}/call copy-in unless from empty()"}
+
+
+@hookimpl
+def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> list[str] | None:
+    """How the MLX delegate would execute ``program``: each partition's execution path.
+
+    The program is lowered as ``writeback run --backend mlx`` lowers it and each
+    partition's blob is loaded in a delegate made for the purpose (weights included),
+    so the path is the one a run gets: compiled (with its attention windows) or
+    interpreted, and why.
+    """
+    from executorch.exir.delegate import executorch_call_delegate
+    from writeback_core.lowering import lower
+
+    from writeback_mlx_backend.runtime import MLXDelegate
+
+    backend = registry.backends().get(BACKEND_NAME)
+    if backend is None:
+        return None
+    try:
+        lowered = lower(program, registry, backend)
+    except Exception as error:  # explain still prints the table; this line says why not
+        return [f"mlx execution: the program does not lower to MLX ({type(error).__name__}: {error})"]
+    module = lowered.program.exported_program().graph_module
+    calls = [n for n in module.graph.nodes if n.target is executorch_call_delegate]
+    blobs = [getattr(module, str(n.args[0].target)) for n in calls]
+    blobs = [b for b in blobs if b.backend_id == BACKEND_ID]
+    if not blobs:
+        return ["mlx execution: no part of the program runs in the MLX delegate"]
+    lines = []
+    delegate = MLXDelegate()
+    for number, blob in enumerate(blobs, start=1):
+        specs = {spec.key: spec.value for spec in blob.compile_specs}
+        try:
+            handle = delegate.init(bytes(blob.processed_bytes), specs)
+        except Exception as error:
+            lines.append(f"mlx execution, partition {number} of {len(blobs)}: fails to load: {error}")
+            continue
+        ops = len(handle.steps)
+        lines.append(f"mlx execution, partition {number} of {len(blobs)} ({ops} ops): {MLXDelegate.path(handle)}")
+        delegate.destroy(handle)
+    return lines
