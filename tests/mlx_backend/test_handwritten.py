@@ -4,6 +4,8 @@ computes, step after step (past the end of the cache, where positions wrap), and
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -83,9 +85,34 @@ def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.Capture
         assert all("ok, max |err|" in row and " ms" in row for row in rows), rows
         assert "goal: writeback+mlx delegate step <= 1.2x hand-written MLX: " in table
     idle = out[out.index("idle call:") :].splitlines()
-    assert idle[2].split("  ")[1].strip() == "writeback+mlx delegate"
-    assert all("ok, max |err| 0" in row for row in idle[2:5]), idle
-    assert "goal: writeback+mlx delegate idle call <= 50 µs: " in idle[5]
+    assert [row.split("  ")[1].strip() for row in idle[2:7]] == [
+        "writeback+mlx delegate",
+        "hand-written MLX: mx.eval(x + 1)",
+        "eager PyTorch",
+        "writeback+mlx delegate, one core",
+        "hand-written MLX: mx.eval(x + 1), one core",
+    ]
+    assert all("ok, max |err| 0" in row for row in idle[2:7]), idle
+    assert "goal: writeback+mlx delegate idle call <= 50 µs: " in idle[7]
+    assert "; on one core: " in idle[7]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="pins threads through /proc (Linux)")
+def test_one_core_pins_every_thread_of_the_process_and_restores_each() -> None:
+    """The idle rows "one core" run with the caller and MLX's stream thread on one CPU; after
+    the block each thread may use the CPUs it had before."""
+    import mlx.core as mx
+    from writeback_mlx_backend.bench import _one_core
+
+    mx.eval(mx.ones(4) + 1)  # MLX's stream thread exists
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    assert len(threads) >= 2
+    before = {t: os.sched_getaffinity(t) for t in threads}
+    cpu = min(os.sched_getaffinity(0))
+    with _one_core():
+        assert {t: os.sched_getaffinity(t) for t in threads} == {t: {cpu} for t in threads}
+        assert np.asarray(mx.ones(4) + 1).tolist() == [2.0] * 4  # MLX still computes
+    assert {t: os.sched_getaffinity(t) for t in threads} == before
 
 
 def _address(array: object) -> int:

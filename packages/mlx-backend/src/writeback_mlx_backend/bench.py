@@ -35,12 +35,14 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import os
 import random
 import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,6 +254,8 @@ class _Contender:
     name: str
     call: Timed | None = None
     calls_per_round: int = 1
+    # Entered around each round's calls of this row (the one-core rows pin the threads).
+    around: Callable[[], AbstractContextManager[None]] = nullcontext
     note: str = ""
     error: str | None = None
     max_error: float = 0.0
@@ -398,19 +402,69 @@ def _idle_case() -> ModelCase:
     )
 
 
+@contextmanager
+def _one_core() -> Iterator[None]:
+    """Every thread of this process (the caller, MLX's stream thread, torch's) on one CPU,
+    the lowest this process may use, for the block; each thread's CPUs are restored after.
+
+    MLX on the CPU computes on its stream thread while the caller waits in ``mx.eval``:
+    on one core nothing runs less in parallel, and no evaluation waits for a thread to
+    wake on another core. Linux only (``/proc/self/task``).
+    """
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    cpu = min(os.sched_getaffinity(0))
+    before: dict[int, set[int]] = {}
+    for thread in threads:
+        try:
+            before[thread] = os.sched_getaffinity(thread)
+            os.sched_setaffinity(thread, {cpu})
+        except OSError:  # the thread ended meanwhile
+            continue
+    try:
+        yield
+    finally:
+        for thread, cpus in before.items():
+            try:
+                os.sched_setaffinity(thread, cpus)
+            except OSError:
+                continue
+
+
+def _can_pin() -> bool:
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
+_ONE_CORE = ", one core"
+_MLX_IDLE = "hand-written MLX: mx.eval(x + 1)"
+
+
 def _idle_contenders(registry: Any) -> list[_Contender]:
     import mlx.core as mx
 
     case = _idle_case()
     rows = [
         _Contender("idle", _DELEGATE, calls_per_round=_IDLE_CALLS_PER_ROUND),
-        _Contender("idle", "hand-written MLX: mx.eval(x + 1)", calls_per_round=_IDLE_CALLS_PER_ROUND),
+        _Contender("idle", _MLX_IDLE, calls_per_round=_IDLE_CALLS_PER_ROUND),
         _Contender("idle", _EAGER, calls_per_round=_IDLE_CALLS_PER_ROUND),
     ]
     try:
         rows[0].call, rows[0].note = _delegate_timed(case, registry)
     except Exception as error:  # reported in its cell; the other rows go on
         rows[0].error = f"failed to lower or load: {_short(error)}"
+    pinned = [
+        _Contender("idle", _DELEGATE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=_one_core),
+        _Contender("idle", _MLX_IDLE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=_one_core),
+    ]
+    if not _can_pin():
+        for row in pinned:
+            row.error = "not measured: this OS cannot pin threads to a CPU from Python"
+    elif rows[0].error is not None:
+        pinned[0].error = rows[0].error
+    else:
+        try:
+            pinned[0].call, pinned[0].note = _delegate_timed(case, registry)
+        except Exception as error:
+            pinned[0].error = f"failed to lower or load: {_short(error)}"
 
     def mlx_call(step: int) -> tuple[float, list[Any]]:
         x = mx.full((4,), float(step))
@@ -427,7 +481,9 @@ def _idle_contenders(registry: Any) -> list[_Contender]:
         return time.perf_counter() - start, [y]
 
     rows[1].call, rows[2].call = mlx_call, eager_call
-    return rows
+    if pinned[1].error is None:
+        pinned[1].call = mlx_call
+    return [*rows, *pinned]
 
 
 def _model_contenders(case: ModelCase, registry: Any) -> list[_Contender]:
@@ -511,15 +567,16 @@ def _rounds(rows: Sequence[_Contender], first: int, steps: int) -> None:
     for step in range(first, first + steps):
         for row in random.Random(step).sample(live, len(live)):
             assert row.call is not None
-            for _ in range(row.calls_per_round):
-                if row.error is not None:
-                    break
-                try:
-                    seconds, _ = row.call(step)
-                except Exception as error:
-                    row.error = f"failed at run time, step {step}: {_short(error)}"
-                    break
-                row.times.append(seconds)
+            with row.around():
+                for _ in range(row.calls_per_round):
+                    if row.error is not None:
+                        break
+                    try:
+                        seconds, _ = row.call(step)
+                    except Exception as error:
+                        row.error = f"failed at run time, step {step}: {_short(error)}"
+                        break
+                    row.times.append(seconds)
 
 
 def _time_text(seconds: float | None) -> str:
@@ -539,14 +596,14 @@ def _model_table(case: ModelCase, rows: Sequence[_Contender], start: int, steps:
     anchor = by_name[_HANDWRITTEN].median()
     lines = [
         f"{case.name}: {case.description}; steps {start + _VS_WARMUP}..{start + _VS_WARMUP + steps - 1}",
-        f"  {'contender':<38}{'step (median)':>14}{'/ hand-written':>16}  check against eager",
+        f"  {'contender':<46}{'step (median)':>14}{'/ hand-written':>16}  check against eager",
     ]
     for row in rows:
         median = row.median()
         times = "-" if median is None or anchor is None else f"{median / anchor:.2f}x"
         check = row.error or f"ok, max |err| {row.max_error:.2g}"
         note = f"; {row.note}" if row.note else ""
-        lines.append(f"  {row.name:<38}{_time_text(median):>14}{times:>16}  {check}{note}")
+        lines.append(f"  {row.name:<46}{_time_text(median):>14}{times:>16}  {check}{note}")
     delegate = by_name[_DELEGATE].median()
     ratio = None if delegate is None or anchor is None else delegate / anchor
     text = "" if ratio is None else f"{ratio:.2f}x"
@@ -557,15 +614,22 @@ def _model_table(case: ModelCase, rows: Sequence[_Contender], start: int, steps:
 def _idle_table(rows: Sequence[_Contender]) -> list[str]:
     lines = [
         f"idle call: x + 1 on a [4] fp32 tensor, median of {_IDLE_CALLS_PER_ROUND} calls per round",
-        f"  {'contender':<38}{'call (median)':>14}  check against eager",
+        f"  {'contender':<46}{'call (median)':>14}  check against eager",
     ]
     for row in rows:
         check = row.error or f"ok, max |err| {row.max_error:.2g}"
         note = f"; {row.note}" if row.note else ""
-        lines.append(f"  {row.name:<38}{_time_text(row.median()):>14}  {check}{note}")
-    delegate = rows[0].median()
-    text = _time_text(delegate)
-    lines.append(f"  goal: {_DELEGATE} idle call <= 50 µs: {_goal_text(delegate, _IDLE_GOAL, text)}")
+        lines.append(f"  {row.name:<46}{_time_text(row.median()):>14}  {check}{note}")
+    by_name = {row.name: row for row in rows}
+    delegate, pinned = by_name[_DELEGATE].median(), by_name[_DELEGATE + _ONE_CORE].median()
+    lines.append(
+        f"  goal: {_DELEGATE} idle call <= 50 µs: {_goal_text(delegate, _IDLE_GOAL, _time_text(delegate))}; "
+        f"on one core: {_goal_text(pinned, _IDLE_GOAL, _time_text(pinned))}"
+    )
+    lines.append(
+        "  (MLX computes on its stream thread while the caller waits: with the two on different cores each "
+        "evaluation also waits for that thread to wake there; compare the mx.eval rows)"
+    )
     return lines
 
 
@@ -578,7 +642,8 @@ def run_vs_mlx(cache_mib: float, steps: int, start: int) -> int:
     as mlx-lm does, and over the whole cache with a mask, which is the work a graph
     of static shapes does); and the model lowered by writeback's one lowering path
     with ``--backend mlx`` and run by writeback's runtime (the time of its execute).
-    Then the idle call: ``x + 1`` through the delegate, in MLX, in eager PyTorch.
+    Then the idle call: ``x + 1`` through the delegate, in MLX, in eager PyTorch, and the
+    first two again with every thread of the process on one core (:func:`_one_core`).
 
     Every row runs ``2`` warm-up steps from ``start``, checked against eager
     PyTorch (``allclose``, ``rtol = atol = 1e-4``); a row that fails or differs

@@ -656,7 +656,10 @@ class MLXDelegate:
         if (
             compiled is not None
             and not handle.forced
-            and not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
+            and (
+                not handle.candidates
+                or not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
+            )
         ):
             self._execute_compiled(handle, compiled, inputs, outputs)
             return
@@ -749,21 +752,26 @@ class MLXDelegate:
             self.attention_lengths.append(length or window.size)
             if length:
                 fn = compiled.bounded.get(length) or self._bounded(handle, compiled, window, length)
-        state = [handle.state[k] for k in compiled.state_keys]
-        kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
-        # Drop the handle's references so MLX can donate each buffer to its update.
-        handle.state = {}
-        try:
-            values = fn(arrays, state)
-        except BaseException:
-            handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
-            raise
-        del state, arrays
-        count = len(handle.outputs)
-        results, new_state = values[:count], values[count:]
-        handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))} if new_state or kept else {}
+        if handle.state:
+            state = [handle.state[k] for k in compiled.state_keys]
+            kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
+            # Drop the handle's references so MLX can donate each buffer to its update.
+            handle.state = {}
+            try:
+                values = fn(arrays, state)
+            except BaseException:
+                handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
+                raise
+            del state, arrays
+            count = len(handle.outputs)
+            results, new_state = values[:count], values[count:]
+            handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))}
+            del new_state
+        else:  # a stateless program: no buffer to hand over
+            results = values = fn(arrays, [])
+            del arrays
         self._evaluate(*values)
-        del values, new_state
+        del values
         # A result can be in runtime-visible memory only over a shared input (see execute).
         maybe_shared = bool(shared_spans) and any(
             _overlaps(_tensor_span(tensor), span)
@@ -884,13 +892,14 @@ class MLXDelegate:
         if maybe_shared:
             self._snapshot_overlapping(results, outputs, done)
             pending = [i for i in range(len(outputs)) if i not in done]
-        else:
+        elif done:
             pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and i not in done]
+        else:
+            pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
         for index in pending:
-            value = results[index]
             tensor = outputs[index]
-            source = np.asarray(value)
-            if source.shape != tuple(tensor.shape):
+            source = np.asarray(results[index])
+            if source.shape != tensor.shape:
                 if math.prod(source.shape) != tensor.numel():
                     raise ValueError(
                         f"MLX delegate output {index} has shape {source.shape}, the runtime "
