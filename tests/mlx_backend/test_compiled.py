@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+import writeback_mlx_backend.fast as fast_module
 import writeback_mlx_backend.ops as ops_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback_core.zoo import DecoderConfig, TinyDecoder
@@ -23,12 +24,13 @@ from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import lower_mlx
 
-OPS_FILE = str(Path(ops_module.__file__).resolve())
+# The op handlers: ATen ops (ops.py) and the fused steps the runtime makes (fast.py).
+OPS_FILES = {str(Path(m.__file__).resolve()) for m in (ops_module, fast_module)}
 
 
 @contextmanager
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
-    """Count ``mx.eval`` calls and Python calls into the delegate's op handlers (ops.py)."""
+    """Count ``mx.eval`` calls and Python calls into the delegate's op handlers."""
     counts = {"eval": 0, "op calls": 0}
     real_eval = mx.eval
 
@@ -37,7 +39,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
         real_eval(*arrays)
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and str(Path(frame.f_code.co_filename).resolve()) == OPS_FILE:
+        if event == "call" and str(Path(frame.f_code.co_filename).resolve()) in OPS_FILES:
             counts["op calls"] += 1
 
     monkeypatch.setattr(mx, "eval", eval_)
@@ -71,7 +73,10 @@ def test_decoder_call_runs_no_op_in_python_and_evaluates_once_and_matches_eager(
     assert lowered.only_delegate_runs()
     method = lowered.method()
     delegate = lowered.delegate()
-    assert list(delegate.execution_paths) == ["compiled"]
+    # Each layer's two RMSNorms and the final one run as mx.fast.rms_norm.
+    norms = sum(1 for m in eager.modules() if type(m).__name__ == "RMSNorm")
+    assert norms == 5
+    assert list(delegate.execution_paths) == [f"compiled; {norms} RMSNorm(s) as mx.fast.rms_norm"]
     for step in range(6):
         tokens, pos = torch.tensor([[(5 * step + 2) % 32]]), torch.tensor([step])
         with counted(monkeypatch) as counts:
@@ -256,5 +261,9 @@ def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attenti
     # The cache position is the mask's input; the write index is computed from the cache's
     # own length counter, evaluated alone before the graph.
     assert path.startswith("compiled; attention over 2 masked softmax(es) bounded by cache_position"), path
+    # Every RMSNorm of the model (Qwen3 and Gemma also normalize q and k per head) is one
+    # mx.fast.rms_norm; Gemma's weight is (1 + w), computed in the program.
+    norms = sum(1 for m in case.build().modules() if type(m).__name__.endswith("RMSNorm"))
+    assert path.endswith(f"; {norms} RMSNorm(s) as mx.fast.rms_norm"), path
     assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
     assert all(result.copied_bytes - result.delegate_copied_bytes == 0 for result, _ in report.steps)

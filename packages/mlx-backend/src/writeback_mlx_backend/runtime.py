@@ -55,6 +55,7 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
+from writeback_mlx_backend.fast import fuse_rms_norms
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import (
@@ -599,6 +600,7 @@ class MLXDelegate:
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
         constants = {k: _load(program, r) for k, r in program.constants.items()}
         steps = _fold_constants(steps, constants, [*refs(outputs), *state_updates.values()])
+        steps, norms = fuse_rms_norms(steps, constants, [*refs(outputs), *state_updates.values()])
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
@@ -627,6 +629,8 @@ class MLXDelegate:
             state_updates,
         )
         handle.compiled, handle.path = _compile(handle)
+        if norms:
+            handle.path += f"; {norms} RMSNorm(s) as mx.fast.rms_norm"
         self.execution_paths.append(handle.path)
         return handle
 
