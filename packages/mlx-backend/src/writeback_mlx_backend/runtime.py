@@ -319,11 +319,8 @@ def _fold_constants(steps: Sequence[Step], constants: dict[str, Any], kept: Sequ
             left.append(step)
             continue
         try:
-            value = step.handler.run(
-                *resolve(step.args, constants), **{k: resolve(v, constants) for k, v in step.kwargs.items()}
-            )
-            if step.dtype is not None and value.dtype != step.dtype:
-                value = value.astype(step.dtype)
+            kwargs = {k: resolve(v, constants) for k, v in step.kwargs.items()}
+            value = call(step, resolve(step.args, constants), kwargs, traced=False)
         except Exception:
             left.append(step)
             continue
@@ -693,10 +690,7 @@ class MLXDelegate:
                     )
                 else:
                     kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
-                    value = step.handler.run(*resolve(step.args, env), **kwargs)
-                    if step.dtype is not None and value.dtype != step.dtype:
-                        value = value.astype(step.dtype)
-                    env[step.name] = value
+                    env[step.name] = call(step, resolve(step.args, env), kwargs, traced=False)
                 for name in handle.dies_at[position]:
                     env.pop(name, None)
             results = [resolve(o, env) for o in handle.outputs]
