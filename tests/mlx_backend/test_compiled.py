@@ -267,3 +267,40 @@ def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attenti
     assert path.endswith(f"; {norms} RMSNorm(s) as mx.fast.rms_norm"), path
     assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
     assert all(result.copied_bytes - result.delegate_copied_bytes == 0 for result, _ in report.steps)
+
+
+class BigCache(torch.nn.Module):
+    """A 96 MiB delegate-owned cache, one row written per call, the cache read after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(6144, 4096))
+
+    def forward(self, pos: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, pos, row)
+        return self.cache[:8].sum(0)
+
+
+def test_loading_a_large_cache_does_not_copy_it_and_calls_write_it_in_place() -> None:
+    """Tracing at load must not evaluate the step on the real cache: without donation each
+    updated state would be copied whole, doubling the cache's memory while the program
+    loads (a 1 GiB cache needing 2 GiB). Load, then each call, peak at the cache's size
+    plus small change."""
+    cache_bytes = 6144 * 4096 * 4
+    lowered = lower_mlx(BigCache(), (torch.tensor([0]), torch.ones(1, 4096)))
+    assert lowered.only_delegate_runs()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    method = lowered.method()
+    assert mx.get_peak_memory() - before < cache_bytes * 1.25
+    (path,) = lowered.delegate().execution_paths
+    assert path == "compiled"
+    expected = torch.zeros(8, 4096)
+    for step in range(3):
+        pos, row = torch.tensor([step * 2]), torch.full((1, 4096), step + 1.0)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        (total,) = method.execute([pos, row])
+        assert mx.get_peak_memory() - before < cache_bytes * 0.25, f"call {step}"
+        expected[step * 2] = step + 1.0
+        torch.testing.assert_close(total, expected.sum(0))

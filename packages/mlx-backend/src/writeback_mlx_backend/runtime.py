@@ -297,6 +297,11 @@ def _memory_plan(program: DelegateProgram, steps: Sequence[Step], last_use: Mapp
     return watch
 
 
+# At load the traced step is evaluated once on placeholder inputs, so MLX builds its
+# kernels then rather than in the first call, unless it updates more state than this:
+# that trial copies each updated buffer (nothing is donated), briefly doubling it.
+TRIAL_STATE_BYTES = 32 << 20
+
 # A folded constant may be at most this many bytes larger than the constants it
 # is computed from (a mask built from ``arange`` is allowed; an ``expand`` of a
 # weight into a much larger array is left to run per call).
@@ -373,8 +378,9 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     try:
         if pinned_fn is not None:
             placeholders += pinned_fn(placeholders, [handle.state[k] for k in state_keys])
-        # Trace now, and evaluate once so MLX builds its fused kernels here rather than in
-        # the first call. The handle keeps its state referenced: nothing is donated.
+        # Trace now; below, evaluate once (small state only) so MLX builds its fused
+        # kernels here rather than in the first call. The handle keeps its state
+        # referenced: nothing is donated.
         traced = fn(placeholders, [handle.state[k] for k in state_keys])
     except Exception as error:
         return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
@@ -395,9 +401,14 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
                 handler.validate(
                     *resolve(args, handle.constants), **{k: resolve(v, handle.constants) for k, v in kwargs.items()}
                 )
-    # Evaluated only when every index of the placeholders is in range: MLX writes out of
-    # bounds silently.
-    if all(_inside(np.asarray(placeholders[i]), lo, hi) for i, lo, hi, _ in compiled.bounds):
+    # Evaluated only when every index of the placeholders is in range (MLX writes out of
+    # bounds silently), and only when the state it updates is small: the handle keeps its
+    # state, so the trial copies every updated buffer whole. Past the limit the first
+    # call builds the kernels instead, and updates the state in place by donation.
+    updated = sum(handle.state[k].nbytes for k in update_keys)
+    if updated <= TRIAL_STATE_BYTES and all(
+        _inside(np.asarray(placeholders[i]), lo, hi) for i, lo, hi, _ in compiled.bounds
+    ):
         try:
             mx.eval(*traced)
         except Exception as error:
