@@ -1,6 +1,6 @@
 """RMSNorm chains run as one ``mx.fast.rms_norm`` step (``writeback_mlx_backend.fast``):
 the forms real models export are each fused, a chain whose inner value is read elsewhere
-or whose square is not one is left alone, a weight of another shape takes the chain's
+or whose square is another power is left alone, a weight of another shape takes the chain's
 own ops, and every case computes what eager PyTorch does."""
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ class NormAlsoReturnsScale(PowNorm):
         return self.weight * (x * scale), scale
 
 
-class CubeNorm(PowNorm):
-    """Not an RMSNorm: the mean is of ``x ** 3``."""
+class FourthPowerNorm(PowNorm):
+    """Not an RMSNorm: the same chain, but the mean is of ``x ** 4``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(3).abs().mean(-1, keepdim=True) + self.eps))
+        return self.weight * (x * torch.rsqrt(x.pow(4).mean(-1, keepdim=True) + self.eps))
 
 
 def _run(module: torch.nn.Module, x: torch.Tensor) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
@@ -90,7 +90,7 @@ def test_weight_of_another_shape_is_fused_but_runs_the_chain_and_matches_eager()
 
 
 @pytest.mark.parametrize(
-    "module", [NormAlsoReturnsScale(eps=0.5), CubeNorm(eps=0.5)], ids=["inner-value-returned", "cube"]
+    "module", [NormAlsoReturnsScale(eps=0.5), FourthPowerNorm(eps=0.5)], ids=["inner-value-returned", "fourth-power"]
 )
 def test_chain_that_is_not_a_whole_rms_norm_is_left_as_steps_and_matches_eager(module: torch.nn.Module) -> None:
     path, got, expected = _run(module.eval(), _x())

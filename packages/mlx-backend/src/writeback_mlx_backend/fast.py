@@ -111,26 +111,17 @@ def fuse_rms_norms(steps: Sequence[Step], constants: Mapping[str, Any], kept: Se
     for position, step in enumerate(steps):
         for name in set(refs((step.args, step.kwargs))):
             users.setdefault(name, []).append(position)
-    made: dict[str, Step] = {}
+    fused: dict[str, Step] = {}  # the chain's last step -> the step taking its place
+    dropped: set[str] = set()  # the chains' other steps
     for step in steps:
         found = _match(step, users, steps, uses, constants)
         if found is not None:
             chain, eps_arg, eps, weight = found
-            x = chain[0].args[0]
             last = chain[-1]
             handler = _handler(chain, eps, eps_arg, weight)
-            fused = Step(last.name, RMS_NORM, handler, [x, weight, eps_arg], {}, last.dtype)
-            made[last.name] = fused
-            for inner in chain[:-1]:
-                made[inner.name] = fused  # dropped below
-    left = []
-    for step in steps:
-        replacement = made.get(step.name)
-        if replacement is None:
-            left.append(step)
-        elif replacement.name == step.name:
-            left.append(replacement)
-    return left, sum(1 for name, s in made.items() if s.name == name)
+            fused[last.name] = Step(last.name, RMS_NORM, handler, [chain[0].args[0], weight, eps_arg], {}, last.dtype)
+            dropped.update(s.name for s in chain[:-1])
+    return [fused.get(s.name, s) for s in steps if s.name not in dropped], len(fused)
 
 
 def _only_user(name: str, users: Mapping[str, list[int]], steps: Sequence[Step], uses: Counter[str]) -> Step | None:

@@ -607,8 +607,9 @@ class MLXDelegate:
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
         constants = {k: _load(program, r) for k, r in program.constants.items()}
-        steps = _fold_constants(steps, constants, [*refs(outputs), *state_updates.values()])
-        steps, norms = fuse_rms_norms(steps, constants, [*refs(outputs), *state_updates.values()])
+        kept = [*refs(outputs), *state_updates.values()]
+        steps = _fold_constants(steps, constants, kept)
+        steps, norms = fuse_rms_norms(steps, constants, kept)
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
@@ -668,10 +669,7 @@ class MLXDelegate:
         if (
             compiled is not None
             and not handle.forced
-            and (
-                not handle.candidates
-                or not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
-            )
+            and not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
         ):
             self._execute_compiled(handle, compiled, inputs, outputs)
             return
@@ -761,26 +759,21 @@ class MLXDelegate:
             self.attention_lengths.append(length or window.size)
             if length:
                 fn = compiled.bounded.get(length) or self._bounded(handle, compiled, window, length)
-        if handle.state:
-            state = [handle.state[k] for k in compiled.state_keys]
-            kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
-            # Drop the handle's references so MLX can donate each buffer to its update.
-            handle.state = {}
-            try:
-                values = fn(arrays, state)
-            except BaseException:
-                handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
-                raise
-            del state, arrays
-            count = len(handle.outputs)
-            results, new_state = values[:count], values[count:]
-            handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))}
-            del new_state
-        else:  # a stateless program: no buffer to hand over
-            results = values = fn(arrays, [])
-            del arrays
+        state = [handle.state[k] for k in compiled.state_keys]
+        kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
+        # Drop the handle's references so MLX can donate each buffer to its update.
+        handle.state = {}
+        try:
+            values = fn(arrays, state)
+        except BaseException:
+            handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
+            raise
+        del state, arrays
+        count = len(handle.outputs)
+        results, new_state = values[:count], values[count:]
+        handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))} if new_state or kept else {}
         self._evaluate(*values)
-        del values
+        del values, new_state
         # A result can be in runtime-visible memory only over a shared input (see execute).
         maybe_shared = bool(shared_spans) and any(
             _overlaps(_tensor_span(tensor), span)
@@ -901,10 +894,8 @@ class MLXDelegate:
         if maybe_shared:
             self._snapshot_overlapping(results, outputs, done)
             pending = [i for i in range(len(outputs)) if i not in done]
-        elif done:
-            pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and i not in done]
         else:
-            pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
+            pending = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and i not in done]
         for index in pending:
             tensor = outputs[index]
             source = np.asarray(results[index])
