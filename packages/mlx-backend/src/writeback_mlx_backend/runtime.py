@@ -28,15 +28,22 @@ for them. Then the step is traced once with ``mx.compile`` when the program allo
 it: static shapes, no scalar inputs, every index read from the delegate's inputs
 or constants (so it is checked on them, before the graph is built) or computed in a
 few steps from inputs, constants and state (those steps are traced apart and
-evaluated first, alone, so the index is checked on the host too), and no write
-the program requires in caller memory. A compiled call checks its indices, runs
-the traced graph, evaluates it once, then writes outputs and state: no op is
-interpreted in Python and nothing is evaluated midway. A softmax whose mask rules
-out later positions is computed over the positions it lets through
-(``writeback_mlx_backend.window``). Any other program, or a
-call that writes a caller's tensor in place, takes the interpreted path above,
-which evaluates at each in-place write. :meth:`MLXDelegate.path` says which path
-a handle got and why.
+evaluated first, alone, so the index is checked on the host too). A compiled call
+checks its indices, runs the traced graph, evaluates it once, then writes outputs
+and state: no op is interpreted in Python and nothing is evaluated midway. A
+softmax whose mask rules out later positions is computed over the positions it
+lets through (``writeback_mlx_backend.window``).
+
+A write the program requires in a caller's tensor (guarantee 3) runs compiled too
+when an attention window bounds every read of it: the traced step reads the write
+over the window's first ``L`` columns only (the same write into the first ``L``
+columns of the destination, so no whole copy is made), and returns the written
+values; after the one evaluation the call writes the outputs, then stores each
+written region into the caller's memory on the host. Reads before the write thus
+see the old contents. A call whose written index or mask reaches past the longest
+traced length runs the interpreted path, as does a program that reads the write
+whole, or one with no window. The interpreted path evaluates at each in-place
+write. :meth:`MLXDelegate.path` says which path a handle got and why.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from writeback_mlx_backend.program import (
     float_value,
     torch_dtype,
 )
-from writeback_mlx_backend.window import Window, plan
+from writeback_mlx_backend.window import Unread, WholeRead, Window, lengths, plan
 
 __all__ = ["IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
 
@@ -125,12 +132,33 @@ class _Compiled:
     # The attention window (see ``writeback_mlx_backend.window``), and the step traced
     # per bounded length, made on the first call that needs it.
     window: Window | None = None
-    bounded: dict[int, Callable[[list[Any], list[Any]], list[Any]]] = field(default_factory=dict)
+    bounded: dict[int, Callable[[list[Any], list[Any]], list[Any]] | None] = field(default_factory=dict)
     # Indices computed inside the program (from inputs, constants and the state at the
     # call's start): ``pinned_fn`` computes them alone, evaluated before the graph is
     # built so they are checked on the host; the traced step reads them as extra inputs.
     pinned: list[str] = field(default_factory=list)
     pinned_fn: Callable[[list[Any], list[Any]], list[Any]] | None = None
+    # The writes the program requires in callers' tensors (see ``_CallerWrite``), in
+    # program order. With any, only bounded steps run compiled; ``fn`` is never called.
+    caller_writes: list[_CallerWrite] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _CallerWrite:
+    """A write the program requires in a caller's tensor, on the compiled path.
+
+    The bounded step never computes the written tensor whole (``window.Unread``): it
+    reads the write over the first ``L`` columns only, and returns the written values
+    (``sources``). After the one evaluation the call stores that region into the
+    caller's memory on the host, as the interpreted path does at the write.
+    """
+
+    step: Step
+    input: int
+    output: int
+    shape: tuple[int, ...]
+    # The step's arguments other than the destination and the indices: the written values.
+    sources: list[str]
 
 
 def _decode(value: Any) -> Any:
@@ -346,8 +374,6 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     """Trace ``handle``'s step with ``mx.compile`` if the program allows it (see the module
     docstring); else ``None`` and why, for :meth:`MLXDelegate.path`."""
     program = handle.program
-    if handle.forced:
-        return None, "interpreted: it writes a caller's tensor in place, which needs the written values mid-graph"
     if any("scalar" in meta for meta in program.input_meta):
         return None, "interpreted: it has scalar inputs"
     if not all(isinstance(o, Ref) for o in handle.outputs):
@@ -367,11 +393,16 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
                 if isinstance(refusal, str):
                     return None, f"interpreted: the indices of {step.name} are computed inside the program ({refusal})"
                 pinned.append(name)
+    writes = _caller_writes(handle)
+    if isinstance(writes, str):
+        return None, f"interpreted: it writes a caller's tensor in place ({writes})"
     pinned_steps = [s for s in handle.steps if s.name in _cone_names(handle, pinned)]
     state_keys = sorted(handle.state)
     update_keys = sorted(handle.state_updates)
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] = []
     shapes: dict[str, tuple[int, ...]] = {}
+    # With caller writes this whole-axis trace gives shapes and index checks only: it
+    # computes each written tensor whole, and is never called.
     fn = mx.compile(_body(handle, state_keys, update_keys, None, 0, checks, shapes, pinned))
     placeholders = _placeholders(program)
     pinned_fn = mx.compile(_pinned_body(handle, pinned_steps, pinned, state_keys)) if pinned else None
@@ -385,6 +416,13 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     except Exception as error:
         return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
     compiled = _Compiled(fn, state_keys, update_keys, checks, pinned=pinned, pinned_fn=pinned_fn)
+    by_node = {c.node: c for c in handle.forced}
+    for step in writes:  # in program order, as the traced step returns their values
+        candidate, destination = by_node[step.name], step.args[0]
+        assert isinstance(destination, Ref)
+        compiled.caller_writes.append(
+            _CallerWrite(step, candidate.input, candidate.output, shapes[destination.name], _written_values(step))
+        )
     names = [*program.inputs, *pinned]
     ranges: dict[int, tuple[int, int]] = {}
     for which, (handler, args, kwargs) in enumerate(checks):
@@ -406,8 +444,10 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     # state, so the trial copies every updated buffer whole. Past the limit the first
     # call builds the kernels instead, and updates the state in place by donation.
     updated = sum(handle.state[k].nbytes for k in update_keys)
-    if updated <= TRIAL_STATE_BYTES and all(
-        _inside(np.asarray(placeholders[i]), lo, hi) for i, lo, hi, _ in compiled.bounds
+    if (
+        not writes
+        and updated <= TRIAL_STATE_BYTES
+        and all(_inside(np.asarray(placeholders[i]), lo, hi) for i, lo, hi, _ in compiled.bounds)
     ):
         try:
             mx.eval(*traced)
@@ -416,12 +456,61 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     del traced
     kept = [*refs(handle.outputs), *handle.state_updates.values()]
     window = plan(handle.steps, shapes, handle.constants, program.inputs, program.input_meta, ranges, kept)
+    if writes and not isinstance(window, Window):
+        why = window or f"no masked softmax over more than {lengths(2 << 30)[0]} positions"
+        return None, (
+            "interpreted: it writes a caller's tensor in place, and no attention window bounds "
+            f"what reads the write ({why})"
+        )
     if window is None:
         return compiled, "compiled"
     if isinstance(window, str):
         return compiled, f"compiled; attention over the whole axis: {window}"
     compiled.window = window
-    return compiled, f"compiled; {window.describe()}"
+    if not writes:
+        return compiled, f"compiled; {window.describe()}"
+    # Trace the shortest length now: a program that reads a write whole is refused here.
+    shortest = lengths(window.size)[0]
+    bounded = mx.compile(_body(handle, state_keys, update_keys, window, shortest, pinned=pinned))
+    try:
+        bounded(placeholders, [handle.state[k] for k in state_keys])
+    except WholeRead as error:
+        return None, f"interpreted: it writes a caller's tensor in place, and {error}"
+    except Exception as error:
+        return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    compiled.bounded[shortest] = bounded
+    return compiled, (
+        f"compiled; {window.describe()}; {len(writes)} write(s) into callers' tensors stored in place "
+        "after the one evaluation (a call whose writes or attention reach past the longest bounded "
+        "length is interpreted)"
+    )
+
+
+# The writes into a caller's tensor the compiled path can bound: one index along one axis.
+_CALLER_WRITE_OPS = ("aten.index_copy.default", "aten.index_put.default")
+
+
+def _caller_writes(handle: _Handle) -> list[Step] | str:
+    """The steps of the program's required writes into callers' tensors, in program order,
+    or why the compiled path cannot store them."""
+    found = []
+    forced = {c.node: c for c in handle.forced}
+    for step in [s for s in handle.steps if s.name in forced]:
+        if step.op not in _CALLER_WRITE_OPS:
+            return f"{step.name} is {step.op}; only index_copy and index_put are stored after the evaluation"
+        destination = handle.program.inputs[forced[step.name].input]
+        if step.args[0] != Ref(destination):
+            return f"{step.name} does not write input {destination} itself"
+        if step.op == "aten.index_put.default" and len(step.args) > 3 and step.args[3]:
+            return f"{step.name} accumulates"
+        found.append(step)
+    return found
+
+
+def _written_values(step: Step) -> list[str]:
+    """What a write step writes: its arguments other than the destination and the indices."""
+    skip = {0, *step.handler.index_args}
+    return refs([a for position, a in enumerate(step.args) if position not in skip])
 
 
 def _body(
@@ -441,6 +530,10 @@ def _body(
     program = handle.program
     names = [*program.inputs, *pinned]
     skip = set(pinned)
+    # Bounded, a write into a caller's tensor is not computed (see ``_CallerWrite``): its
+    # output is stored by the call, and the step returns the written values instead.
+    writes = {c.node: c.output for c in handle.forced} if window is not None else {}
+    sources = [n for s in handle.steps if s.name in writes for n in _written_values(s)]
 
     def body(arrays: list[Any], state: list[Any]) -> list[Any]:
         env: dict[str, Any] = dict(handle.constants)
@@ -450,18 +543,43 @@ def _body(
         for step in handle.steps:
             if step.name in skip:
                 continue
+            if step.name in writes:
+                env[step.name] = Unread(step.name)
+                continue
             if bounded is not None and window is not None and window.bounds(step):
                 bounded.run(step)
                 continue
             args = resolve(step.args, env)
+            unread = _unread(args) if writes else None
+            if unread is not None:
+                # Computed from a caller write: only a bounded step may read it, over
+                # its first ``L`` columns (through ``window.Bounded.pull``).
+                env[step.name] = Unread(unread.name)
+                continue
             if checks is not None and step.handler.validate is not None:
                 checks.append((step.handler, _check_args(step, args), dict(step.kwargs)))
             env[step.name] = call(step, args, {k: resolve(v, env) for k, v in step.kwargs.items()}, True)
         if shapes is not None:
             shapes.update({k: tuple(v.shape) for k, v in env.items() if isinstance(v, mx.array)})
-        return [*(resolve(o, env) for o in handle.outputs), *(env[handle.state_updates[k]] for k in update_keys)]
+        # An output the call stores itself (a caller write's) is returned empty, made in the
+        # trace: a captured array returned by two traced functions breaks MLX's replay.
+        results = [mx.zeros((0,)) if i in writes.values() else resolve(o, env) for i, o in enumerate(handle.outputs)]
+        updates = [env[handle.state_updates[k]] for k in update_keys]
+        for value in [*results, *updates]:
+            if isinstance(value, Unread):
+                raise value.whole("the step's outputs")
+        return [*results, *updates, *(env[n] for n in sources)]
 
     return body
+
+
+def _unread(args: Any) -> Unread | None:
+    """The first :class:`Unread` among resolved arguments, if any."""
+    for value in args if isinstance(args, list) else [args]:
+        found = value if isinstance(value, Unread) else _unread(value) if isinstance(value, list) else None
+        if found is not None:
+            return found
+    return None
 
 
 def _placeholders(program: DelegateProgram) -> list[Any]:
@@ -514,6 +632,69 @@ def _pinned_body(
         return [env[name] for name in pinned]
 
     return body
+
+
+def _host_indices(handle: _Handle, compiled: _Compiled, inputs: list[Any], pinned: list[Any]) -> dict[str, Any]:
+    """The index values the caller writes read, on the host: inputs, computed indices, constants."""
+    host: dict[str, Any] = {}
+    for write in compiled.caller_writes:
+        for position in write.step.handler.index_args:
+            for name in refs(write.step.args[position : position + 1]):
+                if name in handle.program.inputs:
+                    host[name] = inputs[handle.program.inputs.index(name)].detach().numpy()
+                elif name in compiled.pinned:
+                    host[name] = np.asarray(pinned[compiled.pinned.index(name)])
+                else:
+                    host[name] = np.asarray(handle.constants[name])
+    return host
+
+
+def _write_length(
+    handle: _Handle, compiled: _Compiled, window: Window, length: int, inputs: list[Any], pinned: list[Any]
+) -> int:
+    """The bounded length a call with caller writes runs at: at least the mask's, and past
+    every written index (a write is computed over the first ``L`` columns only); 0 when none
+    is long enough or an index is negative (the call is then interpreted)."""
+    if not length:
+        return 0
+    reach = 0
+    for value in _host_indices(handle, compiled, inputs, pinned).values():
+        if value.size:
+            if int(value.min()) < 0:
+                return 0
+            reach = max(reach, int(value.max()) + 1)
+    return next((n for n in lengths(window.size) if n >= max(length, reach)), 0)
+
+
+def _caller_regions(
+    handle: _Handle, compiled: _Compiled, written: list[Any], inputs: list[Any], pinned: list[Any]
+) -> list[tuple[np.ndarray, Region]]:
+    """Each caller write's destination (the caller's memory) and region, in program order,
+    from the evaluated written values and the indices on the host."""
+    host = _host_indices(handle, compiled, inputs, pinned)
+    values = iter(written)
+    found = []
+    for write in compiled.caller_writes:
+        env = {**host, **{name: np.asarray(next(values)) for name in write.sources}}
+        args = [_ShapeOnly(write.shape), *resolve(write.step.args[1:], env)]
+        assert write.step.handler.region is not None
+        region = write.step.handler.region(*args, **write.step.kwargs)
+        dest = inputs[write.input].detach().numpy()
+        if region.values.dtype != dest.dtype:
+            region = Region(region.key, region.values.astype(dest.dtype), region.accumulate)
+        found.append((dest, region))
+    return found
+
+
+def _store(handle: _Handle, regions: Sequence[tuple[np.ndarray, Region]]) -> None:
+    """Store ``regions`` into the callers' memory. A state value that reads that memory
+    through an MLX view is copied first, so it keeps the contents the call found."""
+    targets = [_span(torch.from_numpy(dest)) for dest, _ in regions]
+    for key, value in handle.state.items():
+        if isinstance(value, mx.array) and any(_overlaps(_span(value), t) for t in targets):
+            handle.state[key] = _snapshot(value)
+    for dest, region in regions:
+        _apply(dest, region)
 
 
 def _inside(host: np.ndarray, lo: int, hi: int) -> bool:
@@ -666,12 +847,14 @@ class MLXDelegate:
                 f"{len(args)} arguments in all"
             )
         compiled = handle.compiled
+        forced = {c.node for c in handle.forced}
         if (
             compiled is not None
-            and not handle.forced
-            and not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates)
+            and not any(
+                _same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates if c.node not in forced
+            )
+            and self._execute_compiled(handle, compiled, inputs, outputs)
         ):
-            self._execute_compiled(handle, compiled, inputs, outputs)
             return
         env: dict[str, Any] = dict(handle.constants)
         shared: dict[int, bool] = {}
@@ -732,18 +915,20 @@ class MLXDelegate:
         self.evaluations_total += 1
         mx.eval(*arrays)
 
-    def _execute_compiled(self, handle: _Handle, compiled: _Compiled, inputs: list[Any], outputs: list[Any]) -> None:
-        """One call on the traced step: check indices, build, evaluate once, write."""
+    def _execute_compiled(self, handle: _Handle, compiled: _Compiled, inputs: list[Any], outputs: list[Any]) -> bool:
+        """One call on the traced step: check indices, build, evaluate once, write. ``False``
+        (nothing done) when a program with caller writes has no bounded length for this call."""
         count = len(inputs)
         for position, lo, hi, which in compiled.bounds:
             if position < count and not _inside(inputs[position].detach().numpy(), lo, hi):
                 self._index_error(handle, compiled, which, inputs, [], position, lo, hi)
-        arrays, shared_spans = [], []
+        arrays, shared_spans, copies = [], [], []  # type: tuple[list[Any], list[Any], list[int]]
         for value in inputs:
-            array, shared = self._bind(value)
+            array, shared = self._bind(value, copies)
             arrays.append(array)
             if shared:
                 shared_spans.append(_tensor_span(value))
+        pinned: list[Any] = []
         if compiled.pinned_fn is not None:
             # Computed indices: evaluated alone (a small graph), checked like inputs.
             pinned = compiled.pinned_fn(arrays, [handle.state[k] for k in compiled.state_keys])
@@ -752,13 +937,26 @@ class MLXDelegate:
                 if position >= count and not _inside(np.asarray(pinned[position - count]), lo, hi):
                     self._index_error(handle, compiled, which, inputs, pinned, position, lo, hi)
             arrays += pinned
-        fn = compiled.fn
+        fn: Callable[[list[Any], list[Any]], list[Any]] | None = compiled.fn
         window = compiled.window
         if window is not None:
             length = window.length(int(inputs[window.input_index].reshape(-1)[0]))
-            self.attention_lengths.append(length or window.size)
+            if compiled.caller_writes:
+                length = _write_length(handle, compiled, window, length, inputs, pinned)
             if length:
-                fn = compiled.bounded.get(length) or self._bounded(handle, compiled, window, length)
+                fn = (
+                    compiled.bounded[length]
+                    if length in compiled.bounded
+                    else self._bounded(handle, compiled, window, length)
+                )
+            elif compiled.caller_writes:
+                fn = None
+            if fn is not None:
+                self.attention_lengths.append(length or window.size)
+        if fn is None:
+            return False  # a caller write past every bounded length: interpreted
+        for nbytes in copies:  # counted only now: the interpreted path binds its own
+            self._count_copy(nbytes)
         state = [handle.state[k] for k in compiled.state_keys]
         kept = {k: v for k, v in handle.state.items() if k not in compiled.update_keys}
         # Drop the handle's references so MLX can donate each buffer to its update.
@@ -769,19 +967,27 @@ class MLXDelegate:
             handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
             raise
         del state, arrays
-        count = len(handle.outputs)
-        results, new_state = values[:count], values[count:]
+        count, updates = len(handle.outputs), len(compiled.update_keys)
+        results, new_state = values[:count], values[count : count + updates]
+        written = values[count + updates :]
         handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))} if new_state or kept else {}
         self._evaluate(*values)
         del values, new_state
+        done = {w.output for w in compiled.caller_writes}
         # A result can be in runtime-visible memory only over a shared input (see execute).
         maybe_shared = bool(shared_spans) and any(
             _overlaps(_tensor_span(tensor), span)
-            for tensor in outputs
-            if isinstance(tensor, torch.Tensor)
+            for index, tensor in enumerate(outputs)
+            if isinstance(tensor, torch.Tensor) and index not in done
             for span in shared_spans
         )
-        self._write_outputs(results, outputs, set(), maybe_shared)
+        # Every region is worked out before anything is written (a bad one writes nothing);
+        # the outputs go first, so those read before a write keep the old contents.
+        regions = _caller_regions(handle, compiled, written, inputs, pinned)
+        self._write_outputs(results, outputs, done, maybe_shared)
+        if regions:
+            _store(handle, regions)
+        return True
 
     @staticmethod
     def _index_error(
@@ -807,39 +1013,49 @@ class MLXDelegate:
     @staticmethod
     def _bounded(
         handle: _Handle, compiled: _Compiled, window: Window, length: int
-    ) -> Callable[[list[Any], list[Any]], list[Any]]:
+    ) -> Callable[[list[Any], list[Any]], list[Any]] | None:
         """The step traced with its attention bounded to ``length`` columns, made once per length.
 
         Traced here on placeholders (nothing is evaluated); a trace that fails leaves that
-        length on the whole-axis step, and :meth:`path` says so."""
-        fn = mx.compile(
+        length on the whole-axis step (with caller writes: interpreted, ``None``), and
+        :meth:`path` says so."""
+        fn: Callable[[list[Any], list[Any]], list[Any]] | None = mx.compile(
             _body(handle, compiled.state_keys, compiled.update_keys, window, length, pinned=compiled.pinned)
         )
         try:
             placeholders = _placeholders(handle.program)
             if compiled.pinned_fn is not None:
                 placeholders += compiled.pinned_fn(placeholders, [handle.state[k] for k in compiled.state_keys])
+            assert fn is not None
             fn(placeholders, [handle.state[k] for k in compiled.state_keys])
         except Exception as error:
-            handle.path += f"; length {length} runs the whole axis (its trace failed: {type(error).__name__})"
-            fn = compiled.fn
+            fallback = "is interpreted" if compiled.caller_writes else "runs the whole axis"
+            handle.path += f"; length {length} {fallback} (its trace failed: {type(error).__name__})"
+            fn = None if compiled.caller_writes else compiled.fn
         compiled.bounded[length] = fn
         return fn
 
-    def _bind(self, value: Any) -> tuple[Any, bool]:
-        """An input as MLX: the caller's MLX array (shared) or a copy (not shared)."""
+    def _bind(self, value: Any, copies: list[int] | None = None) -> tuple[Any, bool]:
+        """An input as MLX: the caller's MLX array (shared) or a copy (not shared). A copy's
+        size is counted, or added to ``copies`` for the caller to count."""
         if not isinstance(value, torch.Tensor):
             return value, False
         found = lookup(value)
         if found is not None:
             return found, True
         nbytes = value.numel() * value.element_size()
-        self.copied_input_bytes_total += nbytes
-        self.copied_input_bytes.append(nbytes)
+        if copies is None:
+            self._count_copy(nbytes)
+        else:
+            copies.append(nbytes)
         host = (
             value.numpy() if value.is_contiguous() and not value.requires_grad else value.detach().contiguous().numpy()
         )
         return mx.array(host), False
+
+    def _count_copy(self, nbytes: int) -> None:
+        self.copied_input_bytes_total += nbytes
+        self.copied_input_bytes.append(nbytes)
 
     def _write_in_place(
         self,

@@ -29,6 +29,14 @@ Refused, for example: a mask of ``finfo.min`` rather than ``-inf`` (its columns 
 weigh ``exp(min - max)``, which this does not prove zero), a mask that depends on two
 inputs, or scores returned as an output.
 
+A write into a caller's tensor (a cache passed as an input, written in place) is
+never computed whole in a bounded trace: its value stands in as :class:`Unread`,
+the values read from it are its first ``L`` columns, computed as the same write
+into the first ``L`` columns of the destination (the call checks on the host that
+every written index lies below ``L``), and any read of it over the whole axis
+fails the trace with :class:`WholeRead`. The runtime then stores the written
+region into the caller's memory itself.
+
 One assumption: the values a mask removes are finite in the unbounded program (a
 cache's unwritten rows are zeros). Where they are not, the unbounded program turns
 them into NaN and the bounded one never reads them.
@@ -46,7 +54,7 @@ import numpy as np
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 
-__all__ = ["Bounded", "Window", "lengths", "plan"]
+__all__ = ["Bounded", "Unread", "WholeRead", "Window", "lengths", "plan"]
 
 NEG_INF = -math.inf
 
@@ -112,7 +120,8 @@ class Window:
         )
 
     def trace(self, env: dict[str, Any], length: int) -> Bounded:
-        """A trace of the step over the first ``length`` columns, reading full values in ``env``."""
+        """A trace of the step over the first ``length`` columns, reading full values in ``env``
+        (where a value is :class:`Unread`, only its first ``length`` columns are computed)."""
         return Bounded(self, env, length)
 
     def bounds(self, step: Step) -> bool:
@@ -519,6 +528,22 @@ def _extent(mask: np.ndarray, axis: int) -> int:
 # -- tracing the bounded step ---------------------------------------------------------------
 
 
+class WholeRead(ValueError):
+    """A bounded trace needed a write into a caller's tensor over its whole axis."""
+
+
+@dataclass(frozen=True)
+class Unread:
+    """Stands in ``env`` for a write into a caller's tensor (``name``), or a value computed from
+    one: a bounded trace computes only its first ``L`` columns (:meth:`Bounded.pull`); reading
+    it any other way raises :class:`WholeRead`."""
+
+    name: str
+
+    def whole(self, reader: str) -> WholeRead:
+        return WholeRead(f"{reader} reads {self.name}, a write into a caller's tensor, over its whole axis")
+
+
 class Bounded:
     """One bounded trace: ``env`` holds the full values, ``bounded`` the first ``length``
     columns of each value in the window, ``pulled`` those of values read into it."""
@@ -529,9 +554,18 @@ class Bounded:
         self.length = length
         self.bounded: dict[str, Any] = {}
         self.pulled: dict[tuple[str, int], Any] = {}
+        self.reader = ""
+
+    def full(self, name: str) -> Any:
+        """The whole value of ``name``; raises :class:`WholeRead` for a caller write's."""
+        value = self.env[name]
+        if isinstance(value, Unread):
+            raise value.whole(self.reader)
+        return value
 
     def run(self, step: Step) -> None:
         """Compute ``step`` (see :meth:`Window.bounds`): an exit into ``env``, else into ``bounded``."""
+        self.reader = step.name
         value = _REWRITE.get(step.op, _rewrite_elementwise)(self, step)
         if step.name in self.window.exits:
             self.env[step.name] = value
@@ -548,12 +582,12 @@ class Bounded:
         if value.name in self.bounded:
             return self.bounded[value.name]
         if value.name in self.window.masks:
-            return self.cut(self.env[value.name], self.window.masks[value.name])
+            return self.cut(self.full(value.name), self.window.masks[value.name])
         shape = self.window.shapes[value.name]
         at = axis - (rank - len(shape))
         if at >= 0 and shape[at] == self.window.size:
             return self.pull(value.name, at)
-        return self.env[value.name]
+        return self.full(value.name)
 
     def pull(self, name: str, axis: int) -> Any:
         """The first ``length`` entries along ``axis`` of an unbounded value, computed from
@@ -562,8 +596,11 @@ class Bounded:
         if key not in self.pulled:
             step = self.window.producers.get(name)
             rule = _PULL.get(step.op) if step is not None and name not in self.window.masks else None
+            unread = self.env.get(name)
+            if isinstance(unread, Unread) and unread.name == name:
+                rule = _pull_write  # the write itself; a value computed from it has its own rule
             value = rule(self, step, axis) if rule is not None and step is not None else None
-            self.pulled[key] = self.cut(self.env[name], axis) if value is None else value
+            self.pulled[key] = self.cut(self.full(name), axis) if value is None else value
         return self.pulled[key]
 
     def shape(self, name: str, axis: int) -> list[int]:
@@ -592,11 +629,11 @@ def _rewrite_matmul(b: Bounded, step: Step) -> Any:
     if x.name in b.bounded:
         left = b.bounded[x.name]
         contracted = b.window.axes[x.name] == len(b.window.shapes[x.name]) - 1
-        right = b.pull(y.name, len(b.window.shapes[y.name]) - 2) if contracted else b.env[y.name]
+        right = b.pull(y.name, len(b.window.shapes[y.name]) - 2) if contracted else b.full(y.name)
     else:
         right = b.bounded[y.name]
         contracted = b.window.axes[y.name] == len(b.window.shapes[y.name]) - 2
-        left = b.pull(x.name, len(b.window.shapes[x.name]) - 1) if contracted else b.env[x.name]
+        left = b.pull(x.name, len(b.window.shapes[x.name]) - 1) if contracted else b.full(x.name)
     return call(step, [left, right], _kwargs(step, b.env), True)
 
 
@@ -638,10 +675,33 @@ def _pull_matmul(b: Bounded, step: Step, axis: int) -> Any:
     x, y = step.args[:2]
     rank = len(b.window.shapes[step.name])
     if axis == rank - 1:
-        return call(step, [b.env[x.name], b.pull(y.name, len(b.window.shapes[y.name]) - 1)], _kwargs(step, b.env), True)
-    if axis == rank - 2 and len(b.window.shapes[x.name]) >= 2:
-        return call(step, [b.pull(x.name, len(b.window.shapes[x.name]) - 2), b.env[y.name]], _kwargs(step, b.env), True)
-    return None
+        args = [b.full(x.name), b.pull(y.name, len(b.window.shapes[y.name]) - 1)]
+    elif axis == rank - 2 and len(b.window.shapes[x.name]) >= 2:
+        args = [b.pull(x.name, len(b.window.shapes[x.name]) - 2), b.full(y.name)]
+    else:
+        return None
+    return call(step, args, _kwargs(step, b.env), True)
+
+
+def _pull_write(b: Bounded, step: Step, axis: int) -> Any:
+    """The first ``length`` entries along ``axis`` of a write into a caller's tensor: the same
+    write into the first ``length`` entries of its destination. Only for one index along that
+    axis; the call checked that each written index lies in ``[0, length)``."""
+    rank = len(b.window.shapes[step.name])
+    dest, *rest = step.args
+    if step.op == "aten.index_copy.default":
+        along = [_norm(rest[0], rank)]
+    elif step.op == "aten.index_put.default" and not (len(rest) > 2 and rest[2]):
+        along = [p for p, index in enumerate(rest[0]) if index is not None]
+    else:
+        along = []
+    if along != [axis] or not isinstance(dest, Ref):
+        raise WholeRead(f"{b.reader} reads {step.name}, a write into a caller's tensor, along an axis it does not slot")
+    others = resolve(rest, b.env)
+    for name in refs(rest):
+        if isinstance(b.env[name], Unread):
+            raise b.env[name].whole(step.name)
+    return call(step, [b.pull(dest.name, axis), *others], _kwargs(step, b.env), True)
 
 
 _PULL: dict[str, Callable[[Bounded, Step, int], Any]] = {
