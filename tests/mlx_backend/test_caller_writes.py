@@ -194,3 +194,52 @@ def test_a_program_that_reads_the_written_cache_whole_is_interpreted_says_why_an
         torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(total, want_total, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(cache, expected_cache)
+
+
+class PutAttention(nn.Module):
+    """Two heads over a caller's key and value caches written with ``cache[:, :, slot] = ...``
+    (``index_put``), masked by ``pos``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slots", torch.arange(SIZE))
+
+    def forward(
+        self, x: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        keys[:, :, slot] = x
+        values[:, :, slot] = 2.0 * x - 1.0
+        mask = torch.where(self.slots <= pos, 0.0, float("-inf"))
+        scores = x @ keys.transpose(2, 3) / 2.0 + mask
+        return torch.softmax(scores, dim=-1) @ values
+
+
+def test_random_positions_and_slots_with_index_put_caches_match_eager_on_either_path() -> None:
+    """Forty calls at positions and slots drawn from a seeded generator (jumping back, the same
+    slot twice, slots past the mask and past the longest traced length): every output and
+    both caches match eager PyTorch after every call, compiled or interpreted."""
+    mine, eager = PutAttention(), PutAttention()
+    shape = (1, 2, SIZE, 4)
+    lowered = lower_mlx(
+        mine, (torch.ones(1, 2, 1, 4), torch.tensor([0]), torch.tensor([0]), torch.zeros(shape), torch.zeros(shape))
+    )
+    method, delegate = lowered.method(), lowered.delegate()
+    assert "2 write(s) into callers' tensors" in delegate.execution_paths[-1], delegate.execution_paths[-1]
+    keys, values = empty(shape), torch.zeros(shape)  # one shared with MLX, one copied in
+    want_keys, want_values = torch.zeros(shape), torch.zeros(shape)
+    draw = torch.Generator().manual_seed(5)
+    compiled = 0
+    for step in range(40):
+        position = int(torch.randint(0, SIZE, (1,), generator=draw))
+        slot = position if step % 3 else int(torch.randint(0, SIZE, (1,), generator=draw))
+        x = torch.randn(1, 2, 1, 4, generator=draw)
+        calls = len(delegate.attention_lengths)
+        *_, out = method.execute([x, torch.tensor([position]), torch.tensor([slot]), keys, values])
+        with torch.no_grad():
+            want = eager(x, torch.tensor([position]), torch.tensor([slot]), want_keys, want_values)
+        where = f"step {step}: position {position}, slot {slot}"
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL, msg=where)
+        torch.testing.assert_close(keys, want_keys, msg=where)
+        torch.testing.assert_close(values, want_values, msg=where)
+        compiled += len(delegate.attention_lengths) - calls
+    assert 10 < compiled < 40  # both paths ran
