@@ -83,10 +83,13 @@ def test_decoder_call_runs_no_op_in_python_and_evaluates_once_and_matches_eager(
     assert lowered.only_delegate_runs()
     method = lowered.method()
     delegate = lowered.delegate()
-    # Each layer's two RMSNorms and the final one run as mx.fast.rms_norm.
+    # Each layer's two RMSNorms and the final one run as mx.fast.rms_norm, and each layer's
+    # attention as mx.fast.scaled_dot_product_attention.
     norms = sum(1 for m in eager.modules() if type(m).__name__ == "RMSNorm")
     assert norms == 5
-    assert list(delegate.execution_paths) == [f"compiled; {norms} RMSNorm(s) as mx.fast.rms_norm"]
+    assert list(delegate.execution_paths) == [
+        f"compiled; {norms} RMSNorm(s) as mx.fast.rms_norm; 2 attention(s) as mx.fast.scaled_dot_product_attention"
+    ]
     for step in range(6):
         tokens, pos = torch.tensor([[(5 * step + 2) % 32]]), torch.tensor([step])
         with counted(monkeypatch) as counts:
@@ -273,8 +276,11 @@ def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attenti
     assert path.startswith("compiled; attention over 2 masked softmax(es) bounded by cache_position"), path
     # Every RMSNorm of the model (Qwen3 and Gemma also normalize q and k per head) is one
     # mx.fast.rms_norm; Gemma's weight is (1 + w), computed in the program.
+    # Each layer's attention (two layers), exported as PyTorch's SDPA with its safe softmax,
+    # is one mx.fast.scaled_dot_product_attention.
     norms = sum(1 for m in case.build().modules() if type(m).__name__.endswith("RMSNorm"))
-    assert path.endswith(f"; {norms} RMSNorm(s) as mx.fast.rms_norm"), path
+    suffix = f"; {norms} RMSNorm(s) as mx.fast.rms_norm; 2 attention(s) as mx.fast.scaled_dot_product_attention"
+    assert path.endswith(suffix), path
     assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
     assert all(result.copied_bytes - result.delegate_copied_bytes == 0 for result, _ in report.steps)
 

@@ -62,7 +62,7 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
-from writeback_mlx_backend.fast import fuse_rms_norms
+from writeback_mlx_backend.fast import fuse_attention, fuse_rms_norms
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import (
@@ -717,6 +717,23 @@ def _check_args(step: Step, traced: Sequence[Any]) -> list[Any]:
     return found
 
 
+def _lazy_info(
+    program: DelegateProgram, steps: Sequence[Step], constants: Mapping[str, Any], state: Mapping[str, Any]
+) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Each value's shape and dtype, from the traced steps on placeholder inputs, nothing
+    evaluated; it stops at the first step that cannot be traced (the values after it are
+    left out, and no pattern is matched over them)."""
+    env: dict[str, Any] = {**constants, **state}
+    try:
+        env.update(zip(program.inputs, _placeholders(program), strict=True))
+        for step in steps:
+            kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
+            env[step.name] = call(step, resolve(step.args, env), kwargs, True)
+    except Exception:  # the compiled path says why when it traces; here only patterns are lost
+        pass
+    return {k: (tuple(v.shape), v.dtype) for k, v in env.items() if isinstance(v, mx.array)}
+
+
 def _load(program: DelegateProgram, record: TensorRecord) -> Any:
     """A record as an MLX array of its own: zeros allocated here, or a copy of its bytes."""
     if record.zeros:
@@ -791,6 +808,8 @@ class MLXDelegate:
         kept = [*refs(outputs), *state_updates.values()]
         steps = _fold_constants(steps, constants, kept)
         steps, norms = fuse_rms_norms(steps, constants, kept)
+        state = {k: _load(program, r) for k, r in program.state.items()}
+        steps, attentions = fuse_attention(steps, _lazy_info(program, steps, constants, state), constants, kept)
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
@@ -802,7 +821,6 @@ class MLXDelegate:
         for name, position in last_use.items():
             if name not in constants:
                 dies_at[position].append(name)
-        state = {k: _load(program, r) for k, r in program.state.items()}
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
         handle = _Handle(
@@ -821,6 +839,8 @@ class MLXDelegate:
         handle.compiled, handle.path = _compile(handle)
         if norms:
             handle.path += f"; {norms} RMSNorm(s) as mx.fast.rms_norm"
+        if attentions:
+            handle.path += f"; {attentions} attention(s) as mx.fast.scaled_dot_product_attention"
         self.execution_paths.append(handle.path)
         return handle
 

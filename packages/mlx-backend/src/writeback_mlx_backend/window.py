@@ -53,6 +53,7 @@ import mlx.core as mx
 import numpy as np
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
+from writeback_mlx_backend.fast import SDPA
 
 __all__ = ["Bounded", "Unread", "WholeRead", "Window", "lengths", "plan"]
 
@@ -363,6 +364,18 @@ def _forward_matmul(an: _Analysis, step: Step) -> Any:
     return f"{step.name} multiplies along the bounded axis in a way not handled"
 
 
+def _forward_sdpa(an: _Analysis, step: Step) -> Any:
+    """The fused attention (``writeback_mlx_backend.fast``) reading a mask: its output has
+    no bounded axis, and the masked keys weigh zero when the mask holds -inf there."""
+    q, k, v, mask = step.args[:4]
+    tag = an.tags.get(mask.name) if isinstance(mask, Ref) else None
+    if any(isinstance(x, Ref) and x.name in an.tags for x in (q, k, v)) or tag is None:
+        return f"{step.name} reads the bounded axis in its queries, keys or values"
+    if tag.axis != an.rank(mask) - 1 or tag.fill != NEG_INF:
+        return f"{step.name}: a softmax over columns not proved -inf"
+    return _EXIT
+
+
 def _forward_reduce(identity: Any) -> _Forward:
     def forward(an: _Analysis, step: Step) -> Any:
         tag = an.tags[step.args[0].name]
@@ -396,6 +409,7 @@ _FORWARD: dict[str, _Forward] = {
     "aten.any.dim": _forward_reduce(False),
     "aten.sum.dim_IntList": _forward_reduce(0),
     "aten.amax.default": _forward_reduce(NEG_INF),
+    SDPA: _forward_sdpa,
 }
 
 
@@ -420,19 +434,27 @@ def plan(
         if math.prod(meta["shape"]) == 1 and meta["dtype"] in ("int64", "int32")
     ]
     an = _Analysis(steps, shapes, constants, positions)
-    softmaxes = [s for s in steps if s.op in _SOFTMAXES and isinstance(s.args[0], Ref)]
+    softmaxes = [s for s in steps if (s.op in _SOFTMAXES and isinstance(s.args[0], Ref)) or s.op == SDPA]
     if not softmaxes:
         return None
     masks: dict[str, int] = {}
     for step in softmaxes:
-        shape = shapes[step.args[0].name]
-        axis = _norm(step.args[1], len(shape))
-        if an.size not in (0, shape[axis]):
+        if step.op == SDPA:
+            # Its softmax runs over the keys' axis 2; the mask is added along its last axis.
+            size, mask = shapes[step.args[1].name][2], step.args[3]
+            if not isinstance(mask, Ref):
+                return f"{step.name}: attention with no mask"
+            where = (mask.name, len(shapes[mask.name]) - 1)
+        else:
+            shape = shapes[step.args[0].name]
+            axis = _norm(step.args[1], len(shape))
+            size, where = shape[axis], (step.args[0].name, axis)
+        if an.size not in (0, size):
             return "softmaxes over axes of different sizes"
-        an.size = shape[axis]
+        an.size = size
         if not lengths(an.size):
             return None  # too short to bound
-        found = an.masks(step.args[0].name, axis)
+        found = an.masks(*where)
         if not found:
             return f"{step.name}: no mask computed from a position input alone is added to its input"
         masks.update(found)
@@ -641,6 +663,13 @@ def _rewrite_unary(b: Bounded, step: Step) -> Any:
     return call(step, [b.bounded[step.args[0].name], *step.args[1:]], _kwargs(step, b.env), True)
 
 
+def _rewrite_sdpa(b: Bounded, step: Step) -> Any:
+    """The fused attention over the first ``length`` keys, values and mask columns."""
+    q, k, v, mask, *rest = step.args
+    args = [b.full(q.name), b.pull(k.name, 2), b.pull(v.name, 2), b.operand(mask, 4, 3), *rest]
+    return call(step, args, _kwargs(step, b.env), True)
+
+
 _REWRITE: dict[str, Callable[[Bounded, Step], Any]] = {
     **{op: _rewrite_view for op in _VIEWS},
     **{op: _rewrite_matmul for op in _MATMULS},
@@ -649,6 +678,7 @@ _REWRITE: dict[str, Callable[[Bounded, Step], Any]] = {
     "aten.any.dim": _rewrite_unary,
     "aten.sum.dim_IntList": _rewrite_unary,
     "aten.amax.default": _rewrite_unary,
+    SDPA: _rewrite_sdpa,
 }
 
 

@@ -1,0 +1,133 @@
+"""Attention written out as PyTorch exports it, run as one
+``mx.fast.scaled_dot_product_attention`` step (``writeback_mlx_backend.fast``): the forms
+real models export are fused (a hand-written softmax over scaled scores, PyTorch's SDPA with
+its safe softmax, grouped-query heads), the kernel is what runs, a fully masked query row
+gives zeros as eager does, an attention whose scores are read elsewhere is left alone, and
+every case computes what eager PyTorch does. Real export and lowering, real pybind-runtime,
+real MLX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import torch
+import torch.nn.functional as F
+from writeback_core.pipeline import Eager, Session, assemble, compare, lower
+from writeback_core.registry import load_registry
+from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
+from writeback_mlx_backend import MLXDelegate
+
+from tests.mlx_backend.lowering import lower_mlx
+
+ATOL = RTOL = 1e-5
+FUSED = "attention(s) as mx.fast.scaled_dot_product_attention"
+
+
+class Sdpa(torch.nn.Module):
+    """``F.scaled_dot_product_attention`` with an additive mask, ``kv_heads`` key and value
+    heads repeated to ``heads`` (as Hugging Face's ``repeat_kv`` does)."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 4, scale: float | None = None) -> None:
+        super().__init__()
+        self.repeat, self.scale = heads // kv_heads, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        k, v = k.repeat_interleave(self.repeat, dim=1), v.repeat_interleave(self.repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+
+class ScoresToo(torch.nn.Module):
+    """Hand-written attention that also returns its scores: not one kernel's work."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
+        scores = q @ k.transpose(2, 3) / 2.0 + mask
+        return torch.softmax(scores, dim=-1) @ v, scores
+
+
+def _inputs(heads: int, kv_heads: int, t: int = 3, s: int = 6, d: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(1, 1, t, s)
+    mask[..., :, s - 2 :] = float("-inf")  # every query ignores the last two keys
+    return [
+        torch.randn(1, heads, t, d, generator=g),
+        torch.randn(1, kv_heads, s, d, generator=g),
+        torch.randn(1, kv_heads, s, d, generator=g),
+        mask,
+    ]
+
+
+def _run(module: torch.nn.Module, inputs: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> tuple[str, int, Any]:
+    """The delegate's path, how many times the MLX kernel was called while loading and running
+    once, and the outputs."""
+    calls = {"n": 0}
+    kernel = mx.fast.scaled_dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    lowered = lower_mlx(module, tuple(inputs))
+    assert lowered.only_delegate_runs()
+    method = lowered.method()
+    outputs = method.execute(inputs)
+    (path,) = lowered.delegate().execution_paths
+    return path, calls["n"], outputs
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "scale"), [(4, 4, None), (4, 2, None), (2, 1, 0.3)])
+def test_pytorch_sdpa_runs_as_one_kernel_and_matches_eager(
+    heads: int, kv_heads: int, scale: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = Sdpa(heads, kv_heads, scale)
+    inputs = _inputs(heads, kv_heads)
+    path, kernel_calls, (out,) = _run(module, inputs, monkeypatch)
+    assert path.endswith(f"; 1 {FUSED}"), path
+    assert kernel_calls >= 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, module(*inputs), rtol=RTOL, atol=ATOL)
+
+
+def test_a_query_row_masked_everywhere_gives_zeros_as_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = Sdpa()
+    inputs = _inputs(4, 4)
+    inputs[3][..., 1, :] = float("-inf")  # query 1 may attend nowhere
+    path, _, (out,) = _run(module, inputs, monkeypatch)
+    assert path.endswith(f"; 1 {FUSED}"), path
+    # Worked out by hand: PyTorch's safe softmax gives that row zero weights, so zeros.
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 4, 4))
+    assert not torch.isnan(out).any()
+    with torch.no_grad():
+        torch.testing.assert_close(out, module(*inputs), rtol=RTOL, atol=ATOL)
+
+
+def test_attention_whose_scores_are_an_output_keeps_its_ops_and_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = ScoresToo()
+    inputs = _inputs(2, 2)
+    path, kernel_calls, (out, scores) = _run(module, inputs, monkeypatch)
+    assert FUSED not in path, path
+    assert kernel_calls == 0
+    with torch.no_grad():
+        want, want_scores = module(*inputs)
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(scores, want_scores, rtol=RTOL, atol=ATOL)
+
+
+def test_et_llama_runs_each_layers_attention_as_one_kernel_over_the_window_and_matches_eager() -> None:
+    cfg = ETLlamaConfig(max_seq=72)
+    case = et_llama_case(config=cfg)
+    pipeline = assemble(load_registry(), "mlx")
+    lowered = lower(case, pipeline)
+    delegate = pipeline.delegates["WritebackMLXBackend"]
+    assert isinstance(delegate, MLXDelegate)
+    session = Session.open(pipeline, lowered)
+    path = delegate.execution_paths[-1]
+    assert path.startswith(f"compiled; attention over {cfg.layers} masked softmax(es)"), path
+    assert path.endswith(f"; {cfg.layers} {FUSED}"), path
+    eager = Eager(case)
+    for step in range(40):
+        check = compare(session.step(step), eager.step(step), session.state, eager.state)
+        assert check.ok, (step, check.problems)
+    assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
