@@ -114,3 +114,18 @@ def lower_mlx(
         partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state"
     )
     return Lowered(manager, list(partitioned.decisions.values()), reg)
+
+
+def count_kernel_calls(monkeypatch: Any, name: str) -> dict[str, int]:
+    """Count calls of ``mlx.core.fast.<name>`` from now on (``{"n": calls}``), still calling it."""
+    import mlx.core as mx
+
+    calls = {"n": 0}
+    kernel = getattr(mx.fast, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, name, counted)
+    return calls

@@ -279,7 +279,11 @@ def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attenti
     # Each layer's attention (two layers), exported as PyTorch's SDPA with its safe softmax,
     # is one mx.fast.scaled_dot_product_attention.
     norms = sum(1 for m in case.build().modules() if type(m).__name__.endswith("RMSNorm"))
-    suffix = f"; {norms} RMSNorm(s) as mx.fast.rms_norm; 2 attention(s) as mx.fast.scaled_dot_product_attention"
+    # And q and k of each layer are rotated by one mx.fast.rope each.
+    suffix = (
+        f"; {norms} RMSNorm(s) as mx.fast.rms_norm; 2 attention(s) as mx.fast.scaled_dot_product_attention; "
+        "4 RoPE(s) as mx.fast.rope"
+    )
     assert path.endswith(suffix), path
     assert list(delegate.attention_lengths)[-40:] == [32] * 32 + [48] * 8
     assert all(result.copied_bytes - result.delegate_copied_bytes == 0 for result, _ in report.steps)

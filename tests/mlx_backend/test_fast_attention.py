@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from writeback_core.registry import load_registry
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
 from writeback_mlx_backend import MLXDelegate
 
-from tests.mlx_backend.lowering import lower_mlx
+from tests.mlx_backend.lowering import count_kernel_calls, lower_mlx
 
 ATOL = RTOL = 1e-5
 FUSED = "attention(s) as mx.fast.scaled_dot_product_attention"
@@ -61,14 +60,7 @@ def _inputs(heads: int, kv_heads: int, t: int = 3, s: int = 6, d: int = 4, seed:
 def _run(module: torch.nn.Module, inputs: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> tuple[str, int, Any]:
     """The delegate's path, how many times the MLX kernel was called while loading and running
     once, and the outputs."""
-    calls = {"n": 0}
-    kernel = mx.fast.scaled_dot_product_attention
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    calls = count_kernel_calls(monkeypatch, "scaled_dot_product_attention")
     lowered = lower_mlx(module, tuple(inputs))
     assert lowered.only_delegate_runs()
     method = lowered.method()

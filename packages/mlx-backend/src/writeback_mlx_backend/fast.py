@@ -1,7 +1,9 @@
 """RMSNorm and attention written out in aten ops, run as one ``mx.fast`` kernel each.
 
 (Attention: :func:`fuse_attention`, which runs ``mx.fast.scaled_dot_product_attention``
-in place of the steps PyTorch exports for it; see :func:`_match_attention`.)
+in place of the steps PyTorch exports for it, see :func:`_match_attention`; rotary
+embeddings: :func:`fuse_ropes`, ``mx.fast.rope`` for Hugging Face's form, see
+:func:`_match_rope`.)
 
 Llama, Qwen, Gemma and ExecuTorch's Llama example all export their RMSNorm as the
 same six steps::
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -221,6 +223,29 @@ def fuse_attention(
     step, and how many were. ``info`` gives each value's shape and dtype; ``kept`` names
     values read after the steps. An attention whose inner values anything else reads, or
     that computes in another dtype than fp32, stays as it is."""
+
+    def fuse(step: Step, producers: Mapping[str, Step]) -> tuple[set[str], Step] | None:
+        found = _match_attention(step, producers, info, constants)
+        if found is None:
+            return None
+        inner, (q, k, v, mask, scale, guard) = found
+        dtypes = [producers[n].dtype for n in inner | {step.name} if producers[n].dtype is not None]
+        if not all(_is(d, mx.float32, mx.bool_) for d in dtypes):  # the safe softmax's guard is bool
+            return None
+        return inner, Step(step.name, SDPA, _attention_handler(guard), [q, k, v, mask, scale], {}, step.dtype)
+
+    fused, dropped, _, _ = _replace_chains(steps, kept, fuse)
+    return [fused.get(s.name, s) for s in steps if s.name not in dropped], len(fused)
+
+
+def _replace_chains(
+    steps: Sequence[Step],
+    kept: Sequence[str],
+    fuse: Callable[[Step, Mapping[str, Step]], tuple[set[str], Step] | None],
+) -> tuple[dict[str, Step], set[str], dict[str, Step], dict[str, set[str]]]:
+    """Each step ``fuse`` matches (with the chain's inner steps) and the step taking its place,
+    where nothing outside the chain reads an inner value and no chain overlaps another:
+    ``(fused by name, inner steps dropped, the steps by name, each value's readers)``."""
     readers: dict[str, set[str]] = {}
     for step in steps:
         for name in refs((step.args, step.kwargs)):
@@ -229,19 +254,16 @@ def fuse_attention(
     fused: dict[str, Step] = {}
     dropped: set[str] = set()
     for step in steps:
-        found = _match_attention(step, producers, info, constants)
+        found = fuse(step, producers)
         if found is None:
             continue
-        inner, (q, k, v, mask, scale, guard) = found
+        inner, replacement = found
         chain = inner | {step.name}
         if any(n in kept or not readers.get(n, set()) <= chain for n in inner) or inner & (dropped | set(fused)):
             continue
-        dtypes = [producers[n].dtype for n in chain if producers[n].dtype is not None]
-        if any(d not in (mx.float32, mx.bool_) for d in dtypes):  # the safe softmax's guard is bool
-            continue
-        fused[step.name] = Step(step.name, SDPA, _attention_handler(guard), [q, k, v, mask, scale], {}, step.dtype)
+        fused[step.name] = replacement
         dropped |= inner
-    return [fused.get(s.name, s) for s in steps if s.name not in dropped], len(fused)
+    return fused, dropped, producers, readers
 
 
 def _scalar(step: Step, name: str, constants: Mapping[str, Any]) -> float | None:
@@ -286,8 +308,13 @@ def _shape(name: str | None, info: Info) -> tuple[int, ...]:
     return info[name][0] if name is not None and name in info else ()
 
 
+def _is(dtype: Any, *choices: Any) -> bool:
+    """``dtype`` is one of ``choices`` (an MLX dtype refuses to be compared with ``None``)."""
+    return dtype is not None and any(dtype == c for c in choices)
+
+
 def _fp32(name: str | None, info: Info) -> bool:
-    return name is not None and name in info and info[name][1] == mx.float32
+    return name is not None and name in info and _is(info[name][1], mx.float32)
 
 
 def _probabilities(name: str, producers: Mapping[str, Step]) -> tuple[str, bool, set[str]] | None:
@@ -415,3 +442,201 @@ def _scores(
         return None
     inner = passed | steps | q_passed | q_before | {view, at, q3, k3, str(kt)}
     return q4, k4, factor * more * q_factor * q_more, inner
+
+
+# -- rotary position embedding -------------------------------------------------------------
+
+ROPE = "mlx.fast.rope"
+
+_RESHAPES = ("aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims")
+_CASTS = ("aten._to_copy.default", "dim_order_ops._to_dim_order_copy.default")
+_INTS = (mx.int32, mx.int64)
+
+
+def _rope_handler(dims: int) -> OpHandler:
+    """``run(x, position, inv_freq)``: ``x * cos + rotate_half(x) * sin`` at ``position`` as one
+    kernel (``freqs`` are the wavelengths, ``1 / inv_freq``)."""
+
+    def run(x: Any, position: Any, inv_freq: Any) -> Any:
+        offset = position.reshape(()).astype(mx.int32)
+        freqs = mx.reciprocal(inv_freq.reshape(-1))
+        return mx.fast.rope(x, dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs)
+
+    return OpHandler(_never, run)
+
+
+def fuse_ropes(
+    steps: Sequence[Step], info: Info, constants: Mapping[str, Any], kept: Sequence[str]
+) -> tuple[list[Step], int]:
+    """``steps`` with each rotary embedding of one position written as Hugging Face writes it
+    (:func:`_match_rope`) replaced by one ``mx.fast.rope`` step, and how many were; the cos
+    and sin the ropes shared are dropped when nothing else reads them."""
+
+    def fuse(step: Step, producers: Mapping[str, Step]) -> tuple[set[str], Step] | None:
+        found = _match_rope(step, producers, info, constants)
+        if found is None:
+            return None
+        inner, x, position, inv_freq, dims = found
+        return inner, Step(step.name, ROPE, _rope_handler(dims), [x, position, inv_freq], {}, step.dtype)
+
+    fused, dropped, producers, readers = _replace_chains(steps, kept, fuse)
+    # The cos and sin (and the angle) the fused ropes read, once nothing else reads them.
+    pending = [n for name in dropped for n in refs((producers[name].args, producers[name].kwargs))]
+    still_read = set(kept) | set(fused) | set(refs([s.args for s in fused.values()]))
+    while pending:
+        name = pending.pop()
+        shared = producers.get(name)
+        if shared is None or name in dropped or name in still_read or not readers.get(name, set()) <= dropped:
+            continue
+        if shared.handler.region is None and shared.handler.validate is None:
+            dropped.add(name)
+            pending += refs((shared.args, shared.kwargs))
+    return [fused.get(s.name, s) for s in steps if s.name not in dropped], len(fused)
+
+
+def _through(name: str | None, ops: Sequence[str], producers: Mapping[str, Step], passed: set[str]) -> str | None:
+    """Walk back from ``name`` through steps of ``ops`` (first argument), adding them to ``passed``."""
+    while name is not None and name in producers and producers[name].op in ops:
+        passed.add(name)
+        name = _ref(producers[name].args[0])
+    return name
+
+
+def _trig(
+    name: str | None, op: str, producers: Mapping[str, Step], constants: Mapping[str, Any], passed: set[str]
+) -> str | None:
+    """The angle ``e`` behind ``name`` = ``view(op(e) [* 1.0])``, or ``None``."""
+    at = _through(name, _RESHAPES, producers, passed)
+    step = producers.get(at) if at is not None else None
+    if step is not None and step.op == "aten.mul.Tensor" and at is not None and not step.kwargs:
+        # Hugging Face's attention_scaling, 1.0 for the default rope: only that is matched.
+        ones = [_ref(a) for a in step.args if _ref(a) in constants and constants[str(_ref(a))].size == 1]
+        if len(ones) != 1 or constants[str(ones[0])].item() != 1.0:
+            return None
+        passed.add(at)
+        at = _ref(step.args[1] if _ref(step.args[0]) == ones[0] else step.args[0])
+        step = producers.get(at) if at is not None else None
+    if step is None or step.op != op or at is None:
+        return None
+    passed.add(at)
+    return _ref(step.args[0])
+
+
+def _match_rope(
+    out: Step, producers: Mapping[str, Step], info: Info, constants: Mapping[str, Any]
+) -> tuple[set[str], Ref, Ref, Ref, int] | None:
+    """Hugging Face's ``apply_rotary_pos_emb`` for one position, as exported::
+
+        f = float(position) * inv_freq            # position: one integer; inv_freq a constant
+        e = cat([f, f], -1)
+        cos, sin = view(cos(e) * 1.0), view(sin(e) * 1.0)
+        out = x * cos + cat([-x[..., h:], x[..., :h]], -1) * sin
+
+    ``x`` fp32 ``[..., 1, D]``, ``h = D / 2``. Returns the inner steps (the product and the
+    rotation; the shared cos and sin are not), ``x``, the position, ``inv_freq`` and ``D``."""
+    if out.op != "aten.add.Tensor" or out.kwargs or len(out.args) != 2:
+        return None
+    for first, second in ((0, 1), (1, 0)):
+        found = _rope_terms(_ref(out.args[first]), _ref(out.args[second]), producers, info, constants)
+        if found is not None:
+            return found
+    return None
+
+
+def _rope_terms(
+    cos_term: str | None,
+    sin_term: str | None,
+    producers: Mapping[str, Step],
+    info: Info,
+    constants: Mapping[str, Any],
+) -> tuple[set[str], Ref, Ref, Ref, int] | None:
+    a, b = producers.get(cos_term or ""), producers.get(sin_term or "")
+    if a is None or b is None or a.op != "aten.mul.Tensor" or b.op != "aten.mul.Tensor" or a.kwargs or b.kwargs:
+        return None
+    for x, cos_side in ((a.args[0], a.args[1]), (a.args[1], a.args[0])):
+        for rotated, sin_side in ((b.args[0], b.args[1]), (b.args[1], b.args[0])):
+            x_name = _ref(x)
+            if x_name is None or not _fp32(x_name, info) or len(_shape(x_name, info)) < 3:
+                continue
+            dims = _shape(x_name, info)[-1]
+            if _shape(x_name, info)[-2] != 1 or dims % 2:
+                continue
+            rotation = _rotation(_ref(rotated), x_name, dims, producers)
+            if rotation is None:
+                continue
+            shared: set[str] = set()
+            angle = _trig(_ref(cos_side), "aten.cos.default", producers, constants, shared)
+            if angle is None or _trig(_ref(sin_side), "aten.sin.default", producers, constants, shared) != angle:
+                continue
+            found = _angle(angle, dims, producers, info, constants)
+            if found is None:
+                continue
+            position, inv_freq = found
+            inner = rotation | {str(cos_term), str(sin_term)}
+            return inner, Ref(x_name), Ref(position), Ref(inv_freq), dims
+    return None
+
+
+def _rotation(name: str | None, x: str, dims: int, producers: Mapping[str, Step]) -> set[str] | None:
+    """The steps of ``cat([-x[..., h:], x[..., :h]], -1)`` ending at ``name``, or ``None``."""
+    cat = producers.get(name or "")
+    if cat is None or cat.op != "aten.cat.default" or len(cat.args) != 2 or cat.args[1] not in (-1, 3) or cat.kwargs:
+        return None
+    parts = cat.args[0]
+    if not isinstance(parts, list) or len(parts) != 2:
+        return None
+    neg, low = producers.get(_ref(parts[0]) or ""), producers.get(_ref(parts[1]) or "")
+    if neg is None or low is None or neg.op != "aten.neg.default":
+        return None
+    high = producers.get(_ref(neg.args[0]) or "")
+    half = dims // 2
+    for part, (lo, hi) in ((high, (half, None)), (low, (0, half))):
+        if part is None or part.op != "aten.slice_copy.Tensor" or _ref(part.args[0]) != x or part.kwargs:
+            return None
+        dim, start, end, *step = [*part.args[1:], 1][:4]
+        if (
+            dim not in (-1, 3)
+            or start != lo
+            or (hi is None and end < dims)
+            or (hi is not None and end != hi)
+            or step not in ([1], [])
+        ):
+            return None
+    assert high is not None
+    return {cat.name, neg.name, high.name, low.name}
+
+
+def _angle(
+    angle: str, dims: int, producers: Mapping[str, Step], info: Info, constants: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """The position and ``inv_freq`` of ``cat([f, f], -1)`` with ``f = float(position) * inv_freq``."""
+    cat = producers.get(angle)
+    if cat is None or cat.op != "aten.cat.default" or cat.kwargs or cat.args[1] not in (-1,):
+        return None
+    parts = cat.args[0]
+    if not isinstance(parts, list) or len(parts) != 2 or _ref(parts[0]) is None or _ref(parts[0]) != _ref(parts[1]):
+        return None
+    mul = producers.get(_ref(parts[0]) or "")
+    if mul is None or mul.op != "aten.mul.Tensor" or mul.kwargs:
+        return None
+    for pos, freq in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
+        inv_freq, pos_name = _ref(freq), _ref(pos)
+        if inv_freq is None or inv_freq not in constants or pos_name is None:
+            continue
+        table = constants[inv_freq]
+        if table.size != dims // 2 or table.dtype != mx.float32 or max(table.shape, default=1) != dims // 2:
+            continue
+        # float(position): views of a one-element integer value, cast to fp32 (every cast
+        # passed casts to fp32, so nothing narrows the position on the way).
+        passed: set[str] = set()
+        source = _through(pos_name, (*_CASTS, *_RESHAPES), producers, passed)
+        casts = [producers[n] for n in passed if producers[n].op in _CASTS]
+        if source is None or not _fp32(pos_name, info) or not casts:
+            continue
+        if not all(_is(c.dtype, mx.float32) for c in casts):
+            continue
+        shape, dtype = info.get(source, ((0,), None))
+        if math.prod(shape) != 1 or not _is(dtype, *_INTS):
+            continue
+        return source, inv_freq
+    return None

@@ -62,7 +62,7 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
-from writeback_mlx_backend.fast import fuse_attention, fuse_rms_norms
+from writeback_mlx_backend.fast import fuse_attention, fuse_rms_norms, fuse_ropes
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import (
@@ -809,7 +809,9 @@ class MLXDelegate:
         steps = _fold_constants(steps, constants, kept)
         steps, norms = fuse_rms_norms(steps, constants, kept)
         state = {k: _load(program, r) for k, r in program.state.items()}
-        steps, attentions = fuse_attention(steps, _lazy_info(program, steps, constants, state), constants, kept)
+        info = _lazy_info(program, steps, constants, state)
+        steps, attentions = fuse_attention(steps, info, constants, kept)
+        steps, ropes = fuse_ropes(steps, info, constants, kept)
         end = len(steps)
         last_use: dict[str, int] = {}
         for position, step in enumerate(steps):
@@ -841,6 +843,8 @@ class MLXDelegate:
             handle.path += f"; {norms} RMSNorm(s) as mx.fast.rms_norm"
         if attentions:
             handle.path += f"; {attentions} attention(s) as mx.fast.scaled_dot_product_attention"
+        if ropes:
+            handle.path += f"; {ropes} RoPE(s) as mx.fast.rope"
         self.execution_paths.append(handle.path)
         return handle
 
