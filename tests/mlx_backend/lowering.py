@@ -116,15 +116,17 @@ def lower_mlx(
     return Lowered(manager, list(partitioned.decisions.values()), reg)
 
 
-def count_kernel_calls(monkeypatch: Any, name: str) -> dict[str, int]:
-    """Count calls of ``mlx.core.fast.<name>`` from now on (``{"n": calls}``), still calling it."""
+def count_kernel_calls(monkeypatch: Any, name: str) -> dict[str, Any]:
+    """Count calls of ``mlx.core.fast.<name>`` from now on, still calling it: ``{"n": calls,
+    "shapes": the array arguments' shapes in the latest call}``."""
     import mlx.core as mx
 
-    calls = {"n": 0}
+    calls: dict[str, Any] = {"n": 0, "shapes": []}
     kernel = getattr(mx.fast, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
+        calls["shapes"] = [tuple(a.shape) for a in args if isinstance(a, mx.array)]
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(mx.fast, name, counted)

@@ -407,7 +407,39 @@ def _match_attention(
     q4, k4, scale, passed = matched
     if not all(_fp32(n, info) for n in (q4, k4, v4)) or v4 is None:
         return None
+    # Grouped-query heads: the kernel reads the key and value heads once each, unrepeated.
+    k_heads, v_heads = _unrepeated(k4, producers, info), _unrepeated(v4, producers, info)
+    if k_heads is not None and v_heads is not None and _shape(k_heads[0], info)[1] == _shape(v_heads[0], info)[1]:
+        (k4, k_steps), (v4, v_steps) = k_heads, v_heads
+        passed = passed | k_steps | v_steps
     return inner | passed, (Ref(q4), Ref(k4), Ref(v4), Ref(mask) if mask else None, scale, guard)
+
+
+def _unrepeated(name: str, producers: Mapping[str, Step], info: Info) -> tuple[str, set[str]] | None:
+    """The ``[B, G, S, D]`` heads that ``name`` (``[B, G * n, S, D]``) repeats, each ``n`` times
+    in a row, as Hugging Face's ``repeat_kv`` exports it (``view(expand(unsqueeze(x, 2),
+    [B, G, n, S, D]), [B, G * n, S, D])``), and the steps passed; else ``None``."""
+    view = producers.get(name)
+    expand = producers.get(_ref(view.args[0]) or "") if view is not None and view.op == _VIEW else None
+    if expand is None or expand.op != "aten.expand_copy.default" or expand.kwargs:
+        return None
+    unsqueeze = producers.get(_ref(expand.args[0]) or "")
+    if unsqueeze is None or unsqueeze.op not in _RESHAPES or unsqueeze.kwargs:
+        return None
+    source = _ref(unsqueeze.args[0])
+    batch, heads, length, dim = _shape(name, info) or (0, 0, 0, 0)
+    groups = _shape(source, info)[1:2] or (0,)
+    if source is None or not groups[0] or heads % groups[0]:
+        return None
+    repeat = heads // groups[0]
+    if (
+        _shape(source, info) != (batch, groups[0], length, dim)
+        or _shape(unsqueeze.name, info) != (batch, groups[0], 1, length, dim)
+        or _shape(expand.name, info) != (batch, groups[0], repeat, length, dim)
+        or not _fp32(source, info)
+    ):
+        return None
+    return source, {name, expand.name, unsqueeze.name}
 
 
 def _scores(
