@@ -649,16 +649,14 @@ def _host_indices(handle: _Handle, compiled: _Compiled, inputs: list[Any], pinne
     return host
 
 
-def _write_length(
-    handle: _Handle, compiled: _Compiled, window: Window, length: int, inputs: list[Any], pinned: list[Any]
-) -> int:
+def _write_length(window: Window, length: int, host: Mapping[str, Any]) -> int:
     """The bounded length a call with caller writes runs at: at least the mask's, and past
     every written index (a write is computed over the first ``L`` columns only); 0 when none
     is long enough or an index is negative (the call is then interpreted)."""
     if not length:
         return 0
     reach = 0
-    for value in _host_indices(handle, compiled, inputs, pinned).values():
+    for value in host.values():
         if value.size:
             if int(value.min()) < 0:
                 return 0
@@ -667,11 +665,10 @@ def _write_length(
 
 
 def _caller_regions(
-    handle: _Handle, compiled: _Compiled, written: list[Any], inputs: list[Any], pinned: list[Any]
+    compiled: _Compiled, written: list[Any], inputs: list[Any], host: Mapping[str, Any]
 ) -> list[tuple[np.ndarray, Region]]:
     """Each caller write's destination (the caller's memory) and region, in program order,
-    from the evaluated written values and the indices on the host."""
-    host = _host_indices(handle, compiled, inputs, pinned)
+    from the evaluated written values and the indices on the host (``_host_indices``)."""
     values = iter(written)
     found = []
     for write in compiled.caller_writes:
@@ -963,10 +960,12 @@ class MLXDelegate:
             arrays += pinned
         fn: Callable[[list[Any], list[Any]], list[Any]] | None = compiled.fn
         window = compiled.window
+        host: Mapping[str, Any] = {}  # the caller writes' indices, read once per call
         if window is not None:
             length = window.length(int(inputs[window.input_index].reshape(-1)[0]))
             if compiled.caller_writes:
-                length = _write_length(handle, compiled, window, length, inputs, pinned)
+                host = _host_indices(handle, compiled, inputs, pinned)
+                length = _write_length(window, length, host)
             if length:
                 fn = (
                     compiled.bounded[length]
@@ -1007,7 +1006,7 @@ class MLXDelegate:
         )
         # Every region is worked out before anything is written (a bad one writes nothing);
         # the outputs go first, so those read before a write keep the old contents.
-        regions = _caller_regions(handle, compiled, written, inputs, pinned)
+        regions = _caller_regions(compiled, written, inputs, host) if compiled.caller_writes else []
         self._write_outputs(results, outputs, done, maybe_shared)
         if regions:
             _store(handle, regions)
