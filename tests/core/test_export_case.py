@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 from writeback_core.lowering import LoweringError, export_case, export_model
-from writeback_core.pipeline import StepInputError, flatten_step_inputs
+from writeback_core.pipeline import InputSignature, StepInputError, flatten_step_inputs
 from writeback_core.zoo import ModelCase
 
 
@@ -175,6 +175,30 @@ def test_a_changed_non_tensor_keyword_is_refused_not_silently_baked_in() -> None
     flatten_step_inputs(program, case, 1, (torch.zeros(4, 3),))  # same bias: fine
     with pytest.raises(StepInputError, match=r"step 3: keyword 'bias' is 1.5; .* constant 0.5"):
         flatten_step_inputs(program, case, 3, (torch.zeros(4, 3),))
+
+
+def test_a_signature_read_once_flattens_and_refuses_each_step_as_the_program_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ExportedProgram.call_spec`` builds a named-tuple type per read: a caller stepping a
+    program reads it once, through ``InputSignature.of``."""
+    case = _keyword_case({0: _kw(0), 1: _kw(1), 2: _kw(2), 3: _kw(3, bias=1.5)})
+    program = export_case(case)
+    reads: list[int] = []
+    call_spec = type(program).call_spec
+    assert isinstance(call_spec, property) and call_spec.fget is not None
+    read = call_spec.fget
+    monkeypatch.setattr(type(program), "call_spec", property(lambda self: reads.append(1) or read(self)))
+    signature = InputSignature.of(program)
+    state = (torch.zeros(4, 3),)
+    for step in range(3):
+        flat = flatten_step_inputs(signature, case, step, state)
+        torch.testing.assert_close(flat[0], torch.full((1, 3), float(step)))
+        assert flat[1] is state[0]
+        torch.testing.assert_close(flat[3], torch.tensor([step]))
+    with pytest.raises(StepInputError, match=r"step 3: keyword 'bias' is 1.5; .* constant 0.5"):
+        flatten_step_inputs(signature, case, 3, state)
+    assert len(reads) == 1
 
 
 def test_a_step_with_more_positional_inputs_is_refused_naming_both_structures() -> None:

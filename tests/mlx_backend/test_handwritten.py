@@ -95,6 +95,7 @@ def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.Capture
     assert all("ok, max |err| 0" in row for row in idle[2:7]), idle
     assert "goal: writeback+mlx delegate idle call <= 50 µs: " in idle[7]
     assert "; on one core: " in idle[7]
+    assert idle[8].startswith("  the delegate's own cost (its call minus mx.eval's): threads free: "), idle
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="pins threads through /proc (Linux)")

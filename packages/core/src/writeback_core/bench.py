@@ -79,6 +79,7 @@ from writeback_core._files import WriteFailed, replacing
 from writeback_core.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
 from writeback_core.pipeline import (
     Eager,
+    InputSignature,
     Pipeline,
     PipelineError,
     Session,
@@ -869,9 +870,11 @@ def _stock_model_call(
     state = case.make_state()
     count, nbytes = _program_copies(program)
 
+    signature = InputSignature.of(exported)
+
     def call(step: int) -> tuple[float, list[Any]]:
         assert loaded is not None
-        inputs = flatten_step_inputs(exported, case, step, state)
+        inputs = flatten_step_inputs(signature, case, step, state)
         start = time.perf_counter()
         outputs = list(method.execute(inputs))
         for tensor, new in zip(state, outputs[:mutated], strict=False):

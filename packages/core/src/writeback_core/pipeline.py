@@ -49,6 +49,7 @@ __all__ = [
     "ATOL",
     "RTOL",
     "Eager",
+    "InputSignature",
     "Lowered",
     "Pipeline",
     "PipelineError",
@@ -191,8 +192,25 @@ def _ordered_kwargs(spec: pytree.TreeSpec | None, kwargs: dict[str, Any], where:
     return {k: kwargs[k] for k in keys}
 
 
+@dataclass(frozen=True)
+class InputSignature:
+    """What :func:`flatten_step_inputs` reads of a program, read once: the in_spec, the user
+    inputs' arguments and the placeholders (``ExportedProgram.call_spec`` builds a new
+    named-tuple type on every read, and finding the placeholders walks the whole graph)."""
+
+    in_spec: pytree.TreeSpec | None
+    user: tuple[Any, ...]
+    placeholders: Mapping[str, torch.fx.Node]
+
+    @classmethod
+    def of(cls, program: ExportedProgram) -> InputSignature:
+        user = tuple(s.arg for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT)
+        placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+        return cls(program.call_spec.in_spec, user, placeholders)
+
+
 def flatten_step_inputs(
-    program: ExportedProgram, case: ModelCase, step: int, state: Sequence[torch.Tensor]
+    program: ExportedProgram | InputSignature, case: ModelCase, step: int, state: Sequence[torch.Tensor]
 ) -> list[Any]:
     """The runtime inputs of call ``step``: ``((*case.step_inputs(step), *state),
     case.example_kwargs(step))`` flattened as ``torch.export`` flattened the example inputs
@@ -201,13 +219,15 @@ def flatten_step_inputs(
     The ``state`` tensors are in the list themselves (not copies), so a runtime binds the
     caller's memory. Every input is checked against the program's: a tensor's dtype and
     static dimensions, and the value of a non-tensor input ``torch.export`` specialized.
+    A caller flattening many steps passes the program's :class:`InputSignature`, read once.
 
     :raises StepInputError: the step's inputs do not fit; the message names the model, the
         step, the input, what the program expects and what the step gave.
     """
+    signature = program if isinstance(program, InputSignature) else InputSignature.of(program)
     where = f"model {case.name!r}, step {step}"
     positional = case.step_inputs(step)
-    spec = program.call_spec.in_spec
+    spec = signature.in_spec
     kwargs = _ordered_kwargs(spec, case.example_kwargs(step), where)
     leaves_with_paths, got = pytree.tree_flatten_with_path(((*positional, *state), kwargs))
     if spec is not None and got != spec:
@@ -216,10 +236,8 @@ def flatten_step_inputs(
             f"{_spec_text(got)}, the program was exported with {_spec_text(spec)}. "
             "Give every step inputs of the same structure as step 0."
         )
-    user = [s for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT]
-    placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
-    for (path, leaf), input_spec in zip(leaves_with_paths, user, strict=False):
-        problem = _leaf_problem(leaf, input_spec.arg, placeholders)
+    for (path, leaf), arg in zip(leaves_with_paths, signature.user, strict=False):
+        problem = _leaf_problem(leaf, arg, signature.placeholders)
         if problem is not None:
             raise StepInputError(f"{where}: {_describe_leaf(path, len(positional))} {problem}")
     return [leaf for _, leaf in leaves_with_paths]
@@ -291,6 +309,7 @@ class Session:
     state: tuple[torch.Tensor, ...]
     case: ModelCase
     _inputs: list[Any] = field(default_factory=list)
+    _signature: InputSignature | None = None
 
     @classmethod
     def open(cls, pipeline: Pipeline, lowered: Lowered, case: ModelCase | None = None) -> Session:
@@ -310,7 +329,9 @@ class Session:
 
         :raises StepInputError: the step's inputs do not fit the exported program.
         """
-        inputs = flatten_step_inputs(self.lowered.exported, self.case, step, self.state)
+        if self._signature is None:
+            self._signature = InputSignature.of(self.lowered.exported)
+        inputs = flatten_step_inputs(self._signature, self.case, step, self.state)
         before = _delegate_copies(self.pipeline.delegates)
         start = time.perf_counter()
         outputs = self.method.execute(inputs, clone_outputs=False)

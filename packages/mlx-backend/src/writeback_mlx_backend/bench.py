@@ -626,6 +626,22 @@ def _idle_table(rows: Sequence[_Contender]) -> list[str]:
         f"  goal: {_DELEGATE} idle call <= 50 µs: {_goal_text(delegate, _IDLE_GOAL, _time_text(delegate))}; "
         f"on one core: {_goal_text(pinned, _IDLE_GOAL, _time_text(pinned))}"
     )
+    own = [
+        f"{where}: {_time_text(call - floor)}"
+        for where, call, floor in (
+            ("threads free", delegate, by_name[_MLX_IDLE].median()),
+            ("one core", pinned, by_name[_MLX_IDLE + _ONE_CORE].median()),
+        )
+        if call is not None and floor is not None
+    ]
+    if own:
+        lines.append(f"  the delegate's own cost (its call minus mx.eval's): {', '.join(own)}")
+    floor = by_name[_MLX_IDLE].median()
+    if floor is not None and floor > _IDLE_GOAL:
+        lines.append(
+            f"  MLX's own mx.eval takes {_time_text(floor)} here with its threads free: no delegate that "
+            "evaluates on MLX's stream can meet the goal so"
+        )
     lines.append(
         "  (MLX computes on its stream thread while the caller waits: with the two on different cores each "
         "evaluation also waits for that thread to wake there; compare the mx.eval rows)"

@@ -102,6 +102,12 @@ class _Handle:
     # The traced step (see the module docstring), or None with ``path`` saying why not.
     compiled: _Compiled | None = None
     path: str = "interpreted"
+    # The candidates the caller may take in place or not (not forced), checked per call.
+    optional: list[InPlaceCandidate] = field(init=False)
+
+    def __post_init__(self) -> None:
+        forced = {c.node for c in self.forced}
+        self.optional = [c for c in self.candidates if c.node not in forced]
 
 
 @dataclass(frozen=True)
@@ -868,12 +874,9 @@ class MLXDelegate:
                 f"{len(args)} arguments in all"
             )
         compiled = handle.compiled
-        forced = {c.node for c in handle.forced}
         if (
             compiled is not None
-            and not any(
-                _same_memory(outputs[c.output], inputs[c.input]) for c in handle.candidates if c.node not in forced
-            )
+            and not any(_same_memory(outputs[c.output], inputs[c.input]) for c in handle.optional)
             and self._execute_compiled(handle, compiled, inputs, outputs)
         ):
             return
