@@ -84,3 +84,44 @@ def test_et_custom_ops_contender_takes_the_same_inputs_and_matches_eager() -> No
         with torch.no_grad():
             mine = contender(*case.step_inputs(step), **case.step_kwargs(step))
         torch.testing.assert_close(mine, call(case, eager, step), rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+# Architectures beyond the built-in three, tiny (2 layers, hidden 64, 4 heads of 16, 2 KV
+# heads, 32 positions). Phi-3 and GLM fuse the MLP's gate and up projections and split
+# them with ``chunk(2)``: a kernel writing a list of tensors, which the runtime's loader
+# once refused. StableLM normalizes with LayerNorm (bias included).
+OTHER_ARCHITECTURES = {"phi3": "Phi3Config", "glm": "GlmConfig", "stablelm": "StableLmConfig"}
+
+
+@pytest.mark.parametrize("backend", ["none", "mlx"])
+@pytest.mark.parametrize("architecture", sorted(OTHER_ARCHITECTURES))
+def test_more_hugging_face_architectures_run_every_step_like_eager(
+    architecture: str, backend: str, tmp_path: Path
+) -> None:
+    import transformers
+
+    config = getattr(transformers, OTHER_ARCHITECTURES[architecture])(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    case = hf_case(config, max_cache_len=32)
+    report = run_model(assemble(load_registry(), backend), case, STEPS, tmp_path / "model.pte")
+    assert {m.target for m in report.lowered.mutations} >= {
+        f"{kind}_{i}" for i in range(2) for kind in ("key_cache", "value_cache")
+    }
+    eager = case.build().eval()
+    for step, (result, _) in enumerate(report.steps):
+        expected = call(case, eager, step)
+        torch.testing.assert_close(
+            result.outputs[-1], expected, rtol=1e-4, atol=1e-4, msg=f"{architecture} on {backend}, step {step}"
+        )
+    assert not report.failures

@@ -166,6 +166,9 @@ _TENSOR_SIZES, _TENSOR_DATA_BUFFER, _TENSOR_ALLOCATION, _TENSOR_EXTRA_INFO = 2, 
 # KernelTypes union codes (schema/program.fbs), 1-based; 0 is "none".
 _NULL, _INT, _BOOL, _DOUBLE, _TENSOR, _STRING = 1, 2, 3, 4, 5, 6
 _INT_LIST, _DOUBLE_LIST, _BOOL_LIST, _TENSOR_LIST, _OPTIONAL_TENSOR_LIST = 7, 8, 9, 10, 11
+_LISTS_OF_TENSORS = frozenset({_TENSOR_LIST, _OPTIONAL_TENSOR_LIST})
+# The value indices a TensorList or OptionalTensorList table lists.
+_LIST_ITEMS = 0
 # InstructionArguments union codes.
 _KERNEL_CALL, _DELEGATE_CALL, _MOVE_CALL, _JUMP_FALSE_CALL, _FREE_CALL = 1, 2, 3, 4, 5
 
@@ -213,34 +216,43 @@ def _schema(name: str, overload: str) -> Any:
         return None
 
 
+def _trailing(schema: Any) -> tuple[str, ...]:
+    """The types of what ExecuTorch's emitter appends to a kernel call after the schema's
+    arguments: for an out variant, its out arguments again (the one out argument, or
+    several as one list; ``split_with_sizes_copy.out`` returns nothing yet gets its out
+    list appended); otherwise its returns (several as one list: ``max.dim_max``)."""
+    out = [a for a in schema.arguments if a.is_out]
+    if out:
+        return (str(out[0].type),) if len(out) == 1 else ("List[Tensor]",)
+    returns = tuple(str(r.type) for r in schema.returns)
+    return ("List[Tensor]",) if len(returns) > 1 else returns
+
+
 @cache
 def _signature(name: str, overload: str) -> tuple[str, ...] | None:
-    """The argument then return types of operator ``name.overload`` from torch, or ``None``
-    when torch does not know it (then only index ranges are checked)."""
+    """The types of a kernel call's arguments to operator ``name.overload``: the schema's
+    arguments, then :func:`_trailing`; ``None`` when torch does not know the operator
+    (then only index ranges are checked)."""
     schema = _schema(name, overload)
     if schema is None:
         return None
-    returns = tuple(str(r.type) for r in schema.returns)
-    if len(returns) > 1:
-        # ExecuTorch's emitter passes several returns (max.dim_max, native_layer_norm.out)
-        # as one list of the returned tensors.
-        returns = ("List[Tensor]",)
-    return tuple(str(a.type) for a in schema.arguments) + returns
+    return tuple(str(a.type) for a in schema.arguments) + _trailing(schema)
 
 
 @cache
 def _written_positions(name: str, overload: str) -> frozenset[int] | None:
     """Which kernel-call arguments operator ``name.overload`` writes: those its schema
-    marks written (``Tensor(a!)``) and its returns (a kernel call lists its returns
-    after its arguments), except returns that alias an argument without writing it.
-    ``None`` when torch does not know the operator."""
+    marks written (``Tensor(a!)``, ``Tensor(a!)[]``) and what :func:`_trailing` appends
+    (for an out variant the out arguments again; otherwise the returns, except one that
+    aliases an argument without writing it). ``None`` when torch does not know the
+    operator."""
     schema = _schema(name, overload)
     if schema is None:
         return None
     n = len(schema.arguments)
     written = {k for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-    if len(schema.returns) > 1:
-        written.add(n)  # one list of every return (see _signature); its tensors are the out arguments
+    if any(a.is_out for a in schema.arguments) or len(schema.returns) > 1:
+        written.add(n)  # the out arguments again, or one list of the returns (the out arguments)
         return frozenset(written)
     for r, returned in enumerate(schema.returns):
         if returned.alias_info is None or returned.alias_info.is_write:
@@ -253,8 +265,9 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
 
     1. Every operator, delegate and value index an instruction names is in range.
     2. A jump's destination is an instruction of its chain (or its end).
-    3. A kernel call has one argument per schema argument and return of its
-       operator (when torch knows the operator), each of a kind that type accepts.
+    3. A kernel call has one argument per schema argument of its operator, then
+       what the emitter appends (:func:`_trailing`), when torch knows the operator;
+       each of a kind that type accepts.
     4. The method's inputs and outputs name existing values.
 
     :raises ValueError: naming the method, chain, instruction and what is wrong.
@@ -353,6 +366,19 @@ def written_inputs(data: bytes | memoryview, method: str) -> tuple[bool, ...]:
                 memory_of.setdefault(view, set()).update(new)
                 changed = True
 
+    values = reader.tables(plan, _PLAN_VALUES)
+
+    def memory_of_arg(value: int) -> set[int]:
+        """The inputs whose memory an argument is: a tensor's, or those of a list's tensors
+        (a kernel writing an out list writes the listed tensors)."""
+        touched = set(memory_of.get(value, set()))
+        if 0 <= value < len(values) and reader.scalar(values[value], _UNION_TYPE, "<B") in _LISTS_OF_TENSORS:
+            pos = reader.field(values[value], _UNION_VALUE)
+            if pos is not None:
+                for item in reader.ints(reader.indirect(pos), _LIST_ITEMS):
+                    touched |= memory_of.get(item, set())
+        return touched
+
     returned = {j for j, value in enumerate(inputs) if value in set(outputs)}
     written: set[int] = set()
     for kind, call in calls:
@@ -368,7 +394,7 @@ def written_inputs(data: bytes | memoryview, method: str) -> tuple[bool, ...]:
                 continue
             positions = _written_positions(name, overload)
         for k, value in enumerate(reader.ints(call, 1)):
-            touched = memory_of.get(value, set())
+            touched = memory_of_arg(value)
             if positions is None:
                 written |= touched & returned
             elif k in positions:
