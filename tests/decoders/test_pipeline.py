@@ -5,10 +5,13 @@ every cache of every layer found as a mutated buffer. Slow: each lowering takes 
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
 import pytest
 import torch
+from executorch.exir import memory
+from executorch.exir.delegate import executorch_call_delegate
 from writeback_core.lowering import export_case
 from writeback_core.mutations import find_mutations
 from writeback_core.pipeline import assemble
@@ -125,3 +128,11 @@ def test_more_hugging_face_architectures_run_every_step_like_eager(
             result.outputs[-1], expected, rtol=1e-4, atol=1e-4, msg=f"{architecture} on {backend}, step {step}"
         )
     assert not report.failures
+    if backend == "mlx":  # every op in the delegate: LayerNorm and the chunked MLP included
+        graph = report.lowered.program.exported_program().graph
+        outside = [
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_function" and n.target not in (executorch_call_delegate, operator.getitem, memory.alloc)
+        ]
+        assert not outside, outside

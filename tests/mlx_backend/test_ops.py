@@ -70,6 +70,13 @@ def _mask(x: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x, float("-inf")).softmax(-1)
 
 
+def _splits(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)  # both parts read
+    middle = torch.split(x, 3, dim=-1)[1]  # one part of three read
+    first_row = torch.unbind(x, 0)[0]
+    return gate * up + middle.sum(-1, keepdim=True) + first_row[:4]
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
@@ -86,6 +93,16 @@ CASES: dict[str, Case] = {
     "div": _op(lambda a, b: a / (b.abs() + 1), _rand2((3, 4), (3, 4))),
     "rsub_scalar": _op(lambda a: 1.5 - a, _rand(3, 4)),
     "rms_norm": _op(_rms, _rand(2, 8)),
+    "chunk_split_unbind": _op(_splits, _rand(2, 8)),
+    "layer_norm": _op(
+        lambda a, w, b: F.layer_norm(a, (8,), w, b, 1e-5),
+        lambda g: (torch.randn(2, 3, 8, generator=g) * 3 + 1, torch.randn(8, generator=g), torch.randn(8, generator=g)),
+    ),
+    "layer_norm_plain": _op(lambda a: F.layer_norm(a, (8,)), _rand(2, 8)),
+    "layer_norm_two_dims": _op(
+        lambda a, w: F.layer_norm(a, (3, 4), w, None, 1e-3),
+        lambda g: (torch.randn(2, 3, 4, generator=g), torch.randn(3, 4, generator=g)),
+    ),
     "sqrt_exp_neg": _op(lambda a: torch.sqrt(a.abs()) + torch.exp(-a), _rand(3, 4)),
     "softmax": _op(lambda a: torch.softmax(a, dim=-1), _rand(2, 3, 5)),
     "silu": _op(F.silu, _rand(3, 4)),

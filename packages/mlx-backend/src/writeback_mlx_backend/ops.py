@@ -14,6 +14,7 @@ with the caller instead of building a new array.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,12 @@ from writeback_core.ops import aten_op
 __all__ = [
     "MX_DTYPES",
     "OPS",
+    "SPLIT",
     "UNKNOWN",
     "OpHandler",
     "Region",
     "op_key",
+    "split_parts",
     "unsupported_reason",
 ]
 
@@ -489,6 +492,41 @@ def _sum(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> A
     return mx.sum(x, axis=axes, keepdims=keepdim)
 
 
+def _layer_norm_check(node: torch.fx.Node) -> str | None:
+    """``layer_norm(x, normalized_shape, weight, bias, eps)``: literal sizes that are ``x``'s
+    last dimensions, a literal eps, floating point throughout."""
+    reason = _float_check(node)
+    if reason:
+        return reason
+    shape = node.args[1]
+    x = _val(node.args[0])
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) for s in shape):
+        return "normalized_shape is not a list of literal ints"
+    if not isinstance(x, torch.Tensor) or not shape or tuple(x.shape[x.dim() - len(shape) :]) != tuple(shape):
+        return f"normalized_shape {list(shape)} is not the input's last dimensions"
+    eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
+    if not isinstance(eps, (int, float)):
+        return "eps is not a literal number"
+    return None
+
+
+def _layer_norm(
+    x: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5, *_: Any
+) -> Any:
+    """ATen's layer norm: mean and biased variance over the normalized (last) dimensions.
+    One normalized dimension with matching weight and bias runs as ``mx.fast.layer_norm``."""
+    count = len(normalized_shape)
+    if count == 1 and all(t is None or t.shape == (x.shape[-1],) for t in (weight, bias)):
+        return mx.fast.layer_norm(x, weight, bias, float(eps))
+    axes = list(range(x.ndim - count, x.ndim))
+    mean = mx.mean(x, axis=axes, keepdims=True)
+    centered = x - mean
+    out = centered * mx.rsqrt(mx.mean(centered * centered, axis=axes, keepdims=True) + eps)
+    if weight is not None:
+        out = out * weight
+    return out if bias is None else out + bias
+
+
 def _softmax(x: Any, dim: int, half_to_float: bool = False) -> Any:
     return mx.softmax(x, axis=_dim(dim, x.ndim), precise=True)
 
@@ -745,6 +783,7 @@ OPS: dict[str, OpHandler] = {
     "aten.bitwise_not.default": _unary(mx.bitwise_invert),
     "aten._softmax.default": OpHandler(_literal_ints_check(1), _softmax),
     "aten.softmax.int": OpHandler(_literal_ints_check(1), _softmax),
+    "aten.layer_norm.default": OpHandler(_layer_norm_check, _layer_norm),
     "aten.view_copy.default": OpHandler(_ok, _reshape),
     "aten.view.default": OpHandler(_ok, _reshape),
     "aten.reshape.default": OpHandler(_ok, _reshape),
@@ -822,6 +861,50 @@ OPS: dict[str, OpHandler] = {
 }
 
 
+# ``split_with_sizes_copy`` (what ``chunk``, ``split`` and ``unbind`` become in the edge
+# dialect) returns a list, read through ``getitem``. The partitioner takes it when every
+# reader takes one part by a literal index; the blob then holds each part as a
+# ``slice_copy`` step (``writeback_mlx_backend.preprocess``), never the split itself, so
+# the runtime's table has no entry for it.
+SPLIT = "aten.split_with_sizes_copy.default"
+
+
+def split_parts(node: torch.fx.Node) -> list[tuple[int, int]] | None:
+    """``[(start, end), ...]`` of each part of a split node along its dim, or ``None``
+    when the sizes are not literal ints that add up to the input's size there."""
+    sizes = node.args[1]
+    x = _val(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+        return None
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        return None
+    if sum(sizes) != x.shape[dim]:
+        return None
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for size in sizes:
+        assert isinstance(size, int)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _split_reason(node: torch.fx.Node) -> str | None:
+    reason = _tensor_check(node)
+    if reason:
+        return reason
+    parts = split_parts(node)
+    if parts is None:
+        return "split sizes or dim are not literal ints covering the input"
+    for user in node.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int):
+            return f"{user.name} reads the split's list whole (only getitem of one part is delegated)"
+        if not 0 <= user.args[1] < len(parts):
+            return f"{user.name} reads part {user.args[1]} of {len(parts)}"
+    return None
+
+
 # Literal argument types a delegate blob can carry (see ``writeback_mlx_backend.preprocess``).
 _LITERALS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -845,6 +928,11 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     """
     if node.op != "call_function":
         return "not a call"
+    if op_key(node.target) == SPLIT:
+        return _split_reason(node)
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    if isinstance(source, torch.fx.Node) and op_key(source.target) == SPLIT:
+        return _split_reason(source)  # a part goes where its split goes
     handler = OPS.get(op_key(node.target))
     if handler is None:
         return f"no MLX handler for {op_key(node.target) or node.target}"

@@ -24,9 +24,11 @@ from writeback_mlx_backend.preprocess import WritebackMLXBackend
 
 __all__ = ["MLXPartitioner"]
 
-# Ops kept whole through to_edge so the delegate sees them (index_copy would
-# otherwise decompose to index_put, which wraps negative indices).
-_KEEP = (torch.ops.aten.index_copy.default,)
+# Ops kept whole through to_edge so the delegate sees them: index_copy would
+# otherwise decompose to index_put, which wraps negative indices; layer_norm to
+# native_layer_norm, whose three outputs (the mean and rstd unused) a delegate
+# step cannot return.
+_KEEP = (torch.ops.aten.index_copy.default, torch.ops.aten.layer_norm.default)
 
 
 class _Support(OperatorSupportBase):
@@ -60,7 +62,8 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
-        """Keep ``index_copy`` whole where the delegate can run it; others decompose."""
+        """Keep ``index_copy`` and ``layer_norm`` whole where the delegate can run them;
+        others decompose."""
         return list(_KEEP), lambda node: node.target not in _KEEP or (unsupported_reason(node) is None)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, cast, final
 
@@ -13,7 +14,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from writeback_mlx_backend.ops import OPS, op_key
+from writeback_mlx_backend.ops import OPS, SPLIT, op_key, split_parts, unsupported_reason
 from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, dtype_name
 
 __all__ = ["WRITE_OPS", "WritebackMLXBackend", "build_program"]
@@ -112,12 +113,23 @@ def _add_placeholder(
 
 def _add_node(result: DelegateProgram, node: torch.fx.Node) -> None:
     key = op_key(node.target)
+    if key == SPLIT:
+        return  # each part the graph reads becomes a slice step (below)
+    split = node.args[0] if node.target is operator.getitem and node.args else None
+    if isinstance(split, torch.fx.Node) and op_key(split.target) == SPLIT:
+        parts, index = split_parts(split), node.args[1]
+        if parts is None or not isinstance(index, int) or unsupported_reason(split) is not None:
+            raise ValueError(f"split {split.name!r} reached the MLX delegate; the partitioner must leave it outside")
+        start, end = parts[index]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        key, node_args = "aten.slice_copy.Tensor", [split.args[0], dim, start, end, 1]
+        _append(result, node, key, node_args, {})
+        return
     if key not in OPS:
         raise ValueError(
             f"node {node.name!r} ({key or node.target}) reached the MLX delegate but has no "
             "handler; the partitioner must leave it outside"
         )
-    val = node.meta.get("val")
     args = list(node.args)
     if key == "aten.copy.default" and _same_meta(args[0], args[1]):
         # exir's functional copy of a new value into a mutated input: only the
@@ -125,12 +137,18 @@ def _add_node(result: DelegateProgram, node: torch.fx.Node) -> None:
         # read of the old input matters: that read would otherwise keep the old
         # contents alive past an in-place write (and force a snapshot of them).
         key, args = "aten.alias.default", [args[1]]
+    _append(result, node, key, args, node.kwargs)
+
+
+def _append(result: DelegateProgram, node: torch.fx.Node, key: str, args: list[Any], kwargs: Any) -> None:
+    """Record ``node`` as one step running op ``key`` on ``args`` and ``kwargs``."""
+    val = node.meta.get("val")
     result.nodes.append(
         {
             "name": node.name,
             "op": key,
             "args": _encode(args),
-            "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
+            "kwargs": {k: _encode(v) for k, v in kwargs.items()},
             "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
         }
     )
