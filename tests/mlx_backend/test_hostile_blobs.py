@@ -161,6 +161,28 @@ def test_zero_slice_step_raises_not_crashes() -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ([{"$v": "r"}, [2]], r"normalized_shape \[2\] is not the last dimensions of input \(1, 3\)"),
+        ([{"$v": "r"}, [1, 1, 3]], r"normalized_shape \[1, 1, 3\] is not the last dimensions"),
+        ([{"$v": "r"}, [3], {"$v": "emb"}], r"weight of shape \(5, 3\), expected normalized_shape \[3\]"),
+    ],
+    ids=["other_size", "more_dims_than_input", "weight_shape"],
+)
+def test_layer_norm_over_dimensions_the_input_lacks_raises_naming_them_outputs_untouched(
+    args: list[Any], match: str
+) -> None:
+    """ATen refuses these; MLX would broadcast some of them into an answer."""
+    blob = _with_node({"name": "x", "op": "aten.layer_norm.default", "args": args, "kwargs": {}, "dtype": "float32"})
+    delegate = MLXDelegate()
+    handle = delegate.init(blob, {})
+    r, s = torch.full((1, 3), -7.0), torch.full((3,), -7.0)
+    with pytest.raises(ValueError, match=match):
+        delegate.execute(handle, [torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 3), r, s])
+    assert r.tolist() == [[-7.0] * 3] and s.tolist() == [-7.0] * 3
+
+
+@pytest.mark.parametrize(
     "op",
     [
         "import_module.__call__.__call__",

@@ -13,11 +13,12 @@ with the caller instead of building a new array.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -516,7 +517,13 @@ def _layer_norm(
     """ATen's layer norm: mean and biased variance over the normalized (last) dimensions.
     One normalized dimension with matching weight and bias runs as ``mx.fast.layer_norm``."""
     count = len(normalized_shape)
-    if count == 1 and all(t is None or t.shape == (x.shape[-1],) for t in (weight, bias)):
+    shape = tuple(normalized_shape)
+    if not 0 < count <= x.ndim or tuple(x.shape[x.ndim - count :]) != shape:
+        raise ValueError(f"layer_norm: normalized_shape {list(shape)} is not the last dimensions of input {x.shape}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"layer_norm: {name} of shape {t.shape}, expected normalized_shape {list(shape)}")
+    if count == 1:
         return mx.fast.layer_norm(x, weight, bias, float(eps))
     axes = list(range(x.ndim - count, x.ndim))
     mean = mx.mean(x, axis=axes, keepdims=True)
@@ -869,9 +876,10 @@ OPS: dict[str, OpHandler] = {
 SPLIT = "aten.split_with_sizes_copy.default"
 
 
-def split_parts(node: torch.fx.Node) -> list[tuple[int, int]] | None:
-    """``[(start, end), ...]`` of each part of a split node along its dim, or ``None``
-    when the sizes are not literal ints that add up to the input's size there."""
+def split_parts(node: torch.fx.Node) -> tuple[int, list[tuple[int, int]]] | None:
+    """``(dim, [(start, end), ...])``: the split node's dim and each part's bounds along
+    it, or ``None`` when the sizes are not literal ints that add up to the input's size
+    there."""
     sizes = node.args[1]
     x = _val(node.args[0])
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
@@ -879,24 +887,20 @@ def split_parts(node: torch.fx.Node) -> list[tuple[int, int]] | None:
         return None
     if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         return None
-    if sum(sizes) != x.shape[dim]:
+    ends = list(itertools.accumulate(cast(Sequence[int], sizes)))
+    if not ends or ends[-1] != x.shape[dim]:
         return None
-    bounds: list[tuple[int, int]] = []
-    start = 0
-    for size in sizes:
-        assert isinstance(size, int)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return dim, list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _split_reason(node: torch.fx.Node) -> str | None:
     reason = _tensor_check(node)
     if reason:
         return reason
-    parts = split_parts(node)
-    if parts is None:
+    found = split_parts(node)
+    if found is None:
         return "split sizes or dim are not literal ints covering the input"
+    parts = found[1]
     for user in node.users:
         if user.target is not operator.getitem or not isinstance(user.args[1], int):
             return f"{user.name} reads the split's list whole (only getitem of one part is delegated)"

@@ -117,13 +117,12 @@ def _add_node(result: DelegateProgram, node: torch.fx.Node) -> None:
         return  # each part the graph reads becomes a slice step (below)
     split = node.args[0] if node.target is operator.getitem and node.args else None
     if isinstance(split, torch.fx.Node) and op_key(split.target) == SPLIT:
-        parts, index = split_parts(split), node.args[1]
-        if parts is None or not isinstance(index, int) or unsupported_reason(split) is not None:
+        found, index = split_parts(split), node.args[1]
+        if found is None or not isinstance(index, int) or unsupported_reason(split) is not None:
             raise ValueError(f"split {split.name!r} reached the MLX delegate; the partitioner must leave it outside")
+        dim, parts = found
         start, end = parts[index]
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        key, node_args = "aten.slice_copy.Tensor", [split.args[0], dim, start, end, 1]
-        _append(result, node, key, node_args, {})
+        _append(result, node, "aten.slice_copy.Tensor", [split.args[0], dim, start, end, 1], {})
         return
     if key not in OPS:
         raise ValueError(
