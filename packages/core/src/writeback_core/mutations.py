@@ -21,7 +21,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from writeback_core.ops import aten_op, op_name, packet_name, write_back_copies
+from writeback_core.ops import aten_op, normalize_dim, op_name, packet_name, write_back_copies
 
 __all__ = [
     "Dynamic",
@@ -218,9 +218,7 @@ def _rank(node: torch.fx.Node) -> int | None:
 
 
 def _norm_dim(dim: int, rank: int | None) -> int:
-    if dim < 0 and rank is not None:
-        return dim + rank
-    return dim
+    return dim if rank is None else normalize_dim(dim, rank, what="mutation write dim")
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:

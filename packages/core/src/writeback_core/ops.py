@@ -12,7 +12,54 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["aten_op", "is_aten", "op_name", "packet_name", "schema_of", "write_back_copies"]
+__all__ = [
+    "aten_op",
+    "is_aten",
+    "normalize_dim",
+    "normalize_index",
+    "op_name",
+    "packet_name",
+    "schema_of",
+    "write_back_copies",
+]
+
+
+def normalize_dim(dim: object, rank: int, *, what: str = "dim") -> int:
+    """``dim`` as an axis in ``[0, rank)``, with eager PyTorch's rule for negative dims.
+
+    The one place a dim is wrapped and checked. Like ATen, a dim in ``[-rank, rank)``
+    is accepted (a negative one counts from the end) and a rank-0 tensor takes ``0`` or
+    ``-1``. Anything else -- a dim out of range, a bool, a non-integer read from a file
+    -- raises :class:`IndexError` (``TypeError`` for a non-integer) that names ``what``,
+    the accepted range and the value, so a caller never indexes an axis that is not there.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{what}: a dim must be an int, got {type(dim).__name__} {dim!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise TypeError(f"{what}: a rank must be a non-negative int, got {rank!r}")
+    span = max(rank, 1)
+    if not -span <= dim < span:
+        raise IndexError(
+            f"{what}: dimension out of range (expected to be in range of [{-span}, {span - 1}]"
+            f" for a tensor of rank {rank}, but got {dim})"
+        )
+    return dim + span if dim < 0 else dim
+
+
+def normalize_index(index: object, size: int, *, what: str = "index") -> int:
+    """``index`` as a position in ``[0, size)``, with eager PyTorch's rule for negatives.
+
+    An index in ``[-size, size)`` is accepted (a negative one counts from the end, as
+    ``t[-1]`` does); anything else raises :class:`IndexError` naming ``what``, the index
+    and the size -- eager's "index 7 is out of bounds for dimension 0 with size 4".
+    """
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"{what}: an index must be an int, got {type(index).__name__} {index!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TypeError(f"{what}: a size must be a non-negative int, got {size!r}")
+    if not -size <= index < size:
+        raise IndexError(f"{what}: index {index} is out of bounds for a dimension of size {size}")
+    return index + size if index < 0 else index
 
 
 def aten_op(target: Any) -> Any:
