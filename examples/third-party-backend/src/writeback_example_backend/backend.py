@@ -13,7 +13,7 @@ from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, Par
 from torch.export import ExportedProgram
 from writeback_core import in_place_outputs, meta
 from writeback_core.blob import BlobReader, load_json
-from writeback_core.ops import packet_name
+from writeback_core.ops import normalize_dim, packet_name
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 
@@ -147,25 +147,32 @@ class ExampleRuntimeDelegate:
             )
         dest, index, source = args[handle["dest"]], args[handle["index"]], args[handle["source"]]
         out = args[handle["inputs"]]
-        if bool((index < 0).any()) or bool((index >= dest.shape[handle["dim"]]).any()):
+        # The plan's dim and argument positions are checked against this call's tensors
+        # (init cannot know their ranks): as eager's index_copy refuses them, by name.
+        dim = normalize_dim(
+            handle["dim"], dest.dim(), what=f"example delegate: dim {handle['dim']} indexes the destination"
+        )
+        if index.dtype not in (torch.int64, torch.int32) or index.dim() > 1:
             raise IndexError(
-                f"index_copy: index {index.tolist()} out of range for dim {handle['dim']} "
-                f"of size {dest.shape[handle['dim']]}"
+                f"example delegate: the index (input {handle['index']}) must be a 0-D or 1-D int64 or int32 "
+                f"tensor, got shape {[*index.shape]} of {index.dtype}; the plan names the wrong input"
             )
+        if bool((index < 0).any()) or bool((index >= dest.shape[dim]).any()):
+            raise IndexError(f"index_copy: index {index.tolist()} out of range for dim {dim} of size {dest.shape[dim]}")
         # index_put broadcasts its values to the indexed region (ExecuTorch's Llama writes
         # [batch, 1, heads, dim] values at one position); index_copy wants them whole.
         region = [*dest.shape]
-        region[handle["dim"]] = index.numel()
+        region[dim] = index.numel()
         if not _broadcasts(source.shape, region):
             raise ValueError(
                 f"index_put: values of shape {[*source.shape]} do not broadcast to the indexed region {region}"
             )
         source = source.expand(region)
         if handle["in_place"]:
-            dest.index_copy_(handle["dim"], index, source)
+            dest.index_copy_(dim, index, source)
             return
-        out.copy_(dest)
-        out.index_copy_(handle["dim"], index, source)
+        # Computed whole before the output is touched: a refused call leaves it as it was.
+        out.copy_(dest.index_copy(dim, index, source))
 
     def destroy(self, handle: dict[str, Any]) -> None:
         return None

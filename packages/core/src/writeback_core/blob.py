@@ -146,11 +146,16 @@ class OpTable:
 
 
 def load_json(data: bytes | bytearray | memoryview, delegate: str, field: str = "blob") -> Any:
-    """Parse JSON (UTF-8) from a blob; :class:`BlobError` on anything else."""
+    """Parse JSON (UTF-8) from a blob; :class:`BlobError` on anything else.
+
+    That includes JSON that Python will not read: nesting deeper than the
+    recursion limit, and an integer longer than the int-string conversion limit
+    (4,300 digits by default), which ``json`` raises as a plain ``ValueError``.
+    """
     try:
         return json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise BlobError(delegate, field, bytes(data[:16]), f"not UTF-8 JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # ValueError covers UnicodeDecodeError and JSONDecodeError
+        raise BlobError(delegate, field, bytes(data[:16]), f"not UTF-8 JSON that Python reads ({error})") from None
 
 
 class BlobReader:

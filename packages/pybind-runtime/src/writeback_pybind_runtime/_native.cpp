@@ -37,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -371,6 +372,55 @@ struct Imported {
 
 bool has_dlpack(py::handle obj) { return py::hasattr(obj, "__dlpack__"); }
 
+// ExecuTorch's portable tensors hold sizes and strides as int32_t.
+constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
+
+// The contiguous strides of `sizes` (int64, each capped at kMaxIndex + 1 so that
+// no product overflows: every size is at most kMaxIndex once checked).
+std::vector<int64_t> contiguous_strides(const int64_t* sizes, size_t ndim) {
+  std::vector<int64_t> strides(ndim);
+  int64_t stride = 1;
+  for (size_t d = ndim; d-- > 0;) {
+    strides[d] = stride;
+    stride = std::min<int64_t>(stride * std::max<int64_t>(sizes[d], 1), kMaxIndex + 1);
+  }
+  return strides;
+}
+
+// Raises ValueError when the runtime cannot hold `t`'s shape: a size past
+// int32_t (it would be narrowed into another shape), or, for a tensor with
+// elements, a contiguous stride past int32_t (the kernels would address other
+// memory). A tensor without elements addresses nothing, so its strides may be
+// large: the runtime gets them capped (see set_inputs).
+void check_index_width(const DLTensor& t, const std::string& what) {
+  bool has_elements = true;
+  for (int32_t d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0 || t.shape[d] > kMaxIndex) {
+      raise_value_error(what + ": dimension " + std::to_string(d) + " has size " +
+                        std::to_string(t.shape[d]) + "; the ExecuTorch runtime holds sizes from 0 to " +
+                        std::to_string(kMaxIndex) + " (32-bit); pass a smaller tensor or split it");
+    }
+    has_elements = has_elements && t.shape[d] != 0;
+  }
+  if (!has_elements) {
+    return;
+  }
+  const std::vector<int64_t> strides = contiguous_strides(t.shape, static_cast<size_t>(t.ndim));
+  for (int32_t d = 0; d < t.ndim; ++d) {
+    if (strides[d] > kMaxIndex) {
+      std::vector<int64_t> exact(t.shape, t.shape + t.ndim);
+      int64_t stride = 1;  // the exact stride, for the message (fits: below 2**62 here)
+      for (int32_t k = t.ndim; k-- > d + 1;) {
+        stride = std::min<int64_t>(stride * exact[k], int64_t{1} << 62);
+      }
+      raise_value_error(what + ": a contiguous tensor of shape " + join(exact) + " has stride " +
+                        std::to_string(stride) + " at dimension " + std::to_string(d) +
+                        "; the ExecuTorch runtime indexes with 32-bit strides (up to " +
+                        std::to_string(kMaxIndex) + "); pass a smaller tensor or split it");
+    }
+  }
+}
+
 // Reads `obj` through DLPack. `what` names it in errors ("input 2").
 Imported import_tensor(py::handle obj, const std::string& what) {
   if (!has_dlpack(obj)) {
@@ -417,9 +467,10 @@ Imported import_tensor(py::handle obj, const std::string& what) {
   in.data = static_cast<char*>(t.data) + t.byte_offset;
   in.sizes.resize(t.ndim);
   in.strides.resize(t.ndim);
+  check_index_width(t, what);
   size_t numel = 1;
   for (int32_t d = 0; d < t.ndim; ++d) {
-    in.sizes[d] = static_cast<int32_t>(t.shape[d]);
+    in.sizes[d] = static_cast<int32_t>(t.shape[d]);  // in range: check_index_width
     numel *= static_cast<size_t>(t.shape[d]);
   }
   int64_t expected = 1;
@@ -1430,11 +1481,12 @@ class NativeMethod {
         }
         std::vector<executorch::aten::DimOrderType> order(in.sizes.size());
         std::vector<executorch::aten::StridesType> strides(in.sizes.size());
-        int32_t stride = 1;
-        for (size_t d = in.sizes.size(); d-- > 0;) {
+        const std::vector<int64_t> sizes64(in.sizes.begin(), in.sizes.end());
+        const std::vector<int64_t> wide = contiguous_strides(sizes64.data(), sizes64.size());
+        for (size_t d = 0; d < in.sizes.size(); ++d) {
           order[d] = static_cast<executorch::aten::DimOrderType>(d);
-          strides[d] = stride;
-          stride *= std::max<int32_t>(in.sizes[d], 1);
+          // Past kMaxIndex only without elements (import_tensor refuses the rest): capped.
+          strides[d] = static_cast<executorch::aten::StridesType>(std::min(wide[d], kMaxIndex));
         }
         TensorImpl impl(in.type, static_cast<ssize_t>(in.sizes.size()), in.sizes.data(), in.data,
                         order.data(), strides.data(),

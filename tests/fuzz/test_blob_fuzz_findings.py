@@ -1,0 +1,60 @@
+"""What the blob fuzzer found, each kept as a test named after its hazard.
+
+Each one is a field value that once let an internal exception escape a delegate's
+``init``; the contract is :class:`~writeback_core.blob.BlobError` naming the delegate
+and the field, and nothing run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from writeback_core.blob import BlobError, load_json
+from writeback_example_backend.backend import ExampleRuntimeDelegate
+
+_PLAN = {"dim": 0, "dest": 0, "index": 1, "source": 2, "inputs": 3}
+
+
+@pytest.mark.parametrize("digits", [4301, 5000, 100_000])
+def test_integer_past_pythons_digit_limit_is_blob_error_not_escaping_value_error(digits: int) -> None:
+    text = b'{"n": ' + b"7" * digits + b"}"
+    with pytest.raises(BlobError, match=r"kv-alias delegate blob: field blob = .*not UTF-8 JSON"):
+        load_json(text, "kv-alias")
+    # The same number of digits below the limit is an ordinary integer.
+    assert load_json(b'{"n": ' + b"7" * 4300 + b"}", "x")["n"] == int("7" * 4300)
+
+
+def test_huge_integer_in_a_delegate_blob_refused_in_init_no_crash() -> None:
+    blob = json.dumps({**_PLAN, "dim": 0}).replace('"dim": 0', '"dim": ' + "9" * 5000).encode()
+    with pytest.raises(BlobError, match="example delegate blob: field blob"):
+        ExampleRuntimeDelegate().init(blob, {})
+
+
+@pytest.mark.parametrize("dim", [2, 3, 2**62])
+def test_example_dim_past_the_destinations_rank_refused_by_name_no_partial_write(dim: int) -> None:
+    """``dim`` is only known to be in range at execute, against the destination's rank:
+    eager's ``index_copy`` refuses it with ``IndexError``; so does the delegate, naming
+    the dim and the rank, before it writes anything."""
+    delegate = ExampleRuntimeDelegate()
+    handle = delegate.init(json.dumps({**_PLAN, "dim": dim}).encode(), {})
+    dest, out = torch.zeros(3, 2), torch.full((3, 2), -1.0)
+    with pytest.raises(IndexError):
+        torch.zeros(3, 2).index_copy(dim, torch.tensor([0]), torch.ones(1, 2))
+    with pytest.raises(IndexError, match=rf"example delegate: dim {dim} indexes the destination.*rank 2"):
+        delegate.execute(handle, [dest, torch.tensor([2]), torch.ones(1, 2), out])
+    assert (out == -1).all() and not dest.any()
+
+
+def test_example_index_of_floats_refused_by_name_no_partial_write() -> None:
+    """A plan naming the float source as the index: eager's ``index_copy`` wants an
+    integer index; the delegate refuses by name rather than compare floats."""
+    delegate = ExampleRuntimeDelegate()
+    handle = delegate.init(json.dumps({**_PLAN, "index": 2, "source": 1}).encode(), {})
+    dest, out = torch.zeros(3, 2), torch.full((3, 2), -1.0)
+    with pytest.raises(IndexError):
+        torch.zeros(3, 2).index_copy(0, torch.ones(1, 2), torch.tensor([2]))
+    with pytest.raises(IndexError, match=r"example delegate: the index .*int64"):
+        delegate.execute(handle, [dest, torch.tensor([2]), torch.ones(1, 2), out])
+    assert (out == -1).all() and not dest.any()
