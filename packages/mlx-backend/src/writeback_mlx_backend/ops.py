@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 import torch.fx
-from writeback_core.ops import aten_op
+from writeback_core.ops import aten_op, normalize_dim
 
 __all__ = [
     "MX_DTYPES",
@@ -237,10 +237,6 @@ def _literal_ints_check(*positions: int) -> Callable[[torch.fx.Node], str | None
 # -- helpers ------------------------------------------------------------------------
 
 
-def _dim(dim: int, rank: int) -> int:
-    return dim + rank if dim < 0 else dim
-
-
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     def run(a: Any, b: Any, alpha: Any = 1) -> Any:
         if alpha != 1:
@@ -276,7 +272,7 @@ def _in_range(index: Any, op: str, dim: int, size: int, advice: str) -> np.ndarr
 
 def _index_copy_key(dest: Any, dim: int, index: Any) -> tuple[Any, ...]:
     """The numpy key of ``index_copy(dest, dim, index)``; raises on an index ATen rejects."""
-    dim = _dim(dim, dest.ndim)
+    dim = normalize_dim(dim, dest.ndim, what="index_copy dim")
     size = dest.shape[dim]
     if getattr(index, "size", None) == 1:
         # A decode step's one slot: a scalar check and a one-wide slice (numpy and MLX
@@ -310,7 +306,7 @@ def _slot_update(dest: Any, dim: int, index: Any, source: Any) -> Any:
 
 
 def _index_copy_trace(dest: Any, dim: int, index: Any, source: Any) -> Any:
-    dim = _dim(dim, dest.ndim)
+    dim = normalize_dim(dim, dest.ndim, what="index_copy dim")
     if index.size == 1 and source.ndim == dest.ndim and source.shape[dim] == 1:
         return _slot_update(dest, dim, index, source)
     out = mx.array(dest)
@@ -337,7 +333,7 @@ def _index_put_trace(dest: Any, indices: Sequence[Any], values: Any, accumulate:
 
 
 def _take_trace(x: Any, dim: int, index: Any) -> Any:
-    return mx.take(x, index, axis=_dim(dim, x.ndim))
+    return mx.take(x, index, axis=normalize_dim(dim, x.ndim, what="index_select dim"))
 
 
 def _embedding_trace(weight: Any, indices: Any, *_: Any) -> Any:
@@ -345,7 +341,7 @@ def _embedding_trace(weight: Any, indices: Any, *_: Any) -> Any:
 
 
 def _along_dim_bounds(x: Any, dim: int, index: Any, *_: Any) -> list[tuple[Any, int, int]]:
-    return [(index, 0, x.shape[_dim(dim, x.ndim)])]
+    return [(index, 0, x.shape[normalize_dim(dim, x.ndim, what="dim")])]
 
 
 def _embedding_bounds(weight: Any, indices: Any, *_: Any) -> list[tuple[Any, int, int]]:
@@ -441,9 +437,7 @@ def _slice_key(rank: int, size: int, dim: int, start: Any, end: Any, step: Any) 
     for name, bound in (("start", start), ("end", end)):
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)):
             raise TypeError(f"slice: {name} {bound!r} must be an integer or None")
-    if not -rank <= dim < rank:
-        raise IndexError(f"slice: dim {dim} is out of range for a tensor of rank {rank}")
-    dim = _dim(dim, rank)
+    dim = normalize_dim(dim, rank, what="slice dim")
     return (*_prefix(dim), slice(_clamp(start), _clamp(end), step))
 
 
@@ -483,13 +477,25 @@ def _reshape(x: Any, size: Sequence[int]) -> Any:
     return mx.reshape(x, shape)
 
 
+def _axes(x: Any, dims: Any, op: str) -> list[int] | None:
+    """``dims`` (a list of dims, or ``None`` / ``[]`` for every axis) as MLX axes of ``x``."""
+    if dims is None or dims == []:
+        return None
+    if isinstance(dims, int):
+        dims = [dims]
+    axes = [normalize_dim(d, x.ndim, what=f"{op} dim") for d in dims]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{op}: dim {list(dims)} names an axis twice (ATen refuses a repeated dim)")
+    return axes
+
+
 def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
-    axes = None if dim is None or dim == [] else [_dim(d, x.ndim) for d in dim]
+    axes = _axes(x, dim, "mean")
     return mx.mean(x, axis=axes, keepdims=keepdim)
 
 
 def _sum(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
-    axes = None if dim is None or dim == [] else [_dim(d, x.ndim) for d in dim]
+    axes = _axes(x, dim, "sum")
     return mx.sum(x, axis=axes, keepdims=keepdim)
 
 
@@ -535,7 +541,7 @@ def _layer_norm(
 
 
 def _softmax(x: Any, dim: int, half_to_float: bool = False) -> Any:
-    return mx.softmax(x, axis=_dim(dim, x.ndim), precise=True)
+    return mx.softmax(x, axis=normalize_dim(dim, x.ndim, what="softmax dim"), precise=True)
 
 
 def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
@@ -556,14 +562,14 @@ def _slice(x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any =
 
 def _index_select_validate(x: Any, dim: Any, index: Any) -> None:
     if not any(v is UNKNOWN for v in (x, dim, index)):
-        dim = _dim(dim, x.ndim)
+        dim = normalize_dim(dim, x.ndim, what="index_select dim")
         _in_range(index, "index_select", dim, x.shape[dim], "pass indices in [0, size).")
 
 
 def _index_select(x: Any, dim: int, index: Any) -> Any:
     # MLX's take reads out of range silently; ATen raises. Evaluating the index
     # here costs one small evaluation, and a bad index never yields a value.
-    dim = _dim(dim, x.ndim)
+    dim = normalize_dim(dim, x.ndim, what="index_select dim")
     size = x.shape[dim]
     idx = _in_range(index, "index_select", dim, size, "pass indices in [0, size).")
     return mx.take(x, mx.array(idx), axis=dim)
@@ -572,9 +578,7 @@ def _index_select(x: Any, dim: int, index: Any) -> Any:
 def _select(x: Any, dim: int, index: int) -> Any:
     # MLX reads past the end for an out-of-range integer index (and crashes on a
     # negative one): check it as ATen does.
-    if not -x.ndim <= dim < x.ndim:
-        raise IndexError(f"select: dim {dim} is out of range for a tensor of rank {x.ndim}")
-    dim = _dim(dim, x.ndim)
+    dim = normalize_dim(dim, x.ndim, what="select dim")
     size = x.shape[dim]
     if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
         raise IndexError(f"select: index {index!r} is out of range for dimension {dim} of size {size}")
@@ -582,7 +586,16 @@ def _select(x: Any, dim: int, index: int) -> Any:
 
 
 def _transpose(x: Any, a: int, b: int) -> Any:
-    return mx.swapaxes(x, a, b)
+    return mx.swapaxes(
+        x, normalize_dim(a, x.ndim, what="transpose dim0"), normalize_dim(b, x.ndim, what="transpose dim1")
+    )
+
+
+def _permute(x: Any, dims: Sequence[int]) -> Any:
+    axes = [normalize_dim(d, x.ndim, what="permute dim") for d in dims]
+    if sorted(axes) != list(range(x.ndim)):
+        raise ValueError(f"permute: dims {list(dims)} are not a permutation of the {x.ndim} axes of the input")
+    return mx.transpose(x, axes)
 
 
 def _squeeze(x: Any, dims: Any = None) -> Any:
@@ -590,13 +603,22 @@ def _squeeze(x: Any, dims: Any = None) -> Any:
         return mx.squeeze(x)
     if isinstance(dims, int):
         dims = [dims]
-    keep = [_dim(d, x.ndim) for d in dims if x.shape[_dim(d, x.ndim)] == 1]
+    axes = [normalize_dim(d, x.ndim, what="squeeze dim") for d in dims]
+    keep = [a for a in axes if x.shape[a] == 1]
     return mx.squeeze(x, axis=keep) if keep else x
 
 
 def _expand(x: Any, size: Sequence[int], implicit: bool = False) -> Any:
     lead = len(size) - x.ndim
-    shape = [x.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    if lead < 0:
+        raise ValueError(f"expand: size {list(size)} has fewer dimensions than the input's {x.ndim}")
+    shape = []
+    for position, s in enumerate(size):
+        if s == -1 and position >= lead:
+            s = x.shape[position - lead]
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"expand: size {s!r} at dimension {position} of {list(size)} (-1 keeps an existing one)")
+        shape.append(s)
     return mx.broadcast_to(x, shape)
 
 
@@ -615,7 +637,7 @@ def _full_like(x: Any, value: Any, **_: Any) -> Any:
 
 
 def _unsqueeze(x: Any, dim: int) -> Any:
-    return mx.expand_dims(x, _dim(dim, x.ndim + 1))
+    return mx.expand_dims(x, normalize_dim(dim, x.ndim + 1, what="unsqueeze dim"))
 
 
 def _arange(start: Any, end: Any = None, step: Any = 1, **_: Any) -> Any:
@@ -649,7 +671,7 @@ def _embedding(weight: Any, indices: Any, *_: Any) -> Any:
 
 def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     parts = [t for t in tensors if t.size > 0 or t.ndim > 1]
-    return mx.concatenate(parts, axis=_dim(dim, parts[0].ndim))
+    return mx.concatenate(parts, axis=normalize_dim(dim, parts[0].ndim, what="cat dim"))
 
 
 def _pow(x: Any, exponent: Any) -> Any:
@@ -754,16 +776,14 @@ OPS: dict[str, OpHandler] = {
     "aten.mean.dim": OpHandler(_ok, _mean),
     "aten.sum.dim_IntList": OpHandler(_ok, _sum),
     "aten.amax.default": OpHandler(
-        _ok, lambda x, dim, keepdim=False: mx.max(x, axis=[_dim(d, x.ndim) for d in dim], keepdims=keepdim)
+        _ok, lambda x, dim=(), keepdim=False: mx.max(x, axis=_axes(x, list(dim), "amax"), keepdims=keepdim)
     ),
     "aten.any.dim": OpHandler(
-        _literal_ints_check(1), lambda x, dim, keepdim=False: mx.any(x, axis=_dim(dim, x.ndim), keepdims=keepdim)
+        _literal_ints_check(1), lambda x, dim, keepdim=False: mx.any(x, axis=_axes(x, [dim], "any"), keepdims=keepdim)
     ),
     "aten.any.dims": OpHandler(
         _ok,
-        lambda x, dim=None, keepdim=False: mx.any(
-            x, axis=None if dim is None else [_dim(d, x.ndim) for d in dim], keepdims=keepdim
-        ),
+        lambda x, dim=None, keepdim=False: mx.any(x, axis=_axes(x, dim, "any"), keepdims=keepdim),
     ),
     "aten.clamp.default": OpHandler(_ok, _clamp_values),
     "aten.clamp_min.default": OpHandler(_ok, lambda x, lo: mx.maximum(x, lo)),
@@ -795,8 +815,8 @@ OPS: dict[str, OpHandler] = {
     "aten.view.default": OpHandler(_ok, _reshape),
     "aten.reshape.default": OpHandler(_ok, _reshape),
     "aten._unsafe_view.default": OpHandler(_ok, _reshape),
-    "aten.permute_copy.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
-    "aten.permute.default": OpHandler(_ok, lambda x, dims: mx.transpose(x, list(dims))),
+    "aten.permute_copy.default": OpHandler(_ok, _permute),
+    "aten.permute.default": OpHandler(_ok, _permute),
     "aten.transpose_copy.int": OpHandler(_literal_ints_check(1, 2), _transpose),
     "aten.transpose.int": OpHandler(_literal_ints_check(1, 2), _transpose),
     "aten.t_copy.default": _unary(lambda x: x.T),

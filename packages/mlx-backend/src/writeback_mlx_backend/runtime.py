@@ -63,6 +63,7 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 from writeback_mlx_backend.fast import fuse_attention, fuse_rms_norms, fuse_ropes
+from writeback_mlx_backend.literals import check_literals
 from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.ops import MX_DTYPES, OPS, UNKNOWN, OpHandler, Region
 from writeback_mlx_backend.program import (
@@ -804,6 +805,8 @@ class MLXDelegate:
             args, kwargs = _decode(node["args"]), _decode(node["kwargs"])
             check_call(node["op"], args, kwargs, DELEGATE, f"nodes[{position}]", _kind)
             steps.append(Step(node["name"], node["op"], handler, args, kwargs, dtype))
+        records = {name: (r.shape, r.dtype) for name, r in [*program.constants.items(), *program.state.items()]}
+        check_literals(steps, dict(zip(program.inputs, program.input_meta, strict=True)), records, torch_dtype)
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}
