@@ -329,3 +329,58 @@ def test_plot_not_writable_refused_before_timing(tmp_path: Path, name: str, why:
     (line,) = _error_lines(result)
     assert "--plot" in line and str(plot) in line and why in line
     assert "decode step" not in result.output and not plot.exists()
+
+
+# --- errors raised while the model is built (its build() / __init__) ------------------------
+
+BUILD_RAISES = """import functools
+import torch
+from writeback_core.zoo import ModelCase
+
+
+class Seq2Seq(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = torch.nn.Linear(4, 4)
+        self.head = self.lm_head  # as transformers' seq2seq wrapper reads a head Whisper lacks
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def make():
+    return ModelCase(name="seq2seq", description="raises in __init__", build=Seq2Seq,
+                     step_inputs=lambda step: (torch.ones(4),))
+
+
+def make_library_raises():
+    # The error is raised inside torch, in no frame of this file.
+    build = functools.partial(torch.nn.Linear, -1, 4)
+    return ModelCase(name="negative-linear", description="torch raises", build=build,
+                     step_inputs=lambda step: (torch.ones(4),))
+"""
+
+
+def test_model_class_raising_in_init_exits_2_naming_the_models_error_not_a_lowering(tmp_path: Path) -> None:
+    model = _write(tmp_path, "seq2seq.py", BUILD_RAISES)
+    pte = tmp_path / "out.pte"
+    result = _invoke("run", f"{model}:make", "--backend", "none", "--output", str(pte))
+    line = _line_of(BUILD_RAISES, "self.head = self.lm_head")
+    _assert_user_mistake(
+        result, "model 'seq2seq'", "AttributeError", "lm_head", str(model), f"line {line}", "in __init__"
+    )
+    assert "lowering" not in result.output, result.output
+    assert not pte.exists()
+
+
+def test_model_built_by_a_library_that_raises_exits_2_naming_the_error(tmp_path: Path) -> None:
+    model = _write(tmp_path, "library.py", BUILD_RAISES)
+    result = _invoke("run", f"{model}:make_library_raises", "--backend", "none")
+    _assert_user_mistake(result, "model 'negative-linear'", "building the model raised RuntimeError", "negative")
+    assert "lowering" not in result.output, result.output
+
+
+def test_explain_of_a_model_raising_in_init_exits_2(tmp_path: Path) -> None:
+    model = _write(tmp_path, "seq2seq.py", BUILD_RAISES)
+    result = _invoke("explain", f"{model}:make")
+    _assert_user_mistake(result, "model 'seq2seq'", "AttributeError", "lm_head")

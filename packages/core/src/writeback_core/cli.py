@@ -200,7 +200,8 @@ class _PluginGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> object:
-        from writeback_core.loading import user_code_error
+        from writeback_core.loading import TRACEBACK_ENV, user_code_error
+        from writeback_core.lowering import ModelBuildError
 
         try:
             ctx.obj = self.registry()
@@ -212,14 +213,23 @@ class _PluginGroup(click.Group):
             raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except ModelBuildError as error:
+            # The model could not even be built (its class or a library's raised in
+            # __init__): the user's to fix, as a model file's error is, exit 2.
+            where = user_code_error(error.__cause__) if error.__cause__ is not None else None
+            message = (
+                f"model {error.model!r}: building the model raised {where}. Fix it there"
+                if where is not None
+                else str(error)
+            )
+            message += f" ({TRACEBACK_ENV}=1 shows the traceback)."
+            raise _user_code_failure(error.__cause__ or error, message) from error
         except Exception as error:
             # An error raised later by a model file's code (its forward, while
             # exporting or running eagerly) is the user's too.
             where = user_code_error(error)
             if where is None:
                 raise
-            from writeback_core.loading import TRACEBACK_ENV
-
             message = f"the model's code raised {where}. Fix it there ({TRACEBACK_ENV}=1 shows the traceback)."
             raise _user_code_failure(error, message) from error
 

@@ -49,14 +49,17 @@ __all__ = [
     "Lowered",
     "LoweringError",
     "MemoryPlan",
+    "ModelBuildError",
     "Partitioned",
     "StatePlace",
     "as_exir_pass",
     "backend_config",
+    "build_case_module",
     "check_lifted_state",
     "export_case",
     "export_model",
     "initialized_buffers",
+    "load_quantized_kernels",
     "lower",
     "partition",
     "pass_names",
@@ -78,6 +81,37 @@ MEMORY_PLANS: Mapping[MemoryPlan, tuple[bool, bool]] = {
     "planned": (True, True),
     "unplanned": (False, False),
 }
+
+
+class ModelBuildError(ValueError):
+    """Building the model (a case's ``build()``: the user's class, a library's model) raised.
+
+    Not a lowering failure: nothing was exported. ``model`` names the model; the message
+    names it and the error; ``__cause__`` is the error itself.
+    """
+
+    def __init__(self, model: str, problem: str) -> None:
+        super().__init__(
+            f"model {model!r}: building the model {problem}. Nothing was exported; fix the model's code "
+            "or configuration (its build() / __init__)"
+        )
+        self.model = model
+
+
+def build_case_module(case: ModelCase) -> torch.nn.Module:
+    """``case.build()``, its errors as :class:`ModelBuildError` naming the model and the error.
+
+    :raises ModelBuildError: ``build()`` raised, or returned something else than an ``nn.Module``.
+    """
+    try:
+        module = case.build()
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        first = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        raise ModelBuildError(case.name, f"raised {first[:300]}") from error
+    if not isinstance(module, torch.nn.Module):
+        raise ModelBuildError(case.name, f"returned {type(module).__name__}, not a torch.nn.Module")
+    return module
 
 
 class LoweringError(RuntimeError):
@@ -111,11 +145,19 @@ def export_model(
     :raises LoweringError: the program holds state as lifted constants (see
         :func:`check_lifted_state`): lowering it would fail or answer wrongly.
     """
-    module = module.eval().requires_grad_(False)
+    _eval_mode(module)
     with known_warnings_ignored(), torch.no_grad():
         program = torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
     check_lifted_state(program, module, name or f"module {type(module).__name__}", strict)
     return program
+
+
+def _eval_mode(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in eval mode without grad, in place. Not chained: a PT2E-converted model
+    (``allow_exported_model_train_eval``) returns ``None`` from ``eval()``."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
 
 
 def export_case(case: ModelCase) -> ExportedProgram:
@@ -127,6 +169,7 @@ def export_case(case: ModelCase) -> ExportedProgram:
     :raises LoweringError: the program holds state as lifted constants (see
         :func:`check_lifted_state`).
     :raises TypeError: ``exported`` returned something else than an ``ExportedProgram``.
+    :raises ModelBuildError: building the model raised (:func:`build_case_module`).
     """
     what = f"model {case.name!r}"
     if case.exported is not None:
@@ -139,7 +182,7 @@ def export_case(case: ModelCase) -> ExportedProgram:
         check_lifted_state(program, None, what, None)
         return program
     return export_model(
-        case.build(),
+        build_case_module(case),
         case.example_args(0),
         case.example_kwargs(0),
         strict=case.strict,
@@ -419,6 +462,52 @@ def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> Exec
     )
 
 
+# The namespace of PT2E's quantize/dequantize ops, whose out variants ExecuTorch ships in a
+# library of its own (``executorch.kernels.quantized``), not loaded by ``import executorch``.
+QUANTIZED_NAMESPACE = "quantized_decomposed"
+
+
+def _quantized_ops(edge: EdgeProgramManager) -> list[str]:
+    found = set()
+    for method in edge.methods:
+        for node in edge.exported_program(method).graph_module.graph.nodes:
+            schema = schema_of(node.target) if node.op == "call_function" else None
+            if schema is not None and schema.name.startswith(QUANTIZED_NAMESPACE + "::"):
+                found.add(schema.name)
+    return sorted(found)
+
+
+def load_quantized_kernels(edge: EdgeProgramManager) -> list[str]:
+    """Load ExecuTorch's quantized kernels when ``edge`` runs ``quantized_decomposed`` ops
+    outside any delegate (a PT2E-quantized model on no backend): without them
+    ``to_executorch`` stops at "Missing out variants". Returns the ops found (empty: nothing
+    loaded).
+
+    :raises LoweringError: the ops are there and the kernels cannot be loaded; the message
+        names the ops and what to install.
+    """
+    found = _quantized_ops(edge)
+    if not found or _has_out_variant(found[0]):
+        return found
+    import importlib
+
+    importlib.import_module("executorch.kernels.quantized")  # loads the library; logs, never raises
+    if not _has_out_variant(found[0]):
+        raise LoweringError(
+            f"the program runs {', '.join(found)} outside any delegate, and ExecuTorch's quantized kernels "
+            "(executorch.kernels.quantized, libquantized_ops_aot_lib) could not be loaded: install an executorch "
+            "wheel that ships them, or lower to a backend that takes the quantized ops"
+        )
+    return found
+
+
+def _has_out_variant(name: str) -> bool:
+    """Whether an out variant (an overload named ``out`` or ``..._out``) of schema name
+    ``namespace::op`` is registered."""
+    schemas = torch._C._jit_get_schemas_for_operator(name)
+    return any(s.overload_name == "out" or s.overload_name.endswith("_out") for s in schemas)
+
+
 def to_executorch(
     edge: EdgeProgramManager, registry: Registry | None, plan: MemoryPlan = "state"
 ) -> ExecutorchProgramManager:
@@ -427,6 +516,7 @@ def to_executorch(
 
     ``edge`` is consumed. :raises LoweringError: naming the plan and whether passes ran.
     """
+    load_quantized_kernels(edge)
     config = backend_config(edge, plan)
     try:
         with known_warnings_ignored():

@@ -38,7 +38,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from writeback_core.lowering import Lowered, export_case
+from writeback_core.lowering import Lowered, ModelBuildError, build_case_module, export_case
 from writeback_core.lowering import lower as lower_exported
 from writeback_core.mutations import Mutation, MutationKind
 from writeback_core.registry import Registry
@@ -144,9 +144,12 @@ def lower(case: ModelCase, pipeline: Pipeline) -> Lowered:
 
     :raises PipelineError: export, the backend's partitioner or the passes fail; the
         message names the model and the backend.
+    :raises ModelBuildError: building the model raised (the model's error, not a lowering's).
     """
     try:
         return lower_exported(export_case(case), pipeline.registry, pipeline.backend, "state", case)
+    except ModelBuildError:
+        raise  # the model's own error, not the lowering's: the CLI reports it as the user's
     except Exception as error:
         backend = pipeline.backend.name if pipeline.backend else "none"
         raise PipelineError(
@@ -362,7 +365,9 @@ class Eager:
 
     def __init__(self, case: ModelCase) -> None:
         self.case = case
-        self.module = case.build().eval().requires_grad_(False)
+        self.module = build_case_module(case)
+        self.module.eval()  # not chained: a PT2E-converted model's eval() returns None
+        self.module.requires_grad_(False)
         self.state = case.make_state()
 
     def step(self, step: int) -> list[Any]:
