@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
-from writeback_core.ops import packet_name, write_back_copies
+from writeback_core.ops import normalize_dim, normalize_index, packet_name, write_back_copies
 from writeback_core.partition import DELEGATION_TAG as _TAG
 from writeback_core.registry import InPlaceDecision
 
@@ -64,12 +64,18 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 
 @dataclass(frozen=True)
 class _Index:
-    """The index tensor of the in-place write: an existing node, or ``arange(start, end, step)``."""
+    """The index tensor of the in-place write: an existing node, or ``arange(start, end, step)``.
+
+    ``wrap`` is the size of the indexed dim when a negative entry of ``node`` counts from
+    the end, as eager's ``index_put`` reads it (``index_copy`` rejects negatives, as the
+    kernel does): the rewrite inserts ``where(node < 0, node + wrap, node)`` before the write.
+    """
 
     node: torch.fx.Node | None = None
     start: Any = None
     end: Any = None
     step: Any = 1
+    wrap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,11 +154,30 @@ def _plan_index_put(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     if not isinstance(index, torch.fx.Node) or val is None or val.dim() != 1 or val.dtype not in _INDEX_DTYPES:
         what = "unknown" if val is None else f"{val.dim()}-d {val.dtype}"
         return f"index_put's index is {what}; the in-place kernel takes one 1-d int64/int32 index tensor"
-    return _finish(node, dest, dim, _Index(node=index), node.args[2], val.shape[0])
+    state = _val(dest)
+    size = state.shape[dim] if state is not None and dim < state.dim() else None
+    if not isinstance(size, int):
+        # Eager wraps a negative index by the dim's size; the kernel rejects it.
+        return "index_put into a dim whose size is known only at run time; a negative index could not be wrapped"
+    wrap = None if _from_index_copy(node) else size
+    return _finish(node, dest, dim, _Index(node=index, wrap=wrap), node.args[2], val.shape[0])
+
+
+def _from_index_copy(node: torch.fx.Node) -> bool:
+    """Whether ``index_put`` node ``node`` is a decomposed ``index_copy``: eager's ``index_copy``
+    rejects a negative index, as the kernel does, so only an ``index_put`` written as such wraps.
+    The op it came from is ``original_aten`` after one decomposition, ``torch_fn`` after several."""
+    if packet_name(node.meta.get("original_aten")) == "index_copy":
+        return True
+    source = node.meta.get("torch_fn")
+    function = source[1] if isinstance(source, tuple) and len(source) == 2 else None
+    return isinstance(function, str) and function.rsplit(".", 1)[-1] in ("index_copy", "index_copy_")
 
 
 def _plan_index_copy(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(int(_arg(node, 1, "dim", 0)), dest)
+    dim = _dim(_arg(node, 1, "dim", 0), dest, "index_copy")
+    if isinstance(dim, str):
+        return dim
     index = _arg(node, 2, "index", None)
     val = _val(index)
     if not isinstance(index, torch.fx.Node) or val is None or val.dim() != 1 or val.dtype not in _INDEX_DTYPES:
@@ -160,9 +185,15 @@ def _plan_index_copy(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     return _finish(node, dest, dim, _Index(node=index), _arg(node, 3, "source", None), val.shape[0])
 
 
-def _dim(dim: int, dest: torch.fx.Node) -> int:
+def _dim(dim: Any, dest: torch.fx.Node, op: str) -> int | str:
+    """``dim`` of a write into ``dest`` in ``[0, rank)`` (eager's rule), or why not."""
     val = _val(dest)
-    return dim + val.dim() if dim < 0 and val is not None else dim
+    if val is None:
+        return f"{op} into {dest.name!r}, whose rank is unknown"
+    try:
+        return normalize_dim(dim, val.dim(), what=f"{op} into {dest.name!r}")
+    except (IndexError, TypeError) as error:
+        return str(error)
 
 
 def _static_range(start: Any, end: Any, step: Any, size: int) -> tuple[int, int, int]:
@@ -180,8 +211,40 @@ def _static_range(start: Any, end: Any, step: Any, size: int) -> tuple[int, int,
     return first, max(first, last), int(step)
 
 
+def _bound(bound: Any) -> str:
+    return bound.name if isinstance(bound, torch.fx.Node) else repr(bound)
+
+
+def _fixed(bound: Any, default: int, size: Any) -> Any:
+    """A constant slice bound wrapped and clamped as Python slicing does (``None`` is
+    ``default``) when the size is known; a run-time bound, or any bound of a run-time
+    size, as it is (``None`` stays ``None``: nothing to index with)."""
+    if isinstance(size, int) and (bound is None or isinstance(bound, int)):
+        return _static_range(bound, None, 1, size)[0] if bound is not None else default
+    return bound
+
+
+def _within(start: Any, end: Any, size: Any) -> bool:
+    """Whether ``0 <= start <= end <= size`` holds for every run the program accepts: bounds
+    are ints or symbolic ints whose ranges (``torch._check`` and the like) prove it."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def value(bound: Any) -> Any:
+        return bound.meta.get("val") if isinstance(bound, torch.fx.Node) else bound
+
+    first, last = value(start), value(end)
+    if first is None or last is None or not all(isinstance(b, int | torch.SymInt) for b in (first, last)):
+        return False
+    try:
+        return all(statically_known_true(c) for c in (first >= 0, first <= last, last <= size))
+    except Exception:  # a symbol without a shape environment: nothing is proved
+        return False
+
+
 def _plan_slice_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(int(_arg(node, 2, "dim", 0)), dest)
+    dim = _dim(_arg(node, 2, "dim", 0), dest, "slice_scatter")
+    if isinstance(dim, str):
+        return dim
     start, end, step = _arg(node, 3, "start", None), _arg(node, 4, "end", None), _arg(node, 5, "step", 1)
     val, src = _val(dest), _val(node.args[1])
     if val is None or src is None:
@@ -193,25 +256,33 @@ def _plan_slice_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | st
     if isinstance(size, int) and all(b is None or isinstance(b, int) for b in bounds):
         first, last, step = _static_range(start, end, step, size)
         index = _Index(start=first, end=last, step=step)
-    elif all(isinstance(b, torch.fx.Node) or (isinstance(b, int) and b >= 0) for b in bounds):
-        # Bounds known at run time: the kernel checks every index against the size, so
-        # a bound Python slicing would wrap or clamp fails the call instead of writing.
-        index = _Index(start=start, end=end, step=step)
+    elif _within(first_bound := _fixed(start, 0, size), last_bound := _fixed(end, size, size), size):
+        # Bounds known at run time that the program proves lie in [0, size] (a constant one
+        # wrapped and clamped here): nothing is left to clamp, so arange(start, end, step) is
+        # the slice eager writes.
+        index = _Index(start=first_bound, end=last_bound, step=step)
     else:
-        return "slice_scatter with an open or negative bound and a size known only at run time"
+        return (
+            f"slice_scatter into {dest.name!r} with bounds ({_bound(start)}, {_bound(end)}) known only at run "
+            f"time that may fall outside [0, {size}]: eager wraps and clamps them, the in-place kernel "
+            "would fail the call"
+        )
     return _finish(node, dest, dim, index, node.args[1], src.shape[dim])
 
 
 def _plan_select_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(int(_arg(node, 2, "dim", 0)), dest)
+    dim = _dim(_arg(node, 2, "dim", 0), dest, "select_scatter")
+    if isinstance(dim, str):
+        return dim
     position = _arg(node, 3, "index", None)
     val = _val(dest)
     if val is None or not isinstance(position, int) or not isinstance(val.shape[dim], int):
         return "select_scatter at a position known only at run time"
     size = int(val.shape[dim])
-    if not -size <= position < size:
-        return f"select_scatter at position {position} of a dim of size {size}"
-    position %= size
+    try:
+        position = normalize_index(position, size, what=f"select_scatter into {dest.name!r} along dim {dim}")
+    except IndexError as error:
+        return str(error)
     return _finish(node, dest, dim, _Index(start=position, end=position + 1), node.args[1], 1, select=True)
 
 
@@ -294,9 +365,10 @@ def _plan_where(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     ):
         return refusal
     axis = unsqueeze.args[1] if len(unsqueeze.args) > 1 else None
-    if not isinstance(axis, int):
+    # unsqueeze's dim counts in the rank of its result, which is the state's.
+    dim = _dim(axis, dest, "where")
+    if isinstance(dim, str):
         return refusal
-    dim = _dim(axis, dest)
     size = int(val.shape[dim])
     position = _selected_position(node.args[0], dim, val.dim(), size)
     if position is None or not 0 <= position < size:
@@ -543,6 +615,8 @@ def _rewrite(graph: torch.fx.Graph, writes: Sequence[_Write], placeholder: torch
             if index is None:
                 args = (write.index.start, write.index.end, write.index.step)
                 index = _call(graph, "arange.start_step", args, {"dtype": torch.int64}, fake)
+            elif write.index.wrap is not None:
+                index = _wrapped(graph, index, write.index.wrap, fake)
             values = write.values
             if write.fix == "view":
                 values = _call(graph, "view_copy.default", (values, list(write.shape)), {}, fake)
@@ -557,6 +631,15 @@ def _rewrite(graph: torch.fx.Graph, writes: Sequence[_Write], placeholder: torch
         _erase_dead(inputs)
         dest = in_place
     return dest
+
+
+def _wrapped(graph: torch.fx.Graph, index: torch.fx.Node, size: int, fake: Any) -> torch.fx.Node:
+    """``where(index < 0, index + size, index)``: eager's reading of a negative index, with
+    kernels every stock runtime links. An index outside ``[-size, size)`` stays outside
+    ``[0, size)``, so the in-place kernel still rejects it before writing, as eager does."""
+    negative = _call(graph, "lt.Scalar", (index, 0), {}, fake)
+    shifted = _call(graph, "add.Scalar", (index, size), {}, fake)
+    return _call(graph, "where.self", (negative, shifted, index), {}, fake)
 
 
 def _erase_dead(nodes: Iterable[torch.fx.Node]) -> None:
