@@ -103,8 +103,20 @@ class RuntimeDelegate(Protocol):
 
     ``execute`` receives the delegate's arguments as torch tensors (zero-copy
     views of the runtime's memory) or Python scalars: first the inputs, then
-    the outputs, already allocated; it writes its results into the outputs and
-    may write mutated inputs in place.
+    the outputs, already allocated; it writes its results into the outputs.
+
+    It writes an input only where its lowering declared it, and nowhere else:
+    an entry ``(output, input)`` of the in-place compile spec
+    (``writeback_core.meta.IN_PLACE_OUTPUTS_SPEC``, read with
+    ``writeback_core.blob.in_place_outputs``), or, for an aliasing engine's
+    delegate, an input its ``AliasingEngine.aliased_io`` reports for the blob.
+    The passes drop exactly those write-backs and keep every other (the program
+    may still read an input's old value, or copy its new one back), so an
+    undeclared write is a wrong answer, and a declared one left undone a stale
+    state. ``init`` refuses a declaration it cannot honour (a
+    ``writeback_core.blob.BlobError`` naming the entry) rather than ignore it.
+    ``writeback_testing.contract.check_declared_writes`` checks a lowered
+    program's delegates against this rule.
     """
 
     backend_id: str

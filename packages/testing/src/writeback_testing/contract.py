@@ -56,8 +56,10 @@ __all__ = [
     "ContractCase",
     "ContractReport",
     "ContractViolation",
+    "DelegateWrites",
     "backend_names",
     "check_backend_contract",
+    "check_declared_writes",
     "write_backs",
     "zoo_cases",
 ]
@@ -198,3 +200,90 @@ def _state_written(lowered: Lowerings, decision: InPlaceDecision) -> bool:
         str(spec.target) == decision.target and spec.kind in kinds
         for spec in program.exported_program().graph_signature.output_specs
     )
+
+
+@dataclass(frozen=True)
+class DelegateWrites:
+    """What one lowered delegate did to its inputs in one call on fresh inputs.
+
+    ``declared``: the inputs its lowering says it writes (in-place compile spec entries,
+    and its engine's ``aliased_io`` for an aliasing engine's delegate); ``written``:
+    the inputs whose values the call changed.
+    """
+
+    delegate: int
+    backend_id: str
+    declared: frozenset[int]
+    written: frozenset[int]
+
+    @property
+    def undeclared(self) -> frozenset[int]:
+        """Inputs written without a declaration: what the rule forbids."""
+        return self.written - self.declared
+
+
+def _fresh(value: Any, generator: Any) -> Any:
+    """A real tensor for a fake one: floats random, integers and bools zero (index 0 is valid)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype.is_floating_point:
+        return torch.randn(tuple(value.shape), generator=generator).to(value.dtype)
+    return torch.zeros(tuple(value.shape), dtype=value.dtype)
+
+
+def check_declared_writes(program: Any, registry: Registry) -> list[DelegateWrites]:
+    """Run every delegate of ``program`` (an ``ExecutorchProgramManager``) once on fresh inputs
+    and record which inputs it wrote against which its lowering declared
+    (``writeback_core.types.RuntimeDelegate``: a delegate writes an input only where declared).
+
+    Each delegate is called through the runtime delegate the registry offers for its
+    backend id (``init`` with its blob and compile specs, ``execute``, ``destroy``), with
+    its arguments made from the program's own shapes and dtypes.
+
+    :raises ContractViolation: a delegate wrote an input it did not declare; the message
+        names the delegate, its backend and the inputs.
+    :raises LookupError: no runtime delegate is offered for a delegate's backend id.
+    """
+    import torch
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from writeback_core.blob import in_place_outputs
+
+    offered = registry.runtime_delegates()
+    engines = {e.backend_id: e for e in registry.engines().values()}
+    graph_module = program.exported_program().graph_module
+    generator = torch.Generator().manual_seed(0)
+    found = []
+    for number, (_, module, call) in enumerate(get_lowered_submodules(graph_module)):
+        backend_id = module.backend_id
+        if backend_id not in offered:
+            raise LookupError(f"no runtime delegate for backend {backend_id!r}; offered: {sorted(offered)}")
+        inputs = [_fresh(a.meta.get("val") if isinstance(a, torch.fx.Node) else a, generator) for a in call.args[1:]]
+        values = call.meta.get("val")
+        outputs = [_fresh(v, generator) for v in (values if isinstance(values, (list, tuple)) else [values])]
+        specs = {spec.key: bytes(spec.value) for spec in module.compile_specs}
+        declared = {e.input for e in in_place_outputs(specs, backend_id, len(inputs), len(outputs))}
+        if backend_id in engines:
+            declared |= set(engines[backend_id].aliased_io(module.processed_bytes).values())
+        before = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        delegate = offered[backend_id]
+        handle = delegate.init(module.processed_bytes, specs)
+        try:
+            delegate.execute(handle, [*inputs, *outputs])
+        finally:
+            delegate.destroy(handle)
+        written = {
+            i
+            for i, (old, new) in enumerate(zip(before, inputs, strict=True))
+            if isinstance(old, torch.Tensor) and not torch.equal(old, new)
+        }
+        record = DelegateWrites(number, backend_id, frozenset(declared), frozenset(written))
+        if record.undeclared:
+            raise ContractViolation(
+                f"delegate {number} ({backend_id}) wrote input(s) {sorted(record.undeclared)} that its lowering "
+                f"did not declare (declared: {sorted(declared) or 'none'}); a delegate writes an input only where "
+                "its in-place compile spec (or its engine's aliased_io) says so"
+            )
+        found.append(record)
+    return found

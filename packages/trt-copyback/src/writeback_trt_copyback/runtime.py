@@ -3,6 +3,12 @@
 A runtime (the pybind-runtime) registers it as an ExecuTorch backend and calls
 ``execute`` with zero-copy tensor views of the delegate's arguments: the
 inputs, then the outputs, already allocated.
+
+It writes an input only where its lowering declared it, as every delegate must
+(``writeback_core.types.RuntimeDelegate``): the blob's ``aliased_io`` is that
+declaration (the copy-back path drops exactly those write-backs), and ``init``
+refuses a blob whose update steps and ``aliased_io`` disagree, either way,
+before anything runs.
 """
 
 from __future__ import annotations
@@ -171,6 +177,42 @@ def _check_in_place_spec(blob: Blob, compile_specs: Mapping[str, bytes], n_outpu
             )
 
 
+def _check_declared_writes(blob: Blob, steps: Sequence[_Call | _Update], outputs: Sequence[Any]) -> None:
+    """Every input the delegate writes is declared in ``aliased_io``, and every declaration is written.
+
+    An update step writing an undeclared input would change state the program still
+    copies back (or reads the old value of); a declared write no step performs would
+    leave that state stale, its write-back dropped.
+    """
+    updates = {step.name: step for step in steps if isinstance(step, _Update)}
+    returned = {o.name: k for k, o in reversed(list(enumerate(outputs))) if isinstance(o, Ref)}
+    for name, step in updates.items():
+        binding = f"output{returned[name]}" if name in returned else f"update:{name}"
+        if blob.aliased_io.get(binding) != step.input:
+            raise BlobError(
+                DELEGATE,
+                f"steps[{name!r}]",
+                {"input": step.input, "binding": binding},
+                f"the update writes input {step.input} in place, but aliased_io declares "
+                f"{binding} -> {blob.aliased_io.get(binding)}; a delegate writes only the inputs its lowering declared",
+            )
+    for binding, input_index in blob.aliased_io.items():
+        name = binding.removeprefix("update:")
+        if binding.startswith("output"):
+            ref = outputs[int(binding.removeprefix("output"))]  # range checked by _skipped_outputs
+            name = ref.name if isinstance(ref, Ref) else ""
+        written = updates.get(name)
+        if written is None or written.input != input_index:
+            raise BlobError(
+                DELEGATE,
+                f"aliased_io[{binding!r}]",
+                input_index,
+                f"declares input {input_index} written in place, but no update step writes it "
+                f"(update steps: {sorted((s.name, s.input) for s in updates.values())}); its write-back "
+                "was dropped for a write the delegate would not perform",
+            )
+
+
 def _check_slots(step: _Update, cache: torch.Tensor, src: Any) -> None:
     """Before a slice update writes: its slots lie inside ``cache`` and ``src`` fills them exactly.
 
@@ -216,6 +258,7 @@ class KVAliasRuntimeDelegate:
         blob = Blob.from_bytes(processed)
         steps, outputs = _compile(blob)
         skipped = _skipped_outputs(blob, len(outputs))
+        _check_declared_writes(blob, steps, outputs)
         _check_in_place_spec(blob, compile_specs, len(outputs))
         constants = {k: decode_tensor(v, f"constants[{k!r}]") for k, v in blob.constants.items()}
         return _Plan(blob, steps, outputs, constants, skipped)
