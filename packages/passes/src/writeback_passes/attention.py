@@ -12,6 +12,10 @@ that nothing else reads, and ``A`` has fewer elements than ``X``, the ``bmm`` re
 ``X`` through the same reshapes and ``A`` becomes ``mul.Scalar(A, s)``. The same
 with the roles of ``A`` and ``B`` swapped. Results differ from the original by
 floating-point rounding only (one multiply moves; none is added).
+
+Refused: a multiply whose result has another dtype than its input or than the other
+operand (``bmm(q, int_cache * 0.5)``: the matmul needs the converted operand), and
+any operand whose ``val`` is unknown. The moved multiply gets its own ``val``.
 """
 
 from __future__ import annotations
@@ -70,6 +74,25 @@ def _scaled_source(operand: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node
     return node, node.args[0]
 
 
+def _same_dtype(*nodes: torch.fx.Node) -> bool:
+    """Whether every node has a known ``val`` of one dtype."""
+    dtypes = {val.dtype if val is not None else None for val in map(_val, nodes)}
+    return len(dtypes) == 1 and None not in dtypes
+
+
+def _product(other: torch.fx.Node, scale: Any, target: Any) -> torch.Tensor | None:
+    """The fake ``val`` of ``target(other, scale)``, computed in ``other``'s fake mode."""
+    from torch._guards import detect_fake_mode
+
+    val = _val(other)
+    fake = detect_fake_mode([val])
+    if val is None or fake is None:
+        return None
+    with fake:
+        product = aten_op(target)(val, scale)
+    return product if isinstance(product, torch.Tensor) and product.dtype == val.dtype else None
+
+
 def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> ScaleReport:
     """Move each scalar multiply of a matmul operand to the smaller operand (module docstring)."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
@@ -89,13 +112,18 @@ def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> Sc
             source_size, other_size = _numel(source), _numel(other)
             if source_size is None or other_size is None or other_size >= source_size:
                 continue
+            if not _same_dtype(mul, source, other):
+                continue  # the multiply converts (an int cache times 0.5): the matmul needs its result
             scale, target = mul.args[1], mul.target
             assert callable(target)
+            product = _product(other, scale, target)
+            if product is None:
+                continue
             mul.replace_all_uses_with(source)
             graph.erase_node(mul)
             with graph.inserting_before(node):
                 scaled = graph.call_function(target, (other, scale))
-            scaled.meta = {**other.meta}
+            scaled.meta = {"val": product, **{k: v for k, v in mul.meta.items() if k in ("stack_trace", "custom")}}
             node.args = (scaled, node.args[1]) if small == 0 else (node.args[0], scaled)
             report.moved.append(node.name)
             break

@@ -20,7 +20,8 @@ functional write (edge dialect)           in-place form
 ``select_scatter(P, v, d, k)``            ``index_put_(P, [None] * d + [arange(k, k+1)], v'')``
 ========================================  =================================================
 
-``v'`` is ``v`` reshaped (a view once exir replaces view copies) or broadcast
+A negative ``i`` of ``index_put`` is wrapped first (``where(i < 0, i + size, i)``), as
+eager wraps it. ``v'`` is ``v`` reshaped (a view once exir replaces view copies) or broadcast
 (``expand_copy``, the size of the write) to the shape the kernel requires; ``v''``
 is ``v`` with the selected dim put back as size 1. A ``copy_`` into a slice or a
 ``narrow`` is a ``slice_scatter`` by the time exir sees it. Each ``aten.index_put``
@@ -695,9 +696,16 @@ def reinplace_state_writes(program: ExportedProgram | torch.fx.GraphModule) -> S
     4. Otherwise insert, before each write, its index (an existing tensor, or
        ``arange``) and its values' reshape or broadcast, replace the write by
        ``index_put_`` into the previous one (``P`` for the first), point every
-       reader at it and replace the copy by the last in-place node. Index
-       bounds are not assumed: the kernel checks every index before it writes,
-       and a bad one fails the call with the state unchanged.
+       reader at it and replace the copy by the last in-place node. Indices
+       read as eager reads them: ``index_put``'s index gets
+       ``where(i < 0, i + size, i)`` first (eager wraps a negative position; a
+       decomposed ``index_copy`` does not, as eager's rejects one); constant
+       slice bounds are wrapped and clamped here; a slice bound known only at
+       run time is written in place only where the program proves it lies in
+       ``[0, size]``. Beyond that nothing is assumed: the kernel checks every
+       index before it writes (measured on ExecuTorch 1.5.1's portable
+       library), and an index eager rejects fails the call with the state
+       unchanged.
 
     Example it must refuse::
 

@@ -22,7 +22,9 @@ like ``x``
 ``x``
 ==========================================  =========================================
 
-Readers that ran on a copy now read ``x``'s storage, so a change is refused when
+Readers that ran on a copy now read ``x``'s storage, and writers of the copy would
+write it, so a change is refused when the copy (or anything aliasing it) is written in
+place (``e = expand_copy(x); e.add_(1)`` must leave ``x`` as it was), and when
 storage ``x`` may share is written at or after the node (an in-place kernel, a
 write-back ``copy_``, a delegate told to write an input in place: its compile spec
 names it): the reader would see the new value where it read the old one. A
@@ -171,6 +173,13 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
         ]
         if later:
             report.kept[node.name] = f"{later[0].name} writes storage it may share afterwards"
+            continue
+        writes_copy = [w for w in analysis.writers_of(node) if w is not node]
+        if writes_copy:
+            # Once the copy is x itself (or a view of it), a write into the copy writes x.
+            report.kept[node.name] = (
+                f"{writes_copy[0].name} writes the copy in place afterwards, which would then write {base.name}"
+            )
             continue
         report.bytes_per_call += _nbytes(out)
         if name == "expand_copy" or name in _CLONES:
