@@ -119,3 +119,94 @@ def test_moved_multiply_gets_the_products_val_not_the_operands_meta() -> None:
     assert mul.meta["val"].dtype == torch.int64 and tuple(mul.meta["val"].shape) == (2, 1, 4)
     assert mul.meta["val"] is not placeholder.meta["val"]
     assert torch.equal(gm(q, k), fn(q, k))
+
+
+# copies_as_views: each reason a copy stays, word for word
+
+
+def test_copy_of_a_placeholder_stays_before_partitioning_with_its_reason() -> None:
+    from writeback_passes.view_copies import functional_copies_as_views
+
+    gm = _trace(lambda state: aten.mul.Tensor(aten.unsqueeze_copy.default(state, 0), 2.0), torch.ones(2, 3))
+    report = functional_copies_as_views(gm)
+    assert report.kept == {"unsqueeze_copy": "it reads a placeholder, whose old value a later state write may need"}
+    torch.testing.assert_close(gm(torch.ones(2, 3)), torch.full((1, 2, 3), 2.0))
+
+
+def test_reshape_of_a_non_contiguous_input_stays_with_its_reason() -> None:
+    gm = _trace(lambda x: aten.mul.Tensor(aten.unsqueeze_copy.default(aten.t.default(x), 0), 1.0), torch.ones(2, 3))
+    assert copies_as_views(gm).kept == {
+        "unsqueeze_copy": "its input is not contiguous, so the reshape is no view of it"
+    }
+
+
+def test_copy_the_graph_returns_stays_with_its_reason() -> None:
+    gm = _trace(lambda x: aten.unsqueeze_copy.default(aten.mul.Tensor(x, 2.0), 0), torch.ones(2, 3))
+    assert copies_as_views(gm).kept == {"unsqueeze_copy": "the graph returns it"}
+
+
+def test_copy_whose_input_is_written_afterwards_stays_with_its_reason() -> None:
+    def fn(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        e = aten.expand_copy.default(x, [2, 3])
+        aten.index_put_.default(x, [i], v)
+        return aten.sum.default(e)
+
+    args = (torch.zeros(2, 3), torch.tensor([0]), torch.full((1, 3), 10.0))
+    gm = _trace(fn, *_clones(args))
+    assert copies_as_views(gm).kept == {"expand_copy": "index_put_ writes storage it may share afterwards"}
+    assert gm(*_clones(args)).item() == 0.0
+
+
+# scale_smaller_operand: the cases that move nothing, and the one with the roles swapped
+
+
+def test_multiply_behind_a_reshape_read_elsewhere_stays() -> None:
+    """The reshape of ``k * 0.5`` is the matmul's operand and the multiply's only reader, but the
+    multiply's result is also read through a second reshape: moving it would change that reader."""
+
+    def fn(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = aten.mul.Scalar(k, 0.5)
+        shaped = aten.view_copy.default(scaled, [2, 4, 16])
+        return aten.bmm.default(q, aten.view_copy.default(shaped, [2, 4, 16])), aten.sum.default(shaped)
+
+    q, k = torch.randn(2, 1, 4), torch.randn(2, 4, 16)
+    gm = _trace(fn, q, k)
+    assert not scale_smaller_operand(gm).moved
+    for got, want in zip(gm(q, k), fn(q, k), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_multiply_by_a_tensor_stays() -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(q, aten.mul.Tensor(k, s))
+
+    q, k, s = torch.randn(2, 1, 4), torch.randn(2, 4, 16), torch.randn(16)
+    gm = _trace(fn, q, k, s)
+    assert not scale_smaller_operand(gm).moved
+    torch.testing.assert_close(gm(q, k, s), fn(q, k, s))
+
+
+def test_operands_of_run_time_size_stay() -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(q, aten.mul.Scalar(k, 0.5))
+
+    q, k = torch.randn(2, 3, 4), torch.randn(2, 4, 16)
+    gm = _trace(fn, q, k)
+    symbolic = make_fx(fn, tracing_mode="symbolic")(q, k)
+    assert scale_smaller_operand(gm).moved  # the same graph with static sizes moves
+    assert not scale_smaller_operand(symbolic).moved
+    torch.testing.assert_close(symbolic(q, k), fn(q, k))
+
+
+def test_multiply_of_the_first_operand_moves_to_a_smaller_second() -> None:
+    """``bmm(view(k * 0.5), q)``, ``k`` the big operand on the left: the multiply moves to ``q``."""
+
+    def fn(k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(aten.view_copy.default(aten.mul.Scalar(k, 0.5), [2, 16, 4]), q)
+
+    k, q = torch.randn(2, 16, 4), torch.randn(2, 4, 1)
+    gm = _trace(fn, k, q)
+    assert scale_smaller_operand(gm).moved == ["bmm"]
+    (mul,) = [n for n in gm.graph.nodes if n.target == aten.mul.Scalar]
+    assert mul.args[0].name == "q_1" and tuple(mul.meta["val"].shape) == (2, 4, 1)
+    torch.testing.assert_close(gm(k, q), fn(k, q))

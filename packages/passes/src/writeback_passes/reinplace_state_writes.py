@@ -156,11 +156,12 @@ def _plan_index_put(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
         what = "unknown" if val is None else f"{val.dim()}-d {val.dtype}"
         return f"index_put's index is {what}; the in-place kernel takes one 1-d int64/int32 index tensor"
     state = _val(dest)
-    size = state.shape[dim] if state is not None and dim < state.dim() else None
-    if not isinstance(size, int):
+    if state is None or dim >= state.dim():
+        return f"{dest.name!r} has no known shape"
+    if not isinstance(state.shape[dim], int):
         # Eager wraps a negative index by the dim's size; the kernel rejects it.
         return "index_put into a dim whose size is known only at run time; a negative index could not be wrapped"
-    wrap = None if _from_index_copy(node) else size
+    wrap = None if _from_index_copy(node) else int(state.shape[dim])
     return _finish(node, dest, dim, _Index(node=index, wrap=wrap), node.args[2], val.shape[0])
 
 
@@ -277,8 +278,10 @@ def _plan_select_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | s
         return dim
     position = _arg(node, 3, "index", None)
     val = _val(dest)
-    if val is None or not isinstance(position, int) or not isinstance(val.shape[dim], int):
+    if not isinstance(position, int):
         return "select_scatter at a position known only at run time"
+    if val is None or not isinstance(val.shape[dim], int):
+        return f"select_scatter along dim {dim} of {dest.name!r}, whose size is known only at run time"
     size = int(val.shape[dim])
     try:
         position = normalize_index(position, size, what=f"select_scatter into {dest.name!r} along dim {dim}")
@@ -441,7 +444,7 @@ def _hazard(
         state |= {n for n in storage.members(write.node) if not _delegate_result(n)}
     for write in writes:
         inputs = [write.values, *(n for n in write.node.all_input_nodes if n is not write.dest)]
-        shared = [n.name for n in inputs if n in state]
+        shared = list(dict.fromkeys(n.name for n in inputs if n in state))
         if shared:
             return (
                 f"{write.node.name!r} writes {placeholder.name!r} from {', '.join(shared)}, which may "
