@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from writeback_core.blob import BlobError, load_json
+from writeback_core.blob import BlobError, Kind, check_call, load_json
 from writeback_example_backend.backend import ExampleRuntimeDelegate
 
 _PLAN = {"dim": 0, "dest": 0, "index": 1, "source": 2, "inputs": 3}
@@ -58,3 +58,40 @@ def test_example_index_of_floats_refused_by_name_no_partial_write() -> None:
     with pytest.raises(IndexError, match=r"example delegate: the index .*int64"):
         delegate.execute(handle, [dest, torch.tensor([2]), torch.ones(1, 2), out])
     assert (out == -1).all() and not dest.any()
+
+
+def _kind_of(value: object) -> Kind:
+    return "ref" if isinstance(value, dict) and "$ref" in value else None
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "in_range"),
+    [
+        ("aten.gt.Scalar", [{"$ref": "x"}, 10**30], [{"$ref": "x"}, 2**63 - 1]),
+        ("aten.sum.dim_IntList", [{"$ref": "x"}, [0, 2**63]], [{"$ref": "x"}, [0, 2**63 - 1]]),
+        ("aten.slice.Tensor", [{"$ref": "x"}, 0, 0, -(2**63) - 1], [{"$ref": "x"}, 0, 0, -(2**63)]),
+    ],
+)
+def test_int_literal_past_64_bits_is_blob_error_not_escaping_overflow_error(
+    op: str, args: list[object], in_range: list[object]
+) -> None:
+    """Kernels take 64-bit ints: torch's binding raises ``OverflowError`` past them (the
+    kv-alias engine let it escape on ``steps[5].args[1] = 10**30`` of ``aten.gt.Scalar``)."""
+    with pytest.raises(OverflowError):
+        torch.ops.aten.gt.Scalar(torch.ones(2), 10**30)
+    with pytest.raises(
+        BlobError, match=r"kv-alias delegate blob: field steps\[5\]\.args\[\d\] = .*expected (a 64-bit int|number)"
+    ):
+        check_call(op, args, {}, "kv-alias", "steps[5]", _kind_of)
+    check_call(op, in_range, {}, "kv-alias", "steps[5]", _kind_of)
+
+
+def test_kv_alias_dim_order_exir_cannot_map_is_blob_error_not_escaping_assertion() -> None:
+    """exir's ``_to_dim_order_copy`` asserts (``AssertionError``) on a dim order that is
+    neither contiguous nor channels-last; the engine's blob reader refuses it first."""
+    from writeback_trt_copyback._blob import compile_arg
+
+    with pytest.raises(BlobError, match=r"kwargs\.\$dict\.dim_order = \[0, 0, 2, 3\]: a dim order must be"):
+        compile_arg({"$dict": {"dim_order": [0, 0, 2, 3]}}, set(), "steps[9].kwargs")
+    assert compile_arg({"$dict": {"dim_order": [0, 2, 3, 1]}}, set(), "k") == {"dim_order": [0, 2, 3, 1]}
+    assert compile_arg({"$dict": {"dim_order": None}}, set(), "k") == {"dim_order": None}

@@ -337,11 +337,13 @@ def _type_error(type_name: str, value: Any, kind_of: Callable[[Any], Kind]) -> s
     if type_name in _ENUM_TYPES:
         return None if kind == _ENUM_TYPES[type_name] else f"expected a {_ENUM_TYPES[type_name]} name"
     plain = kind is None
-    number = plain and isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Kernels take 64-bit ints: a larger literal would escape them as OverflowError.
+    int64 = plain and isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+    number = int64 or (plain and isinstance(value, float))
     accepted = {
         "Tensor": False,
-        "int": plain and isinstance(value, int) and not isinstance(value, bool),
-        "SymInt": plain and isinstance(value, int) and not isinstance(value, bool),
+        "int": int64,
+        "SymInt": int64,
         "float": number,
         "number": number or (plain and isinstance(value, bool)),
         "bool": plain and isinstance(value, bool),
@@ -349,7 +351,9 @@ def _type_error(type_name: str, value: Any, kind_of: Callable[[Any], Kind]) -> s
     }
     if type_name not in accepted:
         return f"argument type {type_name} is not one a blob may carry"
-    wanted = "a reference to a tensor" if type_name == "Tensor" else type_name
+    wanted = {"Tensor": "a reference to a tensor", "int": "a 64-bit int", "SymInt": "a 64-bit int"}.get(
+        type_name, type_name
+    )
     return None if accepted[type_name] else f"expected {wanted}"
 
 

@@ -117,6 +117,16 @@ class _Reader:
         start, length = self.vector(table, number)
         return tuple(self._unpack("<i", start + 4 * k) for k in range(length))
 
+    def longs(self, table: int, number: int) -> tuple[int, ...]:
+        pos = self.field(table, number)
+        if pos is None:
+            return ()
+        vec = self.indirect(pos)
+        length = self.u32(vec)
+        if vec + 4 + 8 * length > len(self.data):
+            raise ValueError(f"not a valid .pte: a vector of {length} 8-byte entries overruns the program")
+        return tuple(self._unpack("<q", vec + 4 + 8 * k) for k in range(length))
+
 
 def program_prefix_size(header: bytes) -> int | None:
     """How many leading bytes hold the program flatbuffer, from the extended header.
@@ -269,6 +279,9 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
        what the emitter appends (:func:`_trailing`), when torch knows the operator;
        each of a kind that type accepts.
     4. The method's inputs and outputs name existing values.
+    5. Each item of an int, tensor or optional tensor list names an existing value of
+       the kind the list holds (ExecuTorch aborts the process reading an IntList item
+       that names a value of another kind).
 
     :raises ValueError: naming the method, chain, instruction and what is wrong.
     """
@@ -287,6 +300,8 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
         if not 0 <= index < len(values):
             raise ValueError(f"method {method!r}: {where} names value {index}, but it has {len(values)}")
 
+    for index, value in enumerate(values):
+        _check_list_items(reader, value, kinds, f"method {method!r}: value {index}")
     inputs, outputs = reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS)
     for j, index in enumerate(inputs):
         check_value(index, f"input {j}")
@@ -311,6 +326,34 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
                 raise ValueError(f"method {method!r}: {where} has unknown kind {kind}")
             context = _Context(method, where, check_value, kinds, operators, n_delegates, len(instructions))
             _CHECKS[kind](reader, reader.indirect(pos), context)
+
+
+# What the items of each list kind name: ExecuTorch reads an IntList's items as the
+# indices of Int values (toInt() aborts the process on any other kind), a
+# TensorList's as Tensor values, an OptionalTensorList's as Tensor values or -1.
+_LIST_ITEM_KINDS = {_INT_LIST: frozenset({_INT}), _TENSOR_LIST: frozenset({_TENSOR})}
+_LIST_ITEM_KINDS[_OPTIONAL_TENSOR_LIST] = frozenset({_TENSOR, _NULL})
+
+
+def _check_list_items(reader: _Reader, value: int, kinds: list[int], where: str) -> None:
+    """Every item of a list value names an existing value of the kind the list holds."""
+    kind = reader.scalar(value, _UNION_TYPE, "<B")
+    wanted = _LIST_ITEM_KINDS.get(kind)
+    pos = reader.field(value, _UNION_VALUE)
+    if wanted is None or pos is None:
+        return
+    table = reader.indirect(pos)
+    items = reader.longs(table, _LIST_ITEMS) if kind == _INT_LIST else reader.ints(table, _LIST_ITEMS)
+    for k, item in enumerate(items):
+        if kind == _OPTIONAL_TENSOR_LIST and item == -1:
+            continue
+        if not 0 <= item < len(kinds):
+            raise ValueError(f"{where}: list item {k} names value {item}, but the method has {len(kinds)}")
+        if kinds[item] not in wanted:
+            raise ValueError(
+                f"{where}: list item {k} names value {item} of kind {kinds[item]}; a list of kind {kind} "
+                f"holds only values of kinds {sorted(wanted)}"
+            )
 
 
 _VIEW_OPERATORS = frozenset({"executorch_prim::et_view"})

@@ -20,6 +20,7 @@ import binascii
 import functools
 import json
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,11 +163,31 @@ def compile_arg(value: Any, defined: set[str], field: str) -> Any:
         return Ref(name)
     if tag == _DICT:
         entries = read.record(inner, f"{field}.{_DICT}")
-        return {k: compile_arg(v, defined, f"{field}.{_DICT}.{k}") for k, v in entries.items()}
+        compiled = {k: compile_arg(v, defined, f"{field}.{_DICT}.{k}") for k, v in entries.items()}
+        for key, check in _ENTRY_CHECKS.items():
+            if key in compiled:
+                check(read, compiled[key], f"{field}.{_DICT}.{key}")
+        return compiled
     if tag in _TABLES:
         table, what = _TABLES[tag]
         return read.lookup(table, inner, f"{field}.{tag}", what)
     raise read.fail(field, tag, f"unknown tag (known: {sorted([_REF, _DICT, *_TABLES])})")
+
+
+def _check_dim_order(read: BlobReader, value: Any, field: str) -> None:
+    """A ``dim_order`` (of ``_to_dim_order_copy``, ``_clone_dim_order``) must be one exir maps
+    to a memory format: none, contiguous (``[0, 1, .., n-1]``) or channels-last
+    (``[0, 2, 3, 1]``); exir's kernels assert on any other."""
+    if value is None:
+        return
+    items = read.items(value, field)
+    if items != list(range(len(items))) and items != [0, 2, 3, 1]:
+        raise read.fail(field, items, "a dim order must be contiguous [0, 1, .., n-1] or channels-last [0, 2, 3, 1]")
+
+
+# Checks of named entries of a keyword-argument dict, by name: literals whose every
+# value the kernel does not itself refuse cleanly.
+_ENTRY_CHECKS: dict[str, Callable[[BlobReader, Any, str], None]] = {"dim_order": _check_dim_order}
 
 
 def resolve(value: Any, env: dict[str, Any]) -> Any:
