@@ -187,23 +187,23 @@ class DeclineV:
 
 
 def test_backend_declining_one_mutation_keeps_that_copy_and_drops_the_other() -> None:
-    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(4, 3))
+    args = (torch.tensor([1]), torch.ones(1, 3), torch.ones(1, 3), torch.zeros(4, 3), torch.zeros(()))
 
     class Slice(torch.nn.Module):
         def forward(
             self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
         ) -> torch.Tensor:
             kc.index_copy_(0, pos, k)
-            vc.copy_(vc * 0.5 + v)  # a full overwrite: the MLX backend declines it
-            return kc.sum() + vc.sum()
+            vc.copy_(vc * 0.5 + v.sum())  # a 0-d state has no region to write: the backend declines it
+            return kc.sum() + vc
 
     lowered = lower_mlx(Slice(), args)
     decisions = {d.target: d.accepted for d in lowered.decisions}
     assert decisions == {"kc": True, "vc": False}
     assert lowered.write_backs() == ["vc"]
     method = lowered.method()
-    kc, vc = torch.zeros(4, 3), torch.zeros(4, 3)
-    ekc, evc = torch.zeros(4, 3), torch.zeros(4, 3)
+    kc, vc = torch.zeros(4, 3), torch.zeros(())
+    ekc, evc = torch.zeros(4, 3), torch.zeros(())
     for step in range(3):
         pos, k, v = torch.tensor([step]), torch.full((1, 3), step + 1.0), torch.ones(1, 3) * step
         out = method.execute([pos, k, v, kc, vc])

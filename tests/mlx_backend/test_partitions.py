@@ -38,7 +38,8 @@ class CumsumState(torch.nn.Module):
 class SplitState(torch.nn.Module):
     """Two MLX partitions around a ``cumsum``; five buffers, each a case of the rule.
 
-    - ``a``: read in partition 1, its new value made in partition 2: program buffer.
+    - ``a``: read in partition 1, its new value made in partition 2: program buffer (the
+      partition replacing it is not passed it, so its new value is copied back).
     - ``c``: read in both partitions, written by ``index_copy`` in partition 2: program
       buffer that partition 2 writes in place (its write-back is dropped).
     - ``d``: read and written in partition 1 only; its new value also feeds the cumsum:

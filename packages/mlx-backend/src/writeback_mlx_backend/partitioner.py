@@ -114,13 +114,18 @@ def owned_buffers(
        lacks, leaves the buffer to the program);
     2. every reader of its placeholder is tagged ``t`` (a read in another
        partition, or outside, would need the value the delegate keeps);
-    3. the program does not also return its new value as a user output (exir
+    3. every reader of its new value is tagged ``t`` too (a reader outside, such
+       as an op MLX lacks, needs the value in the program, where an owned buffer
+       never is);
+    4. the program does not also return its new value as a user output (exir
        cannot give a delegate a buffer whose mutation output is a user output
        too).
 
-    Example it must refuse: ``a = s + x`` in partition 1, an unsupported op,
+    Examples it must refuse: ``a = s + x`` in partition 1, an unsupported op,
     then ``s.copy_(f(b))`` in partition 2. Partition 1 reads ``s`` but
-    partition 2 produces its new value, so ``s`` stays a program buffer.
+    partition 2 produces its new value, so ``s`` stays a program buffer. And
+    ``s.copy_(cat([s[:, :, 1:], x], -1)); y = conv(s)`` with the convolution
+    outside: the convolution reads the new value, so ``s`` stays a program buffer.
     """
     if tag_of is None:
         tag_of = _meta_tag
@@ -137,7 +142,10 @@ def owned_buffers(
     for name, target in sig.inputs_to_buffers.items():
         value = nodes.get(new_value.get(target, ""))
         tag = tag_of(value) if value is not None and value.op == "call_function" else None
-        if tag is not None and all(tag_of(user) == tag for user in nodes[name].users):
+        if tag is None or any(tag_of(user) != tag for user in nodes[name].users):
+            continue
+        assert value is not None
+        if all(tag_of(user) == tag for user in value.users if user.op != "output"):
             owned[name] = tag
     return owned
 

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 writeback_name = "mlx-backend"
 
 # Writes the delegate can do into memory it shares with the caller: only the
-# written region is stored.
-_IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, WriteKind.INDEX_PUT})
+# written region is stored, or, for a full write, the new value after every output
+# of the call is evaluated (as a delegate-owned buffer is replaced).
+_IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, WriteKind.INDEX_PUT, WriteKind.FULL})
 
 
 def _partitioner(registry: Registry, **options: Any) -> Any:
@@ -68,11 +69,21 @@ def in_place_refusal(partition: PartitionView, mutation: Mutation) -> str | None
         return "its new value is produced outside this MLX partition"
     if write.kind not in _IN_PLACE_WRITES:
         return f"a {write.kind.value} write is not one the delegate does in place"
+    if write.kind is WriteKind.FULL and not _reads(partition, mutation.placeholder):
+        # The delegate is handed only what it reads: a state it replaces without reading
+        # it never reaches it, so its new value can only be copied back.
+        return "the partition replacing it does not read it, so it is not passed the state"
     if not mutation.shape:
         return "0-d state has no region to write"
     if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
         return "its new value is also returned, which must live outside the buffer"
     return None
+
+
+def _reads(partition: PartitionView, placeholder: str) -> bool:
+    """Whether a node of ``partition`` reads the placeholder named ``placeholder``."""
+    found = next((n for n in partition.graph.nodes if n.op == "placeholder" and n.name == placeholder), None)
+    return found is not None and any(partition.contains(user) for user in found.users)
 
 
 @hookimpl

@@ -100,6 +100,10 @@ class _Handle:
     watch: dict[str, list[str]]
     # Which value each delegate-owned buffer becomes after a call (aliases folded).
     state_updates: dict[str, str]
+    # ``(output, input)``: outputs the program requires written whole into an input's
+    # memory (a state replaced by a new value, its write-back dropped), after every
+    # output is evaluated, as the write-back would have.
+    whole: list[tuple[int, int]] = field(default_factory=list)
     # The traced step (see the module docstring), or None with ``path`` saying why not.
     compiled: _Compiled | None = None
     path: str = "interpreted"
@@ -250,7 +254,15 @@ def _validate_first(handle: _Handle, active: Mapping[str, InPlaceCandidate], env
         after_write = after_write or step.name in active
 
 
-def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> list[InPlaceCandidate]:
+def _forced(
+    program: DelegateProgram,
+    compile_specs: Mapping[str, bytes],
+    outputs: Sequence[Any],
+    info: Mapping[str, tuple[tuple[int, ...], Any]],
+) -> tuple[list[InPlaceCandidate], list[tuple[int, int]]]:
+    """The in-place outputs the compile specs require: writes into an input's region (in
+    ``program.in_place``), and outputs written whole into an input (``(output, input)``),
+    whose traced shape and dtype (``info``, by the name ``outputs`` gives) must be the input's."""
     unknown = sorted(set(compile_specs) - {IN_PLACE_OUTPUTS_SPEC})
     if unknown:
         # A newer pipeline may ask for behaviour this runtime does not have; running
@@ -261,18 +273,24 @@ def _forced(program: DelegateProgram, compile_specs: Mapping[str, bytes]) -> lis
             unknown,
             f"this runtime knows only {[IN_PLACE_OUTPUTS_SPEC]}; upgrade writeback-mlx-backend",
         )
-    forced = []
+    forced, whole = [], []
     for output, input_ in in_place_outputs(compile_specs, DELEGATE, len(program.inputs), len(program.outputs)):
         match = [c for c in program.in_place if c.output == output and c.input == input_]
-        if not match:
+        if match:
+            forced.append(match[0])
+            continue
+        value, meta = outputs[output], program.input_meta[input_]
+        traced = info.get(value.name) if isinstance(value, Ref) else None
+        want = (tuple(meta.get("shape", ())), MX_DTYPES[torch_dtype(meta["dtype"])]) if "dtype" in meta else None
+        if traced is None or want is None or traced != want:
             raise ValueError(
-                f"the program asks the MLX delegate to write output {output} into "
-                f"input {input_} in place, but that output is not a write into that "
-                f"input (writes it can do in place: {program.in_place}); was the write-back "
+                f"the program asks the MLX delegate to write output {output} into input {input_} in place, "
+                f"but that output ({traced}) is neither a write into that input (writes it can do in place: "
+                f"{program.in_place}) nor a new value of its shape and dtype ({want}); was the write-back "
                 "dropped for a mutation this backend did not accept?"
             )
-        forced.append(match[0])
-    return forced
+        whole.append((output, input_))
+    return forced, whole
 
 
 def _rename(value: Any, renames: Mapping[str, str]) -> Any:
@@ -831,6 +849,7 @@ class MLXDelegate:
                 dies_at[position].append(name)
         mx.eval(*constants.values(), *state.values())
         watch = _memory_plan(program, steps, last_use)
+        forced, whole = _forced(program, compile_specs, outputs, info)
         handle = _Handle(
             program,
             steps,
@@ -840,9 +859,10 @@ class MLXDelegate:
             last_use,
             dies_at,
             list(program.in_place),
-            _forced(program, compile_specs),
+            forced,
             watch,
             state_updates,
+            whole,
         )
         handle.compiled, handle.path = _compile(handle)
         if norms:
@@ -876,6 +896,9 @@ class MLXDelegate:
                 f"MLX delegate expects {count} inputs and {len(handle.outputs)} outputs, got "
                 f"{len(args)} arguments in all"
             )
+        for output, input_ in handle.whole:
+            # The write-back of this input was dropped: its new value goes into its memory.
+            outputs[output] = inputs[input_]
         compiled = handle.compiled
         if (
             compiled is not None

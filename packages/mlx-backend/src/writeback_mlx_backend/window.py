@@ -37,9 +37,15 @@ every written index lies below ``L``), and any read of it over the whole axis
 fails the trace with :class:`WholeRead`. The runtime then stores the written
 region into the caller's memory itself.
 
-One assumption: the values a mask removes are finite in the unbounded program (a
-cache's unwritten rows are zeros). Where they are not, the unbounded program turns
-them into NaN and the bounded one never reads them.
+The proof in step 3 holds for finite values: ``-inf + x`` is ``-inf`` and ``0 * x`` is
+``0`` only for a finite ``x``. A cache row the mask removes may hold ``inf`` or ``nan``
+(eager then answers NaN: the masked score is ``nan``, or its zero weight times the row
+is). So each bounded trace also reads whether the removed columns of every value whose
+finiteness the proof assumed are finite, and each exit (a contraction, a reduction, a
+fused attention) is NaN where they are not, as the unbounded program is.
+
+Steps with keyword arguments the rules do not read (``add(x, mask, alpha=-1)`` turns a
+``-inf`` mask into ``+inf``) are not followed: such a program has no window.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from writeback_core.ops import normalize_dim
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 from writeback_mlx_backend.fast import SDPA
@@ -107,6 +114,8 @@ class Window:
     exits: frozenset[str]
     shapes: dict[str, tuple[int, ...]]
     producers: dict[str, Step] = field(repr=False)
+    # Per step, the operands whose removed columns the proof takes to be finite.
+    assumed: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def length(self, position: int) -> int:
         """The traced length at a position value, 0 for the whole axis."""
@@ -133,8 +142,18 @@ class Window:
 # -- finding the window -----------------------------------------------------------------
 
 
-def _norm(axis: int, rank: int) -> int:
-    return axis + rank if axis < 0 else axis
+def _axis(dim: Any, rank: int, step: Step) -> int:
+    return normalize_dim(dim, rank, what=f"{step.name} ({step.op}) dim")
+
+
+def _plain(step: Step) -> bool:
+    """Whether ``step``'s keyword arguments change nothing the rules read (``alpha=1`` only)."""
+    return all(key == "alpha" and value == 1 for key, value in step.kwargs.items())
+
+
+def _dim_arg(step: Step) -> Any:
+    """A softmax's or reduction's dim, given by position or by name."""
+    return step.args[1] if len(step.args) > 1 else step.kwargs.get("dim")
 
 
 def _view_axis(source: Sequence[int], target: Sequence[int], axis: int) -> int | None:
@@ -162,6 +181,9 @@ class _Analysis:
         self.constants = constants
         self.producers = {s.name: s for s in steps}
         self.tags: dict[str, _Tag] = {}
+        # For each step the proof passes, the untagged operands whose removed columns it
+        # takes to be finite (see the module docstring).
+        self.assumed: dict[str, frozenset[str]] = {}
         self.size = 0
         # The inputs each value is computed from (``_STATE`` for delegate-owned state).
         self.deps: dict[str, frozenset[str]] = {}
@@ -178,6 +200,10 @@ class _Analysis:
 
     def rank(self, value: Any) -> int:
         return len(self.shapes[value.name]) if isinstance(value, Ref) else 0
+
+    def assume(self, step: str, names: Sequence[str]) -> None:
+        """Record that the proof at ``step`` takes the removed columns of ``names`` to be finite."""
+        self.assumed[step] = self.assumed.get(step, frozenset()) | frozenset(names)
 
     def fill(self, value: Any) -> Any:
         """What the removed columns of an operand hold, as far as is known."""
@@ -212,6 +238,8 @@ class _Analysis:
 
 def _back_elementwise(first_only: bool) -> Callable[[_Analysis, Step, int], list[tuple[str, int]]]:
     def back(an: _Analysis, step: Step, axis: int) -> list[tuple[str, int]]:
+        if not _plain(step):
+            return []
         rank = len(an.shapes[step.name])
         operands = step.args[:1] if first_only else step.args[:2]
         return [
@@ -230,7 +258,7 @@ def _back_view(an: _Analysis, step: Step, axis: int) -> list[tuple[str, int]]:
 
 
 def _back_permute(an: _Analysis, step: Step, axis: int) -> list[tuple[str, int]]:
-    dims = [_norm(d, len(an.shapes[step.name])) for d in step.args[1]]
+    dims = [_axis(d, len(an.shapes[step.name]), step) for d in step.args[1]]
     return [(step.args[0].name, dims[axis])]
 
 
@@ -299,6 +327,8 @@ def _where_fill(c: Any, a: Any, b: Any) -> Any:
 
 def _forward_elementwise(combine: Callable[..., Any], arity: int) -> _Forward:
     def forward(an: _Analysis, step: Step) -> _Tag | str:
+        if not _plain(step):
+            return f"{step.name} has keyword arguments {step.kwargs} the window does not follow"
         rank = len(an.shapes[step.name])
         operands = list(step.args[:arity])
         axes = {an.tags[v.name].axis + rank - an.rank(v) for v in operands if isinstance(v, Ref) and v.name in an.tags}
@@ -310,9 +340,28 @@ def _forward_elementwise(combine: Callable[..., Any], arity: int) -> _Forward:
                 at = axis - (rank - an.rank(v))
                 if at >= 0 and an.shapes[v.name][at] not in (1, an.size):
                     return f"{step.name} broadcasts {v.name} against the bounded axis"
-        return _Tag(axis, combine(*[an.fill(v) for v in operands]))
+        fills = [an.fill(v) for v in operands]
+        fill = combine(*fills)
+        # An operand whose removed columns the proof takes to be finite: were they NaN,
+        # the fill would differ.
+        an.assume(
+            step.name,
+            [
+                v.name
+                for k, v in enumerate(operands)
+                if isinstance(v, Ref) and v.name not in an.tags and fills[k] is _ANY
+                if not _same_fill(combine(*fills[:k], math.nan, *fills[k + 1 :]), fill)
+            ],
+        )
+        return _Tag(axis, fill)
 
     return forward
+
+
+def _same_fill(a: Any, b: Any) -> bool:
+    if a is _ANY or b is _ANY:
+        return a is b
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def _forward_full_like(an: _Analysis, step: Step) -> _Tag:
@@ -336,13 +385,13 @@ def _forward_view(an: _Analysis, step: Step) -> _Tag | str:
 
 def _forward_permute(an: _Analysis, step: Step) -> _Tag:
     tag = an.tags[step.args[0].name]
-    dims = [_norm(d, len(an.shapes[step.name])) for d in step.args[1]]
+    dims = [_axis(d, len(an.shapes[step.name]), step) for d in step.args[1]]
     return _Tag(dims.index(tag.axis), tag.fill)
 
 
 def _forward_softmax(an: _Analysis, step: Step) -> _Tag | str:
     tag = an.tags[step.args[0].name]
-    if _norm(step.args[1], len(an.shapes[step.name])) != tag.axis or tag.fill != NEG_INF:
+    if _axis(_dim_arg(step), len(an.shapes[step.name]), step) != tag.axis or tag.fill != NEG_INF:
         return f"{step.name}: a softmax over columns not proved -inf"
     return _Tag(tag.axis, 0.0)
 
@@ -351,13 +400,17 @@ def _forward_matmul(an: _Analysis, step: Step) -> Any:
     a, b = step.args[:2]
     rank = len(an.shapes[step.name])
     tag_a, tag_b = an.tags.get(a.name), an.tags.get(b.name)
+    if step.kwargs:
+        return f"{step.name} has keyword arguments {step.kwargs} the window does not follow"
     if tag_a is not None and tag_b is None:
         if tag_a.axis == an.rank(a) - 1:
+            an.assume(step.name, [b.name])  # 0 * b adds nothing for a finite b only
             return _EXIT if tag_a.fill == 0 else f"{step.name} contracts columns not proved zero"
         if tag_a.axis == an.rank(a) - 2:
             return _Tag(rank - 2, 0.0 if tag_a.fill == 0 else _ANY)
     if tag_b is not None and tag_a is None:
         if tag_b.axis == an.rank(b) - 2:
+            an.assume(step.name, [a.name])
             return _EXIT if tag_b.fill == 0 else f"{step.name} contracts rows not proved zero"
         if tag_b.axis == an.rank(b) - 1:
             return _Tag(rank - 1, 0.0 if tag_b.fill == 0 else _ANY)
@@ -373,16 +426,19 @@ def _forward_sdpa(an: _Analysis, step: Step) -> Any:
         return f"{step.name} reads the bounded axis in its queries, keys or values"
     if tag.axis != an.rank(mask) - 1 or tag.fill != NEG_INF:
         return f"{step.name}: a softmax over columns not proved -inf"
+    an.assume(step.name, [k.name, v.name])  # a masked score is -inf, its weight 0, for finite keys and values
     return _EXIT
 
 
 def _forward_reduce(identity: Any) -> _Forward:
     def forward(an: _Analysis, step: Step) -> Any:
         tag = an.tags[step.args[0].name]
-        dims = step.args[1] if len(step.args) > 1 else None
+        dims = _dim_arg(step)
         dims = [dims] if isinstance(dims, int) else dims
         rank = an.rank(step.args[0])
-        if dims is None or [_norm(d, rank) for d in dims] != [tag.axis] or tag.fill != identity:
+        if set(step.kwargs) - {"dim"}:
+            return f"{step.name} has keyword arguments {step.kwargs} the window does not follow"
+        if not dims or [_axis(d, rank, step) for d in dims] != [tag.axis] or tag.fill != identity:
             return f"{step.name} reduces the bounded axis where the removed columns are not its identity"
         return _EXIT
 
@@ -447,7 +503,7 @@ def plan(
             where = (mask.name, len(shapes[mask.name]) - 1)
         else:
             shape = shapes[step.args[0].name]
-            axis = _norm(step.args[1], len(shape))
+            axis = _axis(_dim_arg(step), len(shape), step)
             size, where = shape[axis], (step.args[0].name, axis)
         if an.size not in (0, size):
             return "softmaxes over axes of different sizes"
@@ -502,6 +558,7 @@ def plan(
         frozenset(exits),
         dict(shapes),
         an.producers,
+        dict(an.assumed),
     )
 
 
@@ -577,6 +634,21 @@ class Bounded:
         self.bounded: dict[str, Any] = {}
         self.pulled: dict[tuple[str, int], Any] = {}
         self.reader = ""
+        # Whether the removed columns of a bounded or pulled value are as the proof says
+        # (a lazy boolean scalar; ``None``: nothing was removed that could differ).
+        self.finite: dict[str, Any] = {}
+        self.pulled_finite: dict[tuple[str, int], Any] = {}
+        # The values read while computing the current step or pull, with their flags.
+        self.reads: list[list[tuple[str, Any]]] = []
+
+    def _read(self, name: str, flag: Any) -> None:
+        if self.reads:
+            self.reads[-1].append((name, flag))
+
+    def get(self, name: str) -> Any:
+        """The bounded value ``name`` (its flag joins the current step's)."""
+        self._read(name, self.finite.get(name))
+        return self.bounded[name]
 
     def full(self, name: str) -> Any:
         """The whole value of ``name``; raises :class:`WholeRead` for a caller write's."""
@@ -588,11 +660,21 @@ class Bounded:
     def run(self, step: Step) -> None:
         """Compute ``step`` (see :meth:`Window.bounds`): an exit into ``env``, else into ``bounded``."""
         self.reader = step.name
-        value = _REWRITE.get(step.op, _rewrite_elementwise)(self, step)
+        self.reads.append([])
+        try:
+            value = _REWRITE.get(step.op, _rewrite_elementwise)(self, step)
+        finally:
+            reads = self.reads.pop()
+        assumed = self.window.assumed.get(step.name, frozenset())
+        flag = _all([f for name, f in reads if name in self.bounded or name in assumed])
         if step.name in self.window.exits:
+            if flag is not None and mx.issubdtype(value.dtype, mx.floating):
+                # Eager answers NaN when a removed column holds inf or nan (module docstring).
+                value = mx.where(flag, value, mx.array(math.nan, dtype=value.dtype))
             self.env[step.name] = value
         else:
             self.bounded[step.name] = value
+            self.finite[step.name] = flag
 
     def cut(self, value: Any, axis: int) -> Any:
         return value[(slice(None),) * axis + (slice(0, self.length),)]
@@ -602,7 +684,7 @@ class Bounded:
         if not isinstance(value, Ref):
             return value
         if value.name in self.bounded:
-            return self.bounded[value.name]
+            return self.get(value.name)
         if value.name in self.window.masks:
             return self.cut(self.full(value.name), self.window.masks[value.name])
         shape = self.window.shapes[value.name]
@@ -621,14 +703,42 @@ class Bounded:
             unread = self.env.get(name)
             if isinstance(unread, Unread) and unread.name == name:
                 rule = _pull_write  # the write itself; a value computed from it has its own rule
-            value = rule(self, step, axis) if rule is not None and step is not None else None
-            self.pulled[key] = self.cut(self.full(name), axis) if value is None else value
+            self.reads.append([])
+            try:
+                value = rule(self, step, axis) if rule is not None and step is not None else None
+            finally:
+                reads = self.reads.pop()
+            if value is None:
+                whole = self.full(name)
+                value = self.cut(whole, axis)
+                flag = _finite(whole[(slice(None),) * axis + (slice(self.length, None),)])
+            else:
+                flag = _all([f for _, f in reads])
+            self.pulled[key], self.pulled_finite[key] = value, flag
+        self._read(name, self.pulled_finite[key])
         return self.pulled[key]
 
     def shape(self, name: str, axis: int) -> list[int]:
         shape = list(self.window.shapes[name])
         shape[axis] = self.length
         return shape
+
+
+def _finite(removed: Any) -> Any:
+    """Whether every removed value is finite (``None`` for a dtype that cannot be otherwise)."""
+    if not mx.issubdtype(removed.dtype, mx.floating):
+        return None
+    return mx.all(mx.isfinite(removed))
+
+
+def _all(flags: Sequence[Any]) -> Any:
+    known = [f for f in flags if f is not None]
+    if not known:
+        return None
+    found = known[0]
+    for flag in known[1:]:
+        found = mx.logical_and(found, flag)
+    return found
 
 
 def _kwargs(step: Step, env: Mapping[str, Any]) -> dict[str, Any]:
@@ -643,24 +753,24 @@ def _rewrite_elementwise(b: Bounded, step: Step) -> Any:
 
 
 def _rewrite_view(b: Bounded, step: Step) -> Any:
-    return mx.reshape(b.bounded[step.args[0].name], b.shape(step.name, b.window.axes[step.name]))
+    return mx.reshape(b.get(step.args[0].name), b.shape(step.name, b.window.axes[step.name]))
 
 
 def _rewrite_matmul(b: Bounded, step: Step) -> Any:
     x, y = step.args[:2]
     if x.name in b.bounded:
-        left = b.bounded[x.name]
+        left = b.get(x.name)
         contracted = b.window.axes[x.name] == len(b.window.shapes[x.name]) - 1
         right = b.pull(y.name, len(b.window.shapes[y.name]) - 2) if contracted else b.full(y.name)
     else:
-        right = b.bounded[y.name]
+        right = b.get(y.name)
         contracted = b.window.axes[y.name] == len(b.window.shapes[y.name]) - 2
         left = b.pull(x.name, len(b.window.shapes[x.name]) - 1) if contracted else b.full(x.name)
     return call(step, [left, right], _kwargs(step, b.env), True)
 
 
 def _rewrite_unary(b: Bounded, step: Step) -> Any:
-    return call(step, [b.bounded[step.args[0].name], *step.args[1:]], _kwargs(step, b.env), True)
+    return call(step, [b.get(step.args[0].name), *step.args[1:]], _kwargs(step, b.env), True)
 
 
 def _rewrite_sdpa(b: Bounded, step: Step) -> Any:
@@ -691,7 +801,7 @@ def _pull_view(b: Bounded, step: Step, axis: int) -> Any:
 
 
 def _pull_permute(b: Bounded, step: Step, axis: int) -> Any:
-    dims = [_norm(d, len(b.window.shapes[step.name])) for d in step.args[1]]
+    dims = [_axis(d, len(b.window.shapes[step.name]), step) for d in step.args[1]]
     return mx.transpose(b.pull(step.args[0].name, dims[axis]), dims)
 
 
@@ -720,7 +830,7 @@ def _pull_write(b: Bounded, step: Step, axis: int) -> Any:
     rank = len(b.window.shapes[step.name])
     dest, *rest = step.args
     if step.op == "aten.index_copy.default":
-        along = [_norm(rest[0], rank)]
+        along = [_axis(rest[0], rank, step)]
     elif step.op == "aten.index_put.default" and not (len(rest) > 2 and rest[2]):
         along = [p for p, index in enumerate(rest[0]) if index is not None]
     else:
