@@ -210,3 +210,51 @@ def test_multiply_of_the_first_operand_moves_to_a_smaller_second() -> None:
     (mul,) = [n for n in gm.graph.nodes if n.target == aten.mul.Scalar]
     assert mul.args[0].name == "q_1" and tuple(mul.meta["val"].shape) == (2, 4, 1)
     torch.testing.assert_close(gm(k, q), fn(k, q))
+
+
+# copies_as_views and delegate calls: a delegate writes an input only where its compile spec says so
+
+
+class _Lowered(torch.nn.Module):
+    """What ``copies_as_views`` reads of a lowered module: its compile specs (or none at all)."""
+
+    def __init__(self, specs: list[Any] | None) -> None:
+        super().__init__()
+        if specs is not None:
+            self.compile_specs = specs
+
+
+def _copy_then_delegate(specs: list[Any] | None) -> torch.fx.GraphModule:
+    """``e = expand_copy(x)`` (same shape), a delegate call that takes ``x``, then a reader of ``e``."""
+    from executorch.exir.delegate import executorch_call_delegate
+
+    gm = _trace(lambda x: aten.mul.Tensor(aten.expand_copy.default(x, [2, 3]), 1.0), torch.ones(2, 3))
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    expand = next(n for n in gm.graph.nodes if n.target == aten.expand_copy.default)
+    gm.add_module("lowered_module_0", _Lowered(specs))
+    with gm.graph.inserting_after(expand):
+        lowered = gm.graph.get_attr("lowered_module_0")
+    with gm.graph.inserting_after(lowered):
+        gm.graph.call_function(executorch_call_delegate, (lowered, x))
+    return gm
+
+
+def test_copy_read_after_a_delegate_told_to_write_its_input_stays() -> None:
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+    from writeback_core import meta
+
+    gm = _copy_then_delegate([CompileSpec(meta.IN_PLACE_OUTPUTS_SPEC, b'[{"input": 0, "output": 0}]')])
+    report = copies_as_views(gm)
+    assert report.kept == {"expand_copy": "executorch_call_delegate writes storage it may share afterwards"}
+
+
+def test_copy_read_after_a_delegate_whose_specs_cannot_be_read_stays() -> None:
+    report = copies_as_views(_copy_then_delegate(None))
+    assert report.kept == {"expand_copy": "executorch_call_delegate writes storage it may share afterwards"}
+
+
+def test_copy_read_after_a_delegate_that_writes_no_input_is_dropped() -> None:
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+    report = copies_as_views(_copy_then_delegate([CompileSpec("other", b"")]))
+    assert report.removed == ["expand_copy"] and report.kept == {}
