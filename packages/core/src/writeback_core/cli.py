@@ -77,12 +77,31 @@ def resolve_model_option(registry: Registry, model: str) -> ModelCase:
     """
     from writeback_core.loading import ModelCodeError, resolve_model
 
+    models = registry.models()
+    if model not in models and ":" not in model and os.path.exists(model):
+        return _model_from_path(registry, model)
     try:
-        return resolve_model(model, registry.models())
+        return resolve_model(model, models)
     except ModelCodeError as error:
         raise _user_code_failure(error.__cause__ or error, str(error)) from error
     except ValueError as error:
         raise click.UsageError(str(error)) from error
+
+
+def _model_from_path(registry: Registry, path: str) -> ModelCase:
+    """The model a plugin reads from ``path`` (``writeback_model_from_path``); exit 2 when none
+    does or the plugin finds the path unreadable."""
+    try:
+        case: ModelCase | None = registry.model_from_path(path)
+    except (OSError, ValueError, ImportError) as error:
+        raise click.UsageError(f"model path {path!r}: {type(error).__name__}: {error}") from error
+    if case is None:
+        raise click.UsageError(
+            f"no installed plugin reads a model from {path!r}: a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer.json) is read by writeback-decoders with its [hf] extra; a model file is "
+            "given as path/to/file.py:factory"
+        )
+    return case
 
 
 def writable_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

@@ -143,6 +143,20 @@ def writeback_models() -> dict[str, ModelCase]:
 
 
 @hookspec
+def writeback_model_from_path(path: str) -> ModelCase | None:
+    """Called when a command is given a model that names an existing file or folder
+    (``writeback export path/to/hf-folder``) and no built-in model has that name.
+
+    :param path: the path as the user typed it; the plugin reads it as data only
+        (nothing in it may become code).
+    :return: the model the path holds, when the plugin recognizes it (a Hugging Face
+        model folder, say); ``None`` when it does not. Two plugins both recognizing one
+        path is an error naming both.
+    """
+    raise NotImplementedError
+
+
+@hookspec
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """Called by ``writeback explain`` once per mutation row.
 

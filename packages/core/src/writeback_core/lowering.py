@@ -279,10 +279,17 @@ class Partitioned:
     decisions: dict[str, InPlaceDecision]
 
 
-def partition(program: ExportedProgram, registry: Registry | None, backend: BackendSpec | None) -> Partitioned:
+def partition(
+    program: ExportedProgram,
+    registry: Registry | None,
+    backend: BackendSpec | None,
+    constant_methods: Mapping[str, Any] | None = None,
+) -> Partitioned:
     """``to_edge_transform_and_lower`` of ``program`` with the registry's ``"before_partition"``
     passes and ``backend``'s partitioner (none: no delegate), wrapped by
     :func:`writeback_core.annotating` so core records a decision per mutation a partition touches.
+    ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
+    ``forward``.
 
     ``program`` is not changed. :raises LoweringError: naming the backend.
     """
@@ -304,6 +311,7 @@ def partition(program: ExportedProgram, registry: Registry | None, backend: Back
                 _own_tables(program),
                 transform_passes=transforms or None,
                 partitioner=[wrapped] if wrapped is not None else [],
+                constant_methods=dict(constant_methods) if constant_methods else None,
             )
     except InPlaceConflictError:
         raise  # the plugins' disagreement, named by core: not a failure of the lowering
@@ -665,15 +673,21 @@ def lower(
     backend: BackendSpec | None = None,
     plan: MemoryPlan = "state",
     case: ModelCase | None = None,
+    constant_methods: Mapping[str, Any] | None = None,
 ) -> Lowered:
     """Partition ``exported`` for ``backend``, run the registry's passes, serialize.
+
+    ``constant_methods`` (default: ``case``'s) are methods of the ``.pte`` returning a
+    constant, exir's ``constant_methods``: ExecuTorch's LLM runner reads its metadata so.
 
     ``exported`` is not changed. :raises LoweringError: a step failed; the message names it.
     """
     start = time.perf_counter()
     with known_warnings_ignored():
         mutations = find_mutations(exported.run_decompositions())
-    partitioned = partition(exported, registry, backend)
+    if constant_methods is None and case is not None:
+        constant_methods = case.constant_methods
+    partitioned = partition(exported, registry, backend, constant_methods)
     program = to_executorch(partitioned.edge, registry, plan)
     final = program.exported_program()
     signature = final.graph_signature

@@ -178,6 +178,20 @@ class Registry:
                 found[name] = (plugin, item)
         return found
 
+    def model_from_path(self, path: str) -> Any:
+        """The :class:`~writeback_core.zoo.ModelCase` a plugin reads from ``path``
+        (``writeback_model_from_path``), or ``None`` when no plugin recognizes it.
+
+        :raises DuplicateNameError: two plugins recognize the path (naming both).
+        """
+        found = [(plugin, case) for plugin, case in self._per_plugin("writeback_model_from_path", path=path) if case]
+        if len(found) > 1:
+            raise DuplicateNameError(
+                f"path {path!r} is read as a model by both plugin {found[0][0]!r} and plugin {found[1][0]!r}; "
+                f"block one with {BLOCK_ENV}={found[1][0]}"
+            )
+        return found[0][1] if found else None
+
     def backends(self) -> dict[str, BackendSpec]:
         """Every backend offered, keyed by name."""
         return {n: b for n, (_, b) in self._unique("writeback_backends", "name", "backend").items()}

@@ -309,6 +309,11 @@ class ModelCase:
 
     ``sized``, when given, builds the same model with a K+V cache of so many MiB
     (``--cache-mib`` of ``run`` and ``bench``); a case without it has no size to set.
+
+    ``constant_methods`` are methods of the ``.pte`` that return a constant (exir's
+    ``constant_methods``): a decoder fills ExecuTorch's LLM-runner metadata here
+    (``get_max_seq_len``, ``get_eos_ids``, ...; :mod:`writeback_core.llm_runner`), and every
+    lowering of the case writes them.
     """
 
     name: str
@@ -323,6 +328,7 @@ class ModelCase:
     contenders: Mapping[str, Callable[[], ExportedProgram]] = field(default_factory=dict)
     same_inputs_every_step: bool = False
     sized: Callable[[float], ModelCase] | None = None
+    constant_methods: Mapping[str, Any] = field(default_factory=dict)
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
         """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from writeback_core.llm_runner import runner_metadata
 from writeback_core.zoo import ModelCase
 
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
@@ -168,4 +169,9 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
         step_kwargs=step_kwargs,
         strict=False,
         contenders={"et-custom-ops": lambda: _custom_ops_program(cfg)},
+        # The example has no tokenizer: the runner takes BOS and the vocabulary from the
+        # tokenizer it is given; no EOS is known.
+        constant_methods=runner_metadata(
+            max_seq_len=1, max_context_len=cfg.max_seq, vocab_size=cfg.vocab, bos_id=1, eos_ids=(), dynamic_shape=False
+        ),
     )

@@ -18,13 +18,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from writeback_core.llm_runner import runner_metadata
 from writeback_core.zoo import ModelCase
 
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
@@ -41,6 +42,7 @@ __all__ = [
     "hf_config",
     "hf_model_case",
     "require_transformers",
+    "runner_metadata_of",
 ]
 
 INSTALL_HINT = "pip install 'writeback-decoders[hf]'"
@@ -200,6 +202,52 @@ def _config_of(source: Any) -> Any:
     return source
 
 
+def _ids(value: Any) -> list[int]:
+    """A config's token id field (an int, a list of ints or ``None``) as a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def runner_metadata_of(config: Any, max_cache_len: int) -> dict[str, Any]:
+    """ExecuTorch's LLM-runner metadata of a causal LM with ``config``, exported one token per
+    call over a static cache of ``max_cache_len`` positions."""
+    text = config.get_text_config()
+    bos = _ids(getattr(text, "bos_token_id", None))
+    return runner_metadata(
+        max_seq_len=1,
+        max_context_len=max_cache_len,
+        vocab_size=int(text.vocab_size),
+        bos_id=bos[0] if bos else 0,
+        eos_ids=_ids(getattr(text, "eos_token_id", None)),
+        dynamic_shape=False,
+    )
+
+
+class _Deferred(Mapping[str, Any]):
+    """A mapping worked out on first read (a config needs transformers, which listing the
+    models must not import)."""
+
+    def __init__(self, make: Callable[[], dict[str, Any]]) -> None:
+        self._make = make
+        self._made: dict[str, Any] | None = None
+
+    def _items(self) -> dict[str, Any]:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+
 def _case(
     source: Callable[[], Any],
     name: str,
@@ -238,6 +286,7 @@ def _case(
         step_kwargs=lambda step: _kwargs(greedy.token(step), greedy.position(step)),
         strict=True,
         exported=exported,
+        constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len)),
     )
 
 

@@ -18,3 +18,14 @@ def writeback_models() -> dict[str, ModelCase]:
     from writeback_decoders.models import decoder_models
 
     return decoder_models()
+
+
+@hookimpl
+def writeback_model_from_path(path: str) -> ModelCase | None:
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        return None
+    from writeback_decoders.hf import hf_case
+
+    return hf_case(path)

@@ -1,0 +1,141 @@
+"""``writeback generate model.pte --tokenizer PATH --prompt TEXT``: text generation through
+ExecuTorch's own LLM runner (``TextLLMRunner``, the C++ runner ``llama_main`` and the demo
+apps use), greedy unless ``--temperature`` says otherwise.
+
+The runner streams the text itself as it decodes; the command then prints the
+runner's statistics: prompt and generated tokens, time to first token, prefill and
+decode rates.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = ["GenerationStats", "generate_command", "generate_text"]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """The runner's statistics of one generation (its own clock, milliseconds).
+
+    ``generated_tokens`` counts the tokens the decode calls made, as the runner does: the
+    first new token comes out of the prefill call and is not among them.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    load_ms: int
+    first_token_ms: int
+    prefill_ms: int
+    decode_ms: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.generated_tokens / (self.decode_ms / 1e3) if self.decode_ms > 0 else float("inf")
+
+    @classmethod
+    def of(cls, stats: Any) -> GenerationStats:
+        """From the runner's ``Stats`` (its timestamps are milliseconds)."""
+        start = stats.inference_start_ms
+        return cls(
+            prompt_tokens=int(stats.num_prompt_tokens),
+            generated_tokens=int(stats.num_generated_tokens),
+            load_ms=int(stats.model_load_end_ms - stats.model_load_start_ms),
+            first_token_ms=int(stats.first_token_ms - start),
+            prefill_ms=int(stats.prompt_eval_end_ms - start),
+            decode_ms=int(stats.inference_end_ms - stats.prompt_eval_end_ms),
+        )
+
+    def lines(self) -> list[str]:
+        return [
+            f"prompt tokens {self.prompt_tokens}; new tokens {self.generated_tokens + 1} "
+            f"(1 from the prefill call, {self.generated_tokens} decoded)",
+            f"time to first token {self.first_token_ms} ms; model load {self.load_ms} ms",
+            f"prefill {self.prefill_tokens_per_s:.1f} tokens/s ({self.prefill_ms} ms), "
+            f"decode {self.decode_tokens_per_s:.1f} tokens/s ({self.decode_ms} ms)",
+        ]
+
+
+def _runner() -> Any:
+    try:
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    except (ImportError, RuntimeError) as error:
+        raise click.ClickException(
+            f"ExecuTorch's LLM runner is not importable ({error}); it ships in the executorch wheel"
+        ) from error
+    return GenerationConfig, TextLLMRunner
+
+
+def generate_text(
+    pte: Path,
+    tokenizer: Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    on_text: Any = None,
+) -> GenerationStats:
+    """Generate through ``TextLLMRunner``: the runner prints the text as it decodes (and
+    passes each piece to ``on_text`` when given); returns its statistics.
+
+    :raises click.ClickException: the runner could not load the program or generate.
+    """
+    config_class, runner_class = _runner()
+    try:
+        runner = runner_class(str(pte), str(tokenizer))
+    except RuntimeError as error:
+        raise click.ClickException(
+            f"ExecuTorch's LLM runner refused {pte}: {error}. A program lowered for a delegate the stock "
+            "runtime lacks (mlx) needs writeback's runtime: writeback run MODEL --backend mlx"
+        ) from error
+    config = config_class(echo=False, max_new_tokens=max_new_tokens, temperature=temperature)
+    found: list[Any] = []
+    sys.stdout.flush()
+    try:
+        runner.generate(prompt, config, token_callback=on_text, stats_callback=found.append)
+    except RuntimeError as error:
+        raise click.ClickException(f"generation failed in ExecuTorch's LLM runner: {error}") from error
+    finally:
+        sys.stdout.flush()
+    if not found:
+        raise click.ClickException("ExecuTorch's LLM runner reported no statistics: the generation did not finish")
+    return GenerationStats.of(found[-1])
+
+
+@click.command("generate")
+@click.argument("pte", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The tokenizer (tokenizer.json, tokenizer.model). Default: tokenizer.json beside the .pte.",
+)
+@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0.0, max=1.0),
+    help="0 for greedy decoding.",
+)
+def generate_command(pte: Path, tokenizer: Path | None, prompt: str, max_new_tokens: int, temperature: float) -> None:
+    """Generate text from PTE (written by `writeback export`) in ExecuTorch's own LLM runner,
+    streaming it, then print the runner's statistics."""
+    if tokenizer is None:
+        beside = pte.parent / "tokenizer.json"
+        if not beside.is_file():
+            raise click.UsageError(f"no tokenizer.json beside {pte}: pass --tokenizer PATH")
+        tokenizer = beside
+    stats = generate_text(pte, tokenizer, prompt, max_new_tokens, temperature)
+    click.echo()
+    for line in stats.lines():
+        click.echo(line)

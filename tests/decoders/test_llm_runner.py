@@ -1,0 +1,177 @@
+"""`writeback export` on a local Hugging Face folder, then ExecuTorch's own LLM runner
+(``TextLLMRunner``): the greedy tokens equal transformers' ``generate`` with a static cache
+(slow tier: transformers and a lowering per backend).
+
+The folder holds random weights from a small Llama config and a byte-level BPE tokenizer
+trained here on ASCII text (every token decodes alone, so the runner's pieces are the
+tokens). The weights' seed is chosen so that every greedy step's top-2 logit margin is
+well above float32 noise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from writeback_core.cli import main
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown"
+NEW_TOKENS = 12
+TEXT = ["the quick brown fox jumps over the lazy dog", "state that a model mutates is written once in place"] * 20
+
+
+def _tokenizer(folder: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=96, special_tokens=["<s>", "</s>"]))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return tokenizer
+
+
+def _greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        cache_implementation="static",
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return out.sequences[0, len(ids) :].tolist(), min(margins)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A model folder and the pieces of transformers' greedy continuation of PROMPT."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("hf-llama")
+    tokenizer = _tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    ids = tokenizer.encode(PROMPT).ids
+    for seed in range(50):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        tokens, margin = _greedy(model, ids)
+        if margin > 1e-3 and 1 not in tokens:
+            break
+    else:
+        pytest.fail("no seed of 50 gives greedy steps with a top-2 margin above 1e-3")
+    model.save_pretrained(path)
+    return path, [tokenizer.decode([t]) for t in tokens]
+
+
+def _export(model: Path, backend: str, out: Path) -> str:
+    result = CliRunner().invoke(main, ["export", str(model), "--backend", backend, "--output", str(out / "model.pte")])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("backend", ["xnnpack", "portable"])
+def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder(
+    folder: tuple[Path, list[str]], tmp_path: Path, backend: str
+) -> None:
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    model, expected = folder
+    output = _export(model, backend, tmp_path)
+    assert "runner metadata: get_max_seq_len=1, get_max_context_len=64" in output
+    assert "prefill: one token per call" in output
+    assert "key_cache_0" in output and "no copy left" in output
+    assert (tmp_path / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    runner = TextLLMRunner(str(tmp_path / "model.pte"), str(tmp_path / "tokenizer.json"))
+    pieces: list[str] = []
+    stats: list[Any] = []
+    config = GenerationConfig(echo=False, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    runner.generate(PROMPT, config, token_callback=pieces.append, stats_callback=stats.append)
+    assert pieces == expected
+    assert stats[-1].num_prompt_tokens == 3
+
+
+def test_generate_streams_the_runners_text_and_prints_its_statistics(
+    folder: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    model, expected = folder
+    _export(model, "xnnpack", tmp_path)
+    command = [sys.executable, "-m", "writeback", "generate", str(tmp_path / "model.pte"), "--prompt", PROMPT]
+    done = subprocess.run([*command, "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "".join(expected) in done.stdout
+    assert f"new tokens {NEW_TOKENS} (1 from the prefill call, {NEW_TOKENS - 1} decoded)" in done.stdout
+    assert "prefill " in done.stdout and " tokens/s" in done.stdout and "time to first token" in done.stdout
+
+
+def test_export_refuses_a_folder_no_plugin_reads_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    result = CliRunner().invoke(main, ["export", str(tmp_path), "--output", str(tmp_path / "m.pte")])
+    assert result.exit_code == 2, result.output
+    assert "no installed plugin reads a model from" in result.output
+    assert not (tmp_path / "m.pte").exists()
+
+
+def test_export_refuses_a_model_breaking_the_runner_contract_writing_nothing(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["export", "decoder-caller-cache", "--output", str(tmp_path / "m.pte")])
+    assert result.exit_code == 2, result.output
+    assert "carries no runner metadata" in result.output
+    assert not (tmp_path / "m.pte").exists()
+
+
+MODEL_FILE = """
+import torch
+from writeback_core.llm_runner import runner_metadata
+from writeback_core.zoo import ModelCase
+
+
+class TwoOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 5))
+
+    def forward(self, tokens, positions):
+        self.cache.index_copy_(0, positions, tokens.float().expand(1, 5))
+        logits = self.cache.sum(0).reshape(1, 1, 5)
+        return logits, logits * 2
+
+
+def case():
+    return ModelCase(
+        name="two-outputs",
+        description="a decoder returning its logits twice",
+        build=TwoOutputs,
+        step_inputs=lambda step: (torch.tensor([[1]]), torch.tensor([step])),
+        constant_methods=runner_metadata(
+            max_seq_len=1, max_context_len=8, vocab_size=5, bos_id=0, eos_ids=[1], dynamic_shape=False
+        ),
+    )
+"""
+
+
+def test_export_refuses_a_program_with_two_outputs_naming_it_and_writing_nothing(tmp_path: Path) -> None:
+    (tmp_path / "two.py").write_text(MODEL_FILE)
+    result = CliRunner().invoke(main, ["export", f"{tmp_path / 'two.py'}:case", "--output", str(tmp_path / "m.pte")])
+    assert result.exit_code == 2, result.output
+    assert "does not fit ExecuTorch's LLM runner" in result.output
+    assert "forward returns 2 outputs; the runner takes exactly one" in result.output
+    assert not (tmp_path / "m.pte").exists()
