@@ -128,6 +128,14 @@ def test_negative_positions_of_index_put_match_eager_at_every_step(backend: str)
     _run(lowered, module, [(_values(s), torch.tensor(p)) for s, p in enumerate(positions)])
 
 
+def test_negative_int32_positions_of_index_put_match_eager_at_every_step() -> None:
+    module = Cache(_index_put)
+    lowered = _lower(module, "portable", (_values(0), torch.tensor([0], dtype=torch.int32)))
+    assert _in_place(lowered)
+    positions = [[-1], [3], [-16], [-7]]
+    _run(lowered, module, [(_values(s), torch.tensor(p, dtype=torch.int32)) for s, p in enumerate(positions)])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_several_negative_positions_in_one_index_put_match_eager(backend: str) -> None:
     module = Cache(_index_put)
