@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.ops import normalize_dim
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 from writeback_mlx_backend.ops import OpHandler
@@ -308,6 +309,18 @@ def _shape(name: str | None, info: Info) -> tuple[int, ...]:
     return info[name][0] if name is not None and name in info else ()
 
 
+def _last_axis(dim: Any, name: str | None, info: Info) -> bool:
+    """Whether literal ``dim`` names the last axis of the value ``name`` at its traced rank
+    (``3`` is the last axis at rank 4 only); ``False`` where the rank is not known."""
+    rank = len(_shape(name, info))
+    if not rank:
+        return False
+    try:
+        return normalize_dim(dim, rank) == rank - 1
+    except (IndexError, TypeError):
+        return False
+
+
 def _is(dtype: Any, *choices: Any) -> bool:
     """``dtype`` is one of ``choices`` (an MLX dtype refuses to be compared with ``None``)."""
     return dtype is not None and any(dtype == c for c in choices)
@@ -317,7 +330,7 @@ def _fp32(name: str | None, info: Info) -> bool:
     return name is not None and name in info and _is(info[name][1], mx.float32)
 
 
-def _probabilities(name: str, producers: Mapping[str, Step]) -> tuple[str, bool, set[str]] | None:
+def _probabilities(name: str, producers: Mapping[str, Step], info: Info) -> tuple[str, bool, set[str]] | None:
     """The softmax's input behind ``name`` (a softmax over the last axis, or PyTorch's safe
     softmax: ``where(no column above -inf, 0, softmax(x))``), whether it is the safe one,
     and the steps passed."""
@@ -328,7 +341,7 @@ def _probabilities(name: str, producers: Mapping[str, Step]) -> tuple[str, bool,
         if (
             step.kwargs
             or len(step.args) != 3
-            or step.args[1] not in (-1, 3)
+            or not _last_axis(step.args[1], _ref(step.args[0]), info)
             or step.args[2]
             or _ref(step.args[0]) is None
         ):
@@ -337,7 +350,7 @@ def _probabilities(name: str, producers: Mapping[str, Step]) -> tuple[str, bool,
     if step.op != _WHERE or len(step.args) != 3 or step.kwargs:
         return None
     cond, zeros, soft = (_ref(a) for a in step.args)
-    inner = _probabilities(soft, producers) if soft is not None else None
+    inner = _probabilities(soft, producers, info) if soft is not None else None
     if inner is None or inner[1] or cond is None or zeros is None:
         return None
     scores, _, passed = inner
@@ -387,7 +400,7 @@ def _match_attention(
         return None
     shape = (batch, heads, t, s)
     p4 = _view_of(p3, (bh, t, s), producers, info)
-    found = _probabilities(p4, producers) if p4 is not None and _shape(p4, info) == shape else None
+    found = _probabilities(p4, producers, info) if p4 is not None and _shape(p4, info) == shape else None
     if found is None:
         return None
     x, guard, inner = found
@@ -593,7 +606,7 @@ def _rope_terms(
             dims = _shape(x_name, info)[-1]
             if _shape(x_name, info)[-2] != 1 or dims % 2:
                 continue
-            rotation = _rotation(_ref(rotated), x_name, dims, producers)
+            rotation = _rotation(_ref(rotated), x_name, dims, producers, info)
             if rotation is None:
                 continue
             shared: set[str] = set()
@@ -609,10 +622,12 @@ def _rope_terms(
     return None
 
 
-def _rotation(name: str | None, x: str, dims: int, producers: Mapping[str, Step]) -> set[str] | None:
+def _rotation(name: str | None, x: str, dims: int, producers: Mapping[str, Step], info: Info) -> set[str] | None:
     """The steps of ``cat([-x[..., h:], x[..., :h]], -1)`` ending at ``name``, or ``None``."""
     cat = producers.get(name or "")
-    if cat is None or cat.op != "aten.cat.default" or len(cat.args) != 2 or cat.args[1] not in (-1, 3) or cat.kwargs:
+    if cat is None or cat.op != "aten.cat.default" or len(cat.args) != 2 or cat.kwargs:
+        return None
+    if not _last_axis(cat.args[1], x, info):
         return None
     parts = cat.args[0]
     if not isinstance(parts, list) or len(parts) != 2:
@@ -627,7 +642,7 @@ def _rotation(name: str | None, x: str, dims: int, producers: Mapping[str, Step]
             return None
         dim, start, end, *step = [*part.args[1:], 1][:4]
         if (
-            dim not in (-1, 3)
+            not _last_axis(dim, x, info)
             or start != lo
             or (hi is None and end < dims)
             or (hi is not None and end != hi)
@@ -643,7 +658,7 @@ def _angle(
 ) -> tuple[str, str] | None:
     """The position and ``inv_freq`` of ``cat([f, f], -1)`` with ``f = float(position) * inv_freq``."""
     cat = producers.get(angle)
-    if cat is None or cat.op != "aten.cat.default" or cat.kwargs or cat.args[1] not in (-1,):
+    if cat is None or cat.op != "aten.cat.default" or cat.kwargs or not _last_axis(cat.args[1], angle, info):
         return None
     parts = cat.args[0]
     if not isinstance(parts, list) or len(parts) != 2 or _ref(parts[0]) is None or _ref(parts[0]) != _ref(parts[1]):
