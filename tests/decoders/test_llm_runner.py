@@ -83,23 +83,35 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return path, [tokenizer.decode([t]) for t in tokens]
 
 
-def _export(model: Path, backend: str, out: Path) -> str:
-    result = CliRunner().invoke(main, ["export", str(model), "--backend", backend, "--output", str(out / "model.pte")])
+def _export(model: Path, backend: str, out: Path, *options: str) -> str:
+    command = ["export", str(model), "--backend", backend, "--output", str(out / "model.pte"), *options]
+    result = CliRunner().invoke(main, command)
     assert result.exit_code == 0, result.output
     return result.output
 
 
-@pytest.mark.parametrize("backend", ["xnnpack", "portable"])
+@pytest.mark.parametrize(
+    ("backend", "prefill"),
+    [("xnnpack", "one-call"), ("portable", "one-call"), ("xnnpack", "token-by-token")],
+)
 def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder(
-    folder: tuple[Path, list[str]], tmp_path: Path, backend: str
+    folder: tuple[Path, list[str]], tmp_path: Path, backend: str, prefill: str
 ) -> None:
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
     model, expected = folder
-    output = _export(model, backend, tmp_path)
-    assert "runner metadata: get_max_seq_len=1, get_max_context_len=64" in output
-    assert "prefill: one token per call" in output
-    assert "key_cache_0" in output and "no copy left" in output
+    if prefill == "one-call":
+        output = _export(model, backend, tmp_path)
+        assert "get_max_seq_len=64, get_max_context_len=64" in output
+        assert "enable_dynamic_shape=True" in output
+        assert "prefill: the whole prompt in one call (up to 64 tokens)" in output
+    else:
+        output = _export(model, backend, tmp_path, "--token-by-token")
+        assert "get_max_seq_len=1, get_max_context_len=64" in output
+        assert "enable_dynamic_shape=False" in output
+        assert "prefill: one token per call" in output
+    for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
+        assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
     assert (tmp_path / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
     runner = TextLLMRunner(str(tmp_path / "model.pte"), str(tmp_path / "tokenizer.json"))
     pieces: list[str] = []

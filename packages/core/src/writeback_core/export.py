@@ -108,15 +108,23 @@ def _tokenizer_of(model: str) -> Path | None:
     callback=writable_file,
     help="Where to write the .pte (replaced whole); a model folder's tokenizer.json is copied beside it.",
 )
+@click.option(
+    "--token-by-token",
+    is_flag=True,
+    help="Export one token per call (the runner then prefills a prompt token by token) even where the model and "
+    "backend take a dynamic token dimension.",
+)
 @click.pass_context
-def export_command(ctx: click.Context, model: str, backend: str | None, output: Path) -> None:
+def export_command(ctx: click.Context, model: str, backend: str | None, output: Path, token_by_token: bool) -> None:
     """Write MODEL as a .pte for ExecuTorch's LLM runner (TextLLMRunner, llama_main).
 
     MODEL: a decoder the plugins offer (et-llama, hf-llama, ...) or a local Hugging Face
     model folder (config.json, *.safetensors, tokenizer.json; nothing is downloaded and
     nothing in it runs). The program is checked against the runner's contract (two
     inputs: tokens [1, n] and positions; one output: the logits; metadata as constant
-    methods) before anything is written."""
+    methods) before anything is written. Where the backend takes dynamic shapes
+    (xnnpack, portable) and the model offers it, the token dimension is dynamic: the
+    runner prefills a prompt in one call."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)
@@ -125,6 +133,9 @@ def export_command(ctx: click.Context, model: str, backend: str | None, output: 
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
     case = resolve_model_option(registry, model)
+    dynamic = pipeline.backend is None or pipeline.backend.dynamic_shapes
+    if dynamic and not token_by_token and case.dynamic_prefill is not None:
+        case = case.dynamic_prefill()
     if not case.constant_methods:
         raise click.UsageError(
             f"model {case.name!r} carries no runner metadata (ModelCase.constant_methods): export writes "

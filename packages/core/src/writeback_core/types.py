@@ -51,7 +51,9 @@ class BackendSpec:
     the stock runtime's kernels (a pass may make them in place); core then
     asks ``writeback_accepts_in_place`` about each mutation no partition
     touches, with a :class:`PartitionView` of those operators whose
-    ``kernels`` is True.
+    ``kernels`` is True. ``dynamic_shapes``: programs lowered for the backend may
+    keep dynamic dimensions (a decoder's token dimension, so that a prompt is
+    prefilled in one call); ``writeback export`` exports decoders so only then.
     """
 
     name: str
@@ -59,6 +61,7 @@ class BackendSpec:
     partitioner: Callable[..., Any]
     description: str = ""
     kernel_writes: bool = False
+    dynamic_shapes: bool = False
 
 
 @dataclass(frozen=True)

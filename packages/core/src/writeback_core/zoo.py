@@ -314,6 +314,11 @@ class ModelCase:
     ``constant_methods``): a decoder fills ExecuTorch's LLM-runner metadata here
     (``get_max_seq_len``, ``get_eos_ids``, ...; :mod:`writeback_core.llm_runner`), and every
     lowering of the case writes them.
+
+    ``dynamic_prefill``, when given, is the same model exported with a dynamic token
+    dimension (a prompt prefilled in one call; its metadata says
+    ``enable_dynamic_shape``); ``writeback export`` takes it for a backend whose
+    ``BackendSpec.dynamic_shapes`` is set.
     """
 
     name: str
@@ -329,6 +334,7 @@ class ModelCase:
     same_inputs_every_step: bool = False
     sized: Callable[[float], ModelCase] | None = None
     constant_methods: Mapping[str, Any] = field(default_factory=dict)
+    dynamic_prefill: Callable[[], ModelCase] | None = None
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
         """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""

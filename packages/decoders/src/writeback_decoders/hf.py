@@ -19,7 +19,7 @@ import copy
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -210,19 +210,31 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
-def runner_metadata_of(config: Any, max_cache_len: int) -> dict[str, Any]:
-    """ExecuTorch's LLM-runner metadata of a causal LM with ``config``, exported one token per
-    call over a static cache of ``max_cache_len`` positions."""
+def runner_metadata_of(config: Any, max_cache_len: int, dynamic: bool = False) -> dict[str, Any]:
+    """ExecuTorch's LLM-runner metadata of a causal LM with ``config`` over a static cache of
+    ``max_cache_len`` positions, exported one token per call or (``dynamic``) with a dynamic
+    token dimension of up to ``max_cache_len`` tokens."""
     text = config.get_text_config()
     bos = _ids(getattr(text, "bos_token_id", None))
     return runner_metadata(
-        max_seq_len=1,
+        max_seq_len=max_cache_len if dynamic else 1,
         max_context_len=max_cache_len,
         vocab_size=int(text.vocab_size),
         bos_id=bos[0] if bos else 0,
         eos_ids=_ids(getattr(text, "eos_token_id", None)),
-        dynamic_shape=False,
+        dynamic_shape=dynamic,
     )
+
+
+def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: str) -> Any:
+    """The module exported with a dynamic token dimension of 1 to ``max_cache_len`` tokens
+    (``input_ids [1, n]``, ``cache_position [n]``), from a two-token example."""
+    from writeback_core.lowering import export_model
+
+    tokens = torch.export.Dim("tokens", min=1, max=max_cache_len)
+    example = {"input_ids": torch.tensor([[1, 1]], dtype=torch.int64), "cache_position": torch.arange(2)}
+    shapes = {"input_ids": {1: tokens}, "cache_position": {0: tokens}}
+    return export_model(build(), (), example, strict=True, dynamic_shapes=shapes, name=f"model {name!r}")
 
 
 class _Deferred(Mapping[str, Any]):
@@ -278,7 +290,7 @@ def _case(
             with torch.no_grad():
                 return recipe.export(**_kwargs(prompt_token, 0), strict=True)
 
-    return ModelCase(
+    case = ModelCase(
         name=name,
         description=description,
         build=build,
@@ -288,6 +300,17 @@ def _case(
         exported=exported,
         constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len)),
     )
+
+    def dynamic_prefill() -> ModelCase:
+        return replace(
+            case,
+            description=f"{description}; token dimension dynamic up to {max_cache_len} (prompt prefilled in one call)",
+            exported=lambda: _prefill_export(build, max_cache_len, name),
+            constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len, True)),
+            dynamic_prefill=None,
+        )
+
+    return replace(case, dynamic_prefill=dynamic_prefill)
 
 
 _EXPORTED_AS = "exported as transformers' ExecuTorch integration does (strict, keyword inputs), greedy tokens"

@@ -46,6 +46,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
             partitioner=_portable,
             description="no delegate: the stock runtime's kernels; state written in place by index_put_",
             kernel_writes=True,
+            dynamic_shapes=True,
         ),
         BackendSpec(
             name=XNNPACK,
@@ -53,6 +54,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
             partitioner=_xnnpack,
             description="ExecuTorch's XNNPACK delegate; state written in place outside it by index_put_",
             kernel_writes=True,
+            dynamic_shapes=True,
         ),
     ]
 
