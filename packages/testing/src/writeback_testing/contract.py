@@ -177,7 +177,8 @@ def check_backend_contract(
     ]
     for runner in targets:
         observed = runner.run(lowered, calls)
-        for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
+        # A refused call is the last each side runs; one side refusing alone is a difference.
+        for call, (want, got) in enumerate(zip(expected, observed, strict=False)):
             diff = compare_observations(want, got)
             if diff is not None:
                 raise ProgramMismatch(

@@ -89,10 +89,29 @@ DEFAULT_CALLS = 3
 
 @dataclass(frozen=True)
 class Observation:
-    """What one call produced: user outputs in order, and state by name (what the target sees)."""
+    """What one call produced: user outputs in order, and state by name (what the target sees).
+
+    ``error`` set: the call raised (``"IndexError: ..."``); ``outputs`` is then empty and
+    ``state`` the state after the failed call, for eager the state *before* it (what
+    every target must leave: a refused call changes nothing). A call that raised is
+    the last one run.
+    """
 
     outputs: tuple[torch.Tensor, ...]
     state: dict[str, torch.Tensor]
+    error: str | None = None
+
+
+def _index_refusal(error: BaseException) -> bool:
+    """Whether eager refused a call for an index out of range (not for anything else, such
+    as an in-place write onto memory it reads, which leaves nothing to compare)."""
+    text = str(error)
+    return isinstance(error, IndexError) or "out of bounds" in text or "out of range" in text
+
+
+def _error_text(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class InvalidProgram(ValueError):
@@ -326,32 +345,50 @@ def eager_run(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
     :raises OverlappingWrite: an in-place write reads elements it writes, so eager's
         answer depends on iteration order (``writeback_testing.overlap``).
     """
-    from writeback_testing.overlap import NoOverlappingWrites
+    from writeback_testing.overlap import NoOverlappingWrites, OverlappingWrite
 
     module = built.new_module()
     state = built.make_state()
-    observations = []
+    observations: list[Observation] = []
+
+    def seen() -> dict[str, torch.Tensor]:
+        found = {s.name: _snapshot(module.get_buffer(s.name)) for s in built.spec.buffers}
+        found.update({s.name: _snapshot(t) for s, t in zip(built.spec.inputs, state, strict=True)})
+        return found
+
     with torch.no_grad(), NoOverlappingWrites():
         for call in range(calls):
-            outputs = module(*built.step_inputs(call), *state)
+            before = seen()
+            try:
+                outputs = module(*built.step_inputs(call), *state)
+            except OverlappingWrite:
+                raise
+            except (IndexError, RuntimeError) as error:
+                if not _index_refusal(error):
+                    raise
+                # Eager refuses this call (an index out of range): every target must refuse it
+                # too and leave the state as it was before the call.
+                observations.append(Observation((), before, _error_text(error)))
+                break
             if isinstance(outputs, torch.Tensor):
                 outputs = (outputs,)
-            seen = {s.name: _snapshot(module.get_buffer(s.name)) for s in built.spec.buffers}
-            seen.update({s.name: _snapshot(t) for s, t in zip(built.spec.inputs, state, strict=True)})
-            observations.append(Observation(tuple(_snapshot(o) for o in outputs), seen))
+            observations.append(Observation(tuple(_snapshot(o) for o in outputs), seen()))
     return observations
 
 
 def eager_reference(built: Built, calls: int = DEFAULT_CALLS) -> list[Observation]:
     """:func:`eager_run`, or :class:`InvalidProgram` when eager PyTorch itself fails on the
-    program (an overlapping in-place write it refuses, or one :func:`eager_run` refuses):
-    there is then nothing to compare a lowered program with."""
+    program in a way no target can be held to (an overlapping in-place write it refuses,
+    or one :func:`eager_run` refuses). A call eager refuses for an index out of range
+    (``IndexError``, or an "out of bounds" ``RuntimeError``) is an observation with ``error``
+    (:class:`Observation`): targets must refuse it too, changing nothing."""
     try:
-        return eager_run(built, calls)
+        observations = eager_run(built, calls)
     except Exception as error:
         raise InvalidProgram(
             f"eager PyTorch fails: {type(error).__name__}: {error}\n--- program ---\n{built.source}"
         ) from error
+    return observations
 
 
 class Target(Protocol):
@@ -394,7 +431,13 @@ class StockTarget:
         observations = []
         for call in range(calls):
             args = [*lowered.built.step_inputs(call), *(state[s.name] for s in spec.inputs)]
-            got = list(method.execute(args))
+            try:
+                got = list(method.execute(args))
+            except Exception as error:  # refused: what state is left is compared with eager's
+                seen = {name: _snapshot(t) for name, t in state.items()}
+                seen.update({fqn: _snapshot(method._method.get_attribute(fqn)) for fqn in layout.mutated_buffers})
+                observations.append(Observation((), seen, _error_text(error)))
+                break
             n_mut = len(layout.mutated_inputs)
             for name, value in zip(layout.mutated_inputs, got[:n_mut], strict=True):
                 state[name] = value.clone()
@@ -436,7 +479,12 @@ class RuntimeTarget:
         observations = []
         n_mut = len(layout.mutated_inputs)
         for call in range(calls):
-            got = list(method.execute([*lowered.built.step_inputs(call), *state]))
+            try:
+                got = list(method.execute([*lowered.built.step_inputs(call), *state]))
+            except Exception as error:  # refused: the caller's state must be as it was
+                seen = {s.name: _snapshot(t) for s, t in zip(spec.inputs, state, strict=True)}
+                observations.append(Observation((), seen, _error_text(error)))
+                break
             seen = {s.name: _snapshot(t) for s, t in zip(spec.inputs, state, strict=True)}
             by_name = dict(zip(layout.mutated_inputs, got[:n_mut], strict=True))
             for name, value in by_name.items():
@@ -502,7 +550,15 @@ def _differs(expected: torch.Tensor, got: Any) -> str | None:
 
 
 def compare_observations(expected: Observation, got: Observation) -> tuple[str, str] | None:
-    """The first difference as ``(what, detail)``, or ``None``."""
+    """The first difference as ``(what, detail)``, or ``None``.
+
+    A call eager refused must be refused (any error) with every state the target sees as
+    it was before the call; a call eager answered must not raise.
+    """
+    if expected.error is not None and got.error is None:
+        return "refusal", f"eager raised {expected.error}; the target answered instead (a silent answer)"
+    if got.error is not None and expected.error is None:
+        return "error", f"the target raised {got.error} where eager answers"
     if len(got.outputs) != len(expected.outputs):
         return "output count", f"expected {len(expected.outputs)}, got {len(got.outputs)}"
     for i, (e, g) in enumerate(zip(expected.outputs, got.outputs, strict=True)):
@@ -515,7 +571,8 @@ def compare_observations(expected: Observation, got: Observation) -> tuple[str, 
             return f"state {name}", f"the runtime has state {name!r} that eager does not"
         diff = _differs(expected.state[base], value)
         if diff:
-            return f"state {name}", diff
+            where = f"state {name}" if expected.error is None else f"state {name} after the refused call"
+            return where, diff if expected.error is None else f"a refused call changed it ({got.error})\n{diff}"
     return None
 
 
@@ -572,7 +629,12 @@ def check_program(
             upstream = _fails_bare(built, target, calls) if triage else None
             raise TargetError(target.name, error, built.source, upstream) from error
         report.running_seconds += time.perf_counter() - start - (lowered.seconds - seconds_before)
-        for call, (want, got) in enumerate(zip(expected, observed, strict=True)):
+        failed = next((c for c, o in enumerate(observed[: len(expected)]) if o.error is not None), None)
+        if failed is not None and expected[failed].error is None:
+            # Raised where eager answers: an error, triaged as one (not a wrong value).
+            upstream = _fails_bare(built, target, calls) if triage else None
+            raise TargetError(target.name, RuntimeError(observed[failed].error), built.source, upstream)
+        for call, (want, got) in enumerate(zip(expected, observed, strict=False)):
             diff = compare_observations(want, got)
             if diff is not None:
                 upstream = _triage(built, target, call, calls) if triage else None
@@ -587,10 +649,10 @@ def check_program(
 def _fails_bare(built: Built, target: Target, calls: int) -> bool:
     """Whether ``target`` also fails with an error on the program lowered by exir alone."""
     try:
-        target.run(Lowerings(built, None, with_passes=False), calls)
+        observed = target.run(Lowerings(built, None, with_passes=False), calls)
     except Exception:
         return True
-    return False
+    return any(o.error is not None for o in observed)
 
 
 def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:

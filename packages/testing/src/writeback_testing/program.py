@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "POS_MODES",
     "X_LEN",
     "Built",
     "Combine",
@@ -86,7 +87,8 @@ class Write:
     """A write to state ``state``. ``how`` selects the form (see :data:`_WRITES`).
 
     ``dim``/``index``/``start``/``stop``/``step``/``indices``/``accumulate``
-    parametrize it; ``index`` None means "at the per-call ``pos`` input".
+    parametrize it; ``index`` None means "at the per-call ``pos`` input", mapped
+    onto the written dim by ``pos_mode`` (a key of :data:`POS_MODES`).
     """
 
     state: str
@@ -99,6 +101,7 @@ class Write:
     step: int = 1
     indices: tuple[int, ...] = ()
     accumulate: bool = False
+    pos_mode: str = "wrap"
 
 
 @dataclass(frozen=True)
@@ -243,9 +246,27 @@ class _Renderer:
         return renderer(self, stmt)
 
 
+# How a write at the per-call ``pos`` maps it onto a dim of ``size`` (``pos`` is
+# ``3 * step + 1``: 1, 4, 7, ...). Every index is computed at run time, from ``pos``:
+#   wrap:         pos mod size, in [0, size)
+#   negative:     pos mod size - size, in [-size, 0): eager wraps it
+#   zero:         0
+#   last:         size - 1
+#   minus_size:   -size, the lowest index eager takes
+#   out_of_range: pos mod size, plus size from call 2 on (pos >= 7): eager raises at call 2
+POS_MODES: dict[str, Callable[[int], str]] = {
+    "wrap": lambda size: f"torch.remainder(pos, {size})",
+    "negative": lambda size: f"(torch.remainder(pos, {size}) - {size})",
+    "zero": lambda size: "(pos * 0)",
+    "last": lambda size: f"(pos * 0 + {size - 1})",
+    "minus_size": lambda size: f"(pos * 0 - {size})",
+    "out_of_range": lambda size: f"(torch.remainder(pos, {size}) + pos // 7 * {size})",
+}
+
+
 def _index_expr(r: _Renderer, write: Write, size: int) -> str:
     if write.index is None:
-        return f"torch.remainder(pos, {size})"
+        return POS_MODES[write.pos_mode](size)
     return _index_tensor((write.index,))
 
 
@@ -328,6 +349,20 @@ def _write_transposed_row(r: _Renderer, w: Write) -> str:
     return f"{r.ref(w.state)}.transpose(0, {last})[{w.index}].copy_({r.source(w.source, state.dtype)})"
 
 
+def _write_pos_put(r: _Renderer, w: Write) -> str:
+    """``state[:, idx] = src``: index assignment at a run-time index (``k[pos] = v``), an ``index_put_``."""
+    state = r.kinds[w.state]
+    index = _index_expr(r, w, state.shape[w.dim])
+    return f"{r.ref(w.state)}{_slice_text(len(state.shape), w.dim, index)} = {r.source(w.source, state.dtype)}"
+
+
+def _write_roll(r: _Renderer, w: Write) -> str:
+    """A rolling buffer: drop the oldest column of the last dim, append the new one."""
+    state = r.kinds[w.state]
+    ref = r.ref(w.state)
+    return f"{ref}.copy_(torch.cat([{ref}[..., 1:], {r.source(w.source, state.dtype)}], -1))"
+
+
 # Every write form, keyed by ``Write.how``.
 _WRITES: dict[str, Callable[[_Renderer, Write], str]] = {
     "index_copy": _write_index_copy,
@@ -340,6 +375,8 @@ _WRITES: dict[str, Callable[[_Renderer, Write], str]] = {
     "select_copy": _write_select_copy,
     "flat_add": _write_flat_add,
     "transposed_row": _write_transposed_row,
+    "pos_put": _write_pos_put,
+    "roll": _write_roll,
 }
 
 
@@ -359,7 +396,47 @@ _READS: dict[str, Callable[[_Renderer, Read], str]] = {
     "select": lambda r, rd: f"{r.ref(rd.state)}.select({rd.dim}, {rd.index})",
     "compute": lambda r, rd: f"({_float(r, rd.state)} * {_num(rd.scale)} + 1.0)",
     "sum": lambda r, rd: f"{_float(r, rd.state)}.sum(0, keepdim=True)",
+    # Ops a delegate may not take, reading the state's current value.
+    "conv": lambda r, rd: (
+        f"torch.nn.functional.conv1d({_float(r, rd.state)}.reshape(1, 1, -1), torch.ones(1, 1, 3), padding=1)"
+    ),
+    "qlinear": lambda r, rd: f"self.{_qlinear_name(rd)}({_float(r, rd.state)}.reshape(1, -1))",
 }
+
+
+def _qlinear_name(rd: Read) -> str:
+    return f"q_{rd.result}"
+
+
+# The helper a program with a quantized read defines: a Linear quantized by PT2E with
+# XNNPACK's quantizer (dynamic, per-channel int8), as a user quantizes a model. Built once
+# per size and seed (cached), a submodule of every FuzzModule instance.
+_QUANTIZED_HELPER = """_QUANTIZED = {}
+
+
+def quantized_linear(features, seed):
+    if (features, seed) not in _QUANTIZED:
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+            XNNPACKQuantizer,
+            get_symmetric_quantization_config,
+        )
+        from torchao.quantization.pt2e import allow_exported_model_train_eval
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        gen = torch.Generator().manual_seed(seed)
+        layer = torch.nn.Linear(features, 4).eval()
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(4, features, generator=gen) / features)
+            example = torch.randn(1, features, generator=gen)
+            graph = torch.export.export(layer, (example,)).module()
+        config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
+        prepared = prepare_pt2e(graph, XNNPACKQuantizer().set_global(config))
+        prepared(example)
+        converted = convert_pt2e(prepared)
+        allow_exported_model_train_eval(converted)
+        _QUANTIZED[(features, seed)] = converted
+    return _QUANTIZED[(features, seed)]
+"""
 
 
 def _render_write(r: _Renderer, w: Write) -> str:
@@ -431,8 +508,15 @@ def render_source(spec: ProgramSpec) -> str:
     ``forward`` order).
     """
     r = _Renderer(spec)
-    lines = ["import torch", "", "", "class FuzzModule(torch.nn.Module):"]
+    quantized = [st for st in spec.statements if isinstance(st, Read) and st.how == "qlinear"]
+    lines = ["import torch", "", ""]
+    if quantized:
+        lines += [*_QUANTIZED_HELPER.splitlines(), "", ""]
+    lines += ["class FuzzModule(torch.nn.Module):"]
     lines += ["    def __init__(self):", "        super().__init__()"]
+    for k, read in enumerate(quantized):
+        features = r.kinds[read.state].numel
+        lines.append(f"        self.{_qlinear_name(read)} = quantized_linear({features}, {k})")
     for i, state in enumerate(spec.buffers):
         init = _initial(state, i, spec.offset_initial)
         lines.append(f"        self.register_buffer({state.name!r}, {init})")

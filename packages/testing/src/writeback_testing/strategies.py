@@ -56,11 +56,28 @@ ALL_WRITES: tuple[str, ...] = (
     "select_copy",
     "flat_add",
     "transposed_row",
+    "pos_put",
+    "roll",
 )
 
-_INDEX_WRITES = frozenset({"index_copy", "index_put"})
+_INDEX_WRITES = frozenset({"index_copy", "index_put", "pos_put"})
 
-_READS: tuple[str, ...] = ("clone", "view", "transpose", "slice", "select", "compute", "sum")
+_READS: tuple[str, ...] = ("clone", "view", "transpose", "slice", "select", "compute", "sum", "conv")
+
+# How a run-time index is drawn (``program.POS_MODES``): in range most of the time, at
+# every boundary eager accepts, and out of range (eager raises at call 2) now and then.
+_POS_MODES: tuple[str, ...] = (
+    "wrap",
+    "wrap",
+    "wrap",
+    "negative",
+    "negative",
+    "zero",
+    "last",
+    "minus_size",
+    "out_of_range",
+)
+_COPY_MODES: tuple[str, ...] = ("wrap", "wrap", "wrap", "zero", "last", "out_of_range")
 
 
 @st.composite
@@ -102,6 +119,7 @@ class _Scope:
     states: dict[str, State]
     has_x: bool
     has_pos: bool
+    index_modes: bool = True  # run-time indices at boundaries and out of range (POS_MODES)
     temps: list[_Temp] = field(default_factory=list)
     no_write: set[str] = field(default_factory=set)  # states only the hazard block writes
     keep: list[str] = field(default_factory=list)  # temps that must be outputs (else dead)
@@ -169,12 +187,24 @@ def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
     state = draw(st.sampled_from(scope.writable()))
     how = draw(st.sampled_from(tuple(forms)))
     shape, rank = state.shape, len(state.shape)
+    if how == "pos_put" and not scope.has_pos:
+        how = "index_put"  # a run-time index needs the per-call pos
+    if how == "roll" and shape[-1] < 2:
+        how = "copy"  # nothing to roll along a last dim of one
     # A cache is written along its sequence dim half the time: the write an engine aliases.
     dim = 2 if rank == 4 and draw(st.booleans()) else draw(st.integers(0, rank - 1))
     if how == "index_copy":
+        # Eager's index_copy_ refuses negative indices (and stock ExecuTorch wraps them, an
+        # upstream difference): in range, at its ends, or past it at call 2.
         index = None if scope.has_pos and draw(st.booleans()) else draw(st.integers(0, shape[dim] - 1))
         src = draw(_source(scope, _with(shape, dim, 1)))
-        return Write(state.name, how, src, dim=dim, index=index)
+        return Write(state.name, how, src, dim=dim, index=index, pos_mode=draw(_pos_mode(scope, _COPY_MODES)))
+    if how == "pos_put":
+        src = draw(_source(scope, _with(shape, dim, 1)))
+        return Write(state.name, how, src, dim=dim, index=None, pos_mode=draw(_pos_mode(scope)))
+    if how == "roll":
+        src = draw(_source(scope, _with(shape, rank - 1, 1)))
+        return Write(state.name, how, src)
     if how in ("slice", "flat_add"):
         size = shape[dim] if how == "slice" else state.numel
         start, stop, step = draw(_slice(size))
@@ -185,19 +215,26 @@ def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
     if how == "index_put":
         accumulate = draw(st.booleans())
         count = draw(st.integers(1, min(2, shape[0]) if not accumulate else 2))
-        pool = st.integers(0, shape[0] - 1)
-        indices = draw(st.lists(pool, min_size=count, max_size=count, unique=not accumulate))
+        # Distinct elements when not accumulating (-1 and size-1 are one element).
+        wrapped = draw(st.lists(st.integers(0, shape[0] - 1), min_size=count, max_size=count, unique=not accumulate))
+        indices = [i - shape[0] if draw(st.booleans()) else i for i in wrapped]
         src = draw(_source(scope, (count, *shape[1:])))
         return Write(state.name, how, src, indices=tuple(indices), accumulate=accumulate)
     if how == "select_copy":
-        index = draw(st.integers(0, shape[dim] - 1))
+        index = draw(st.integers(-shape[dim], shape[dim] - 1))
         return Write(state.name, how, draw(_source(scope, _without(shape, dim))), dim=dim, index=index)
     if how == "transposed_row":
         swapped = list(shape)
         swapped[0], swapped[-1] = swapped[-1], swapped[0]
-        index = draw(st.integers(0, swapped[0] - 1))
+        index = draw(st.integers(-swapped[0], swapped[0] - 1))
         return Write(state.name, how, draw(_source(scope, tuple(swapped[1:]))), index=index)
     return Write(state.name, how, draw(_source(scope, shape)))
+
+
+@st.composite
+def _pos_mode(draw: st.DrawFn, scope: _Scope, modes: tuple[str, ...] = ()) -> str:
+    """How a write at ``pos`` maps it (``program.POS_MODES``); "wrap" unless ``scope`` allows more."""
+    return draw(st.sampled_from(modes or _POS_MODES)) if scope.index_modes else "wrap"
 
 
 @st.composite
@@ -207,9 +244,13 @@ def _slice(draw: st.DrawFn, size: int) -> tuple[int | None, int | None, int]:
     first = draw(st.integers(0, size - 1))
     last = draw(st.integers(first, size - 1))
     start: int | None = draw(st.sampled_from((first, first - size, None if first == 0 else first)))
+    if first == 0 and draw(st.integers(0, 5)) == 0:
+        start = -size - draw(st.integers(1, 3))  # below -size: eager clamps it to 0
     stop: int | None = draw(st.sampled_from((last + 1, last + 1 - size if last + 1 < size else None, None)))
     if stop is None and last + 1 != size:
         stop = last + 1
+    if last + 1 == size and draw(st.integers(0, 3)) == 0:
+        stop = size + draw(st.integers(1, 5))  # past the end: eager clamps it to size
     return start, stop, step
 
 
@@ -224,7 +265,7 @@ def _read(
         state = draw(st.sampled_from(sorted(scope.states.values(), key=lambda s: s.name)))
     if hows is None:
         # "compute" multiplies by a scalar: see ``programs`` on input-free programs.
-        hows = _READS if scope.has_x else (*_READS[:-2], "sum")
+        hows = _READS if scope.has_x else tuple(h for h in _READS if h != "compute")
     how = draw(st.sampled_from(hows))
     shape, rank = state.shape, len(state.shape)
     dim = draw(st.integers(0, rank - 1))
@@ -247,6 +288,10 @@ def _read(
         out_shape, read = _without(shape, dim), Read("", state.name, how, dim=dim, index=index)
     elif how == "sum":
         out_shape, read = _with(shape, 0, 1), Read("", state.name, how)
+    elif how == "conv":
+        out_shape, read = (1, 1, state.numel), Read("", state.name, how)
+    elif how == "qlinear":
+        out_shape, read = (1, 4), Read("", state.name, how)
     else:
         scale = draw(st.sampled_from((0.5, 3.0))) if how == "compute" else 1.0
         out_shape, read = shape, Read("", state.name, how, scale=scale)
@@ -325,6 +370,8 @@ def programs(
     no_input_chance: bool = True,
     state_outputs: bool = True,
     cache_chance: int = 4,
+    index_modes: bool = True,
+    quantized_chance: int = 25,
 ) -> ProgramSpec:
     """A small stateful program (see the module docstring for what it may contain).
 
@@ -338,6 +385,11 @@ def programs(
     :param cache_chance: about one state in this many is a 4-D cache
         (:func:`cache_shapes`), written along its sequence dim half the time;
         0 for none.
+    :param index_modes: draw run-time indices at every boundary eager accepts (negative,
+        0, size-1, -size) and out of range (eager raises at the third call), not only
+        wrapped into range (``program.POS_MODES``).
+    :param quantized_chance: about one program in this many ends with a read of a state
+        by a PT2E-quantized linear (dynamic per-channel int8); 0 for none.
     """
     no_input = no_input_chance and draw(st.integers(0, 9)) == 0
     n_buffers = draw(st.integers(1, max_buffers))
@@ -358,7 +410,7 @@ def programs(
         # scalar factors (scale 1.0 renders as nothing) and no constant sources.
         writes = [w for w in writes if w not in _INDEX_WRITES] or ["copy"]
     has_pos = not no_input and draw(st.booleans())
-    scope = _Scope(states, has_x, has_pos)
+    scope = _Scope(states, has_x, has_pos, index_modes)
     first_state = next(iter(states.values()))
     count = draw(st.integers(1, max_statements))
     if "copy" in writes and draw(st.integers(0, 3)) == 0:
@@ -375,6 +427,11 @@ def programs(
         # The first write was drawn before any temp existed, so it uses none and may move
         # anywhere: reads then come before and after it.
         statements.insert(draw(st.integers(0, len(statements) - 1)), statements.pop(0))
+    if has_x and quantized_chance > 0 and draw(st.sampled_from(range(quantized_chance))) == 1:
+        # The new value of a state, read by a quantized linear (ops a delegate may leave outside).
+        state = draw(st.sampled_from(sorted(states.values(), key=lambda s: s.name)))
+        statements.append(draw(_read(scope, state=state, hows=("qlinear",))))
+        scope.keep.append(scope.temps[-1].name)
     names = [t.name for t in scope.temps] + (list(states) if state_outputs else [])
     if not names:
         statements.append(Read(scope.new_temp(first_state.shape, "float32", None), first_state.name, "clone"))

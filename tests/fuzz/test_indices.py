@@ -1,0 +1,158 @@
+"""Run-time indices at every boundary eager accepts give eager's answer in every runtime; an
+index eager refuses is refused by every runtime with every state left as it was before the
+call (the oracle compares the states before and after); the generator draws all of these,
+and its programs stay printable reproducers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from writeback_core.registry import Registry
+from writeback_testing.oracle import (
+    Observation,
+    ProgramMismatch,
+    StockTarget,
+    Target,
+    check_program,
+    check_source,
+    compare_observations,
+    eager_run,
+    registry_runtime,
+    runtime_targets,
+)
+from writeback_testing.program import POS_MODES, ProgramSpec, Read, Source, State, Write, build, render_source
+from writeback_testing.strategies import programs
+
+
+def _targets(registry: Registry) -> list[Target]:
+    return [StockTarget(), *runtime_targets(registry_runtime(registry))]
+
+
+def _cache_program(how: str, mode: str, dim: int = 0, first: Write | None = None) -> ProgramSpec:
+    """A [4, 3] cache buffer written at a run-time index derived from ``pos``, and a caller
+    running sum (written first when ``first`` is given)."""
+    src = Source("x", (1, 3) if dim == 0 else (4, 1), 0.5)
+    statements = ([first] if first else []) + [Write("s0", how, src, dim=dim, index=None, pos_mode=mode)]
+    return ProgramSpec(
+        states=(State("s0", "buffer", (4, 3)), State("s1", "input", (3,))),
+        statements=(*statements, Read("t0", "s0", "sum")),
+        outputs=("t0", "s1"),
+    )
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("mode", ["negative", "zero", "last", "minus_size"])
+def test_index_assignment_at_a_run_time_boundary_index_matches_eager_in_every_runtime(
+    fuzz_registry: Registry, mode: str, dim: int
+) -> None:
+    # s0[:, idx] = v with idx in [-size, size): eager wraps a negative index.
+    spec = _cache_program("pos_put", mode, dim)
+    assert check_program(spec, _targets(fuzz_registry), fuzz_registry).targets == [
+        "stock",
+        "pybind-planned",
+        "pybind-state",
+        "pybind-unplanned-bound",
+    ]
+
+
+@pytest.mark.parametrize("how", ["pos_put", "index_copy"])
+def test_out_of_range_index_at_call_2_is_refused_by_every_runtime_no_partial_write(
+    fuzz_registry: Registry, how: str
+) -> None:
+    spec = _cache_program(how, "out_of_range", first=Write("s1", "add", Source("x", (3,), -1.0, offset=5)))
+    expected = eager_run(build(spec))
+    # Eager answers calls 0 and 1 and refuses call 2, which is compared against the states
+    # before it, whatever eager had written before raising.
+    assert [o.error is None for o in expected] == [True, True, False]
+    assert "out of" in str(expected[2].error) or "index" in str(expected[2].error).lower()
+    report = check_program(spec, _targets(fuzz_registry), fuzz_registry)
+    assert len(report.targets) == 4, report
+
+
+def test_an_answer_where_eager_refuses_is_a_mismatch_not_a_pass(fuzz_registry: Registry) -> None:
+    # index_copy_ at a constant -1: eager refuses (index_copy_ takes no negative index);
+    # stock ExecuTorch's kernel writes the last row instead, with or without writeback.
+    spec = ProgramSpec(
+        states=(State("s0", "buffer", (4, 3)),),
+        statements=(Write("s0", "index_copy", Source("x", (1, 3), 0.5), dim=0, index=-1),),
+        outputs=("s0",),
+    )
+    with pytest.raises(ProgramMismatch) as caught:
+        check_program(spec, [StockTarget()], fuzz_registry)
+    assert caught.value.what == "refusal" and caught.value.call == 0
+    assert caught.value.upstream is True  # the same without writeback's passes: upstream
+
+
+def test_a_refused_call_that_changed_state_is_a_mismatch() -> None:
+    import torch
+
+    before = {"s0": torch.zeros(2)}
+    refused = Observation((), before, "IndexError: index 7 is out of bounds")
+    assert compare_observations(refused, Observation((), {"s0": torch.zeros(2)}, "RuntimeError: 0x12")) is None
+    diff = compare_observations(refused, Observation((), {"s0": torch.ones(2)}, "RuntimeError: 0x12"))
+    assert diff is not None and diff[0] == "state s0 after the refused call", diff
+    answered = compare_observations(refused, Observation((torch.zeros(1),), before))
+    assert answered is not None and answered[0] == "refusal"
+
+
+def test_rendered_index_modes_are_run_time_expressions_of_pos() -> None:
+    for mode, render in POS_MODES.items():
+        assert "pos" in render(4), mode  # never a constant: the index reaches the runtime
+
+
+def test_programs_with_bounds_rolls_convolutions_and_quantized_reads_print_as_modules() -> None:
+    spec = ProgramSpec(
+        states=(State("s0", "buffer", (2, 4)),),
+        statements=(
+            Write("s0", "slice", Source("x", (2, 2)), dim=1, start=-9, stop=12, step=2),
+            Write("s0", "roll", Source("x", (2, 1), offset=4)),
+            Read("t0", "s0", "conv"),
+            Read("t1", "s0", "qlinear"),
+        ),
+        outputs=("t0", "t1"),
+    )
+    source = render_source(spec)
+    assert "self.s0[:, -9:12:2] = " in source
+    assert "torch.cat([self.s0[..., 1:]" in source
+    assert "conv1d" in source and "quantized_linear(8, 0)" in source
+    built = build(spec)
+    assert len(eager_run(built)) == 3  # the source runs as it prints
+
+
+@pytest.mark.slow  # a quantized read's PT2E and a lowering per target
+def test_quantized_read_of_a_new_state_value_matches_eager(fuzz_registry: Registry) -> None:
+    spec = ProgramSpec(
+        states=(State("s0", "buffer", (2, 4)),),
+        statements=(Write("s0", "roll", Source("x", (2, 1), offset=4)), Read("t0", "s0", "qlinear")),
+        outputs=("t0", "s0"),
+    )
+    report = check_program(spec, _targets(fuzz_registry), fuzz_registry)
+    assert len(report.targets) == 4
+    assert check_source(report.source, [StockTarget()], fuzz_registry).targets == ["stock"]
+
+
+@seed(3)
+@settings(max_examples=300, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(programs())
+def test_generator_draws_every_index_mode_bound_roll_and_op(spec: ProgramSpec) -> None:
+    source = render_source(spec)
+    _SEEN.update(k for k, text in _MARKERS.items() if text in source)
+
+
+_MARKERS = {
+    "negative": " - ",
+    "out_of_range": "pos // 7",
+    "minus_size": "pos * 0 - ",
+    "last": "pos * 0 + ",
+    "roll": "torch.cat([",
+    "conv": "conv1d",
+    "quantized": "quantized_linear(",
+    "index assignment": "] = (",
+}
+_SEEN: set[str] = set()
+
+
+def test_generator_draws_them_all() -> None:
+    _SEEN.clear()
+    test_generator_draws_every_index_mode_bound_roll_and_op()
+    assert _SEEN == set(_MARKERS), set(_MARKERS) - _SEEN
