@@ -79,6 +79,13 @@ CASES: dict[str, tuple[dict[str, Any] | None, int, str]] = {
     "squeeze_dim": (_node("x", "aten.squeeze_copy.dims", [R, [2]]), 0, r"squeeze dim: .*rank 2, but got 2"),
     "view_size": (_node("x", "aten.view_copy.default", [R, [2, 2]]), 0, r"view: size \[2, 2\] does not hold .* 3"),
     "full_size": (_node("x", "aten.full.default", [[2, -1], 0.0]), 0, r"full: size -1 at dimension 1"),
+    "full_too_large": (
+        _node("x", "aten.full.default", [[1 << 20, 1 << 20], 0.0]),
+        0,
+        r"full: size \[1048576, 1048576\] holds more than 2147483647 elements",
+    ),
+    "arange_zero_step": (_node("x", "aten.arange.start_step", [0, 4, 0]), 0, r"arange: step must be nonzero"),
+    "arange_wrong_side": (_node("x", "aten.arange.start_step", [4, 0, 1]), 0, r"arange: end 0 is on the wrong side"),
     "slice_scatter_source": (
         _node("x", "aten.slice_scatter.default", [{"$v": "cache"}, R, 0, 0, 2, 1]),
         0,

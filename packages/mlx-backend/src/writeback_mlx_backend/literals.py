@@ -225,8 +225,31 @@ def _view(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"view: size {size} does not hold the input's {x.size} elements")
 
 
+# MLX holds each dimension, and the element count of what it allocates, as a 32-bit int.
+_MAX_ELEMENTS = 2**31 - 1
+
+
 def _full(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-    _sizes(_arg(args, kwargs, 0, "size"), "full", 0)
+    size = _sizes(_arg(args, kwargs, 0, "size"), "full", 0)
+    if math.prod(size) > _MAX_ELEMENTS:
+        raise ValueError(f"full: size {size} holds more than {_MAX_ELEMENTS} elements")
+
+
+def _arange(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    values = [_arg(args, kwargs, p, n, d) for p, n, d in ((0, "start", 0), (1, "end", None), (2, "step", 1))]
+    if len(args) < 2 and "end" not in kwargs:
+        values = [0, values[0], 1]
+    start, end, step = values
+    for name, value in (("start", start), ("end", end), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TypeError(f"arange: {name} {value!r} must be a finite number")
+    if step == 0:
+        raise ValueError("arange: step must be nonzero (as ATen requires)")
+    count = math.ceil((end - start) / step)
+    if count < 0:
+        raise ValueError(f"arange: end {end} is on the wrong side of start {start} for step {step}")
+    if count > _MAX_ELEMENTS:
+        raise ValueError(f"arange: {count} elements, more than {_MAX_ELEMENTS}")
 
 
 def _embedding(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -279,6 +302,8 @@ LITERAL_RULES: dict[str, Rule] = {
     "aten.reshape.default": _view,
     "aten._unsafe_view.default": _view,
     "aten.full.default": _full,
+    "aten.arange.default": _arange,
+    "aten.arange.start_step": _arange,
     "aten.layer_norm.default": _layer_norm,
 }
 

@@ -897,7 +897,7 @@ SPLIT = "aten.split_with_sizes_copy.default"
 
 
 def split_parts(node: torch.fx.Node) -> tuple[int, list[tuple[int, int]]] | None:
-    """``(dim, [(start, end), ...])``: the split node's dim and each part's bounds along
+    """``(dim, [(start, end), ...])``: the split's dim (an axis in [0, rank)) and each part's bounds along
     it, or ``None`` when the sizes are not literal ints that add up to the input's size
     there."""
     sizes = node.args[1]
@@ -905,12 +905,16 @@ def split_parts(node: torch.fx.Node) -> tuple[int, list[tuple[int, int]]] | None
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in sizes):
         return None
-    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        axis = normalize_dim(dim, x.dim(), what="split dim")
+    except (IndexError, TypeError):
         return None
     ends = list(itertools.accumulate(cast(Sequence[int], sizes)))
-    if not ends or ends[-1] != x.shape[dim]:
+    if not ends or ends[-1] != x.shape[axis]:
         return None
-    return dim, list(zip([0, *ends[:-1]], ends, strict=True))
+    return axis, list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _split_reason(node: torch.fx.Node) -> str | None:
