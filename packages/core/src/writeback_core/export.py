@@ -79,7 +79,11 @@ def _lines(report: ExportReport) -> list[str]:
     if report.tokenizer is not None:
         lines.append(f"tokenizer: {report.tokenizer}")
     if runner_loads(lowered.backend):
-        lines.append("loads in ExecuTorch's stock runtime and its LLM runner: writeback generate PTE --tokenizer ...")
+        tokenizer = "" if report.tokenizer is not None else " --tokenizer PATH"
+        lines.append(
+            f"loads in ExecuTorch's stock runtime and its LLM runner: writeback generate {report.pte_path}{tokenizer} "
+            "--prompt TEXT"
+        )
     else:
         lines.append(
             f"needs writeback's runtime (writeback-pybind-runtime and the {backend} backend's package): "
