@@ -181,3 +181,30 @@ def test_slice_assignment_with_a_run_time_start_and_an_end_past_the_size_matches
     assert _in_place(lowered)
     lengths = [3, 15, 1, 7, 15]
     _run(lowered, module, [(_values(s, n), torch.tensor(float(s + 1))) for s, n in enumerate(lengths)])
+
+
+class ReadsOldCache(torch.nn.Module):
+    """``index_copy`` whose copy stays (the old cache is read after the write), and an
+    ``index_copy`` of an activation: both run on the functional ``index_put.out`` kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(SHAPE))
+
+    def forward(self, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        new = self.k.index_copy(2, pos, v)
+        old = self.k.sum(-1)
+        self.k.copy_(new)
+        scratch = torch.zeros(1, 2, 16, 8).index_copy(2, pos, v * 3.0)
+        return old + new.sum(-1) + scratch.sum(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_index_copy_whose_copy_stays_rejects_a_negative_position_as_eager_does(backend: str) -> None:
+    """torch's decomposition makes ``index_copy`` an ``index_put``, whose kernel wraps ``-1``
+    to 15: without the guard the runtime wrote position 15 where eager raises."""
+    module = ReadsOldCache()
+    lowered = _lower(module, backend, (_values(0), torch.tensor([0])))
+    assert not lowered.decisions["k"].accepted
+    _run(lowered, module, [(_values(s), torch.tensor([p])) for s, p in enumerate([2, 15, 0])])
+    _rejects_like_eager(lowered, module, (_values(1), torch.tensor([4])), (_values(2), torch.tensor([-1])))

@@ -572,10 +572,11 @@ class StateWriteReport:
     graph_module: torch.fx.GraphModule
     reinplaced: list[ReinplacedStateWrite] = field(default_factory=list)
     kept: list[KeptStateWrite] = field(default_factory=list)
+    guarded: list[str] = field(default_factory=list)  # decomposed index_copy nodes made to reject negatives
 
     @property
     def modified(self) -> bool:
-        return bool(self.reinplaced)
+        return bool(self.reinplaced or self.guarded)
 
 
 def _edge(name: str) -> Any:
@@ -709,6 +710,10 @@ def reinplace_state_writes(program: ExportedProgram | torch.fx.GraphModule) -> S
        index before it writes (measured on ExecuTorch 1.5.1's portable
        library), and an index eager rejects fails the call with the state
        unchanged.
+    5. Every functional ``index_put`` left that is a decomposed ``index_copy``
+       (a copy kept, or no state at all) gets ``where(i < 0, i - size, i)``:
+       its ``index_put.out`` kernel would wrap a negative index that eager's
+       ``index_copy`` rejects; moved below ``-size``, the kernel rejects it too.
 
     Example it must refuse::
 
@@ -722,8 +727,16 @@ def reinplace_state_writes(program: ExportedProgram | torch.fx.GraphModule) -> S
     graph = gm.graph
     report = StateWriteReport(gm)
     copies = [c for c in write_back_copies(graph) if _accepted(c)]
-    if not copies:
-        return report
+    if copies:
+        _reinplace(graph, copies, report)
+    report.guarded.extend(_guard_index_copies(graph))
+    if report.modified:
+        graph.lint()
+        gm.recompile()
+    return report
+
+
+def _reinplace(graph: torch.fx.Graph, copies: Sequence[torch.fx.Node], report: StateWriteReport) -> None:
     storage = _Storage(graph)
     plans: list[tuple[torch.fx.Node, torch.fx.Node, list[_Write], list[torch.fx.Node]]] = []
     for copy in copies:
@@ -744,10 +757,37 @@ def reinplace_state_writes(program: ExportedProgram | torch.fx.GraphModule) -> S
             if not node.users:
                 graph.erase_node(node)
         report.reinplaced.append(ReinplacedStateWrite(placeholder.name, tuple(w.node.name for w in writes)))
-    if report.reinplaced:
-        graph.lint()
-        gm.recompile()
-    return report
+
+
+def _guard_index_copies(graph: torch.fx.Graph) -> list[str]:
+    """Make each functional ``index_put`` that is a decomposed ``index_copy`` reject a negative
+    index, as eager's ``index_copy`` does: the ``index_put.out`` kernel wraps one, so a copy kept
+    (or an ``index_copy`` of no state) would write position ``size - 1`` where eager raises.
+    ``where(i < 0, i - size, i)`` leaves every index eager accepts as it is and moves a negative
+    one below ``-size``, which the kernel rejects before the write-back touches the state.
+    Returns the guarded nodes' names."""
+    fake = None
+    guarded = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or packet_name(node.target) != "index_put" or not _from_index_copy(node):
+            continue
+        indices = list(_arg(node, 1, "indices", []))
+        present = [k for k, i in enumerate(indices) if i is not None]
+        state, index = _val(node.args[0]), indices[present[0]] if len(present) == 1 else None
+        if not isinstance(index, torch.fx.Node) or state is None or present[0] >= state.dim():
+            continue
+        size = state.shape[present[0]]
+        if not isinstance(size, int):
+            continue
+        fake = fake if fake is not None else _fake_mode(graph)
+        with graph.inserting_before(node):
+            negative = _call(graph, "lt.Scalar", (index, 0), {}, fake)
+            below = _call(graph, "add.Scalar", (index, -size), {}, fake)
+            moved = _call(graph, "where.self", (negative, below, index), {}, fake)
+        indices[present[0]] = moved
+        node.args = (node.args[0], indices, *node.args[2:])
+        guarded.append(node.name)
+    return guarded
 
 
 def _accepted(copy: torch.fx.Node) -> bool:
