@@ -95,3 +95,39 @@ def test_kv_alias_dim_order_exir_cannot_map_is_blob_error_not_escaping_assertion
         compile_arg({"$dict": {"dim_order": [0, 0, 2, 3]}}, set(), "steps[9].kwargs")
     assert compile_arg({"$dict": {"dim_order": [0, 2, 3, 1]}}, set(), "k") == {"dim_order": [0, 2, 3, 1]}
     assert compile_arg({"$dict": {"dim_order": None}}, set(), "k") == {"dim_order": None}
+
+
+@pytest.fixture(scope="module")
+def mlx_seed() -> object:
+    """The MLX delegate's blob of the fuzzer's cache-write program, with its call."""
+    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
+    from writeback_testing.blobfuzz import _registry as registry
+
+    return next(s for s in build_seeds(registry(DEFAULT_PLUGINS), "backend:mlx") if s.program == "cache-write#0")
+
+
+def _mlx_init(seed: object, change: object) -> None:
+    from writeback_mlx_backend import MLXDelegate
+    from writeback_testing.blobfuzz import _codec
+
+    codec = _codec(seed.blob)  # type: ignore[attr-defined]  # a blobfuzz Seed
+    assert codec is not None and codec.prefix
+    tree = json.loads(json.dumps(codec.tree))
+    change(tree)  # type: ignore[operator]  # a callable
+    delegate = MLXDelegate()
+    handle = delegate.init(codec.encode(tree), seed.specs)  # type: ignore[attr-defined]
+    delegate.execute(handle, [a.clone() for a in seed.args])  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=OverflowError, reason="mlx-backend: literals.py casts input_meta sizes to int32")
+def test_mlx_input_shape_past_int32_is_blob_error_not_escaping_overflow_error(mlx_seed: object) -> None:
+    """Found by the blob fuzzer (``backend:mlx`` seed 0 mutants 107, 118): an
+    ``input_meta`` size past 2**31 reaches MLX as is and escapes as ``OverflowError``
+    (``std::bad_cast`` as ``RuntimeError`` past 2**64)."""
+
+    def change(tree: dict[str, list[dict[str, list[int]]]]) -> None:
+        tree["input_meta"][0]["shape"][0] = 2**63 - 1
+
+    with pytest.raises(BlobError, match=r"input_meta\[0\]\.shape"):
+        _mlx_init(mlx_seed, change)

@@ -118,6 +118,8 @@ _PYTHON_MESSAGES = (
     "argument must be",
     "too large to convert",
 )
+# Set to a mutant index, makes the worker abort there (tests the crash handling).
+ABORT_AT_ENV = "WRITEBACK_BLOBFUZZ_ABORT_AT"
 _CLEAN_TYPES = (ValueError, IndexError, TypeError, RuntimeError, NotImplementedError)
 _FINDINGS = ("wrong", "escaped", "crash", "hang")
 
@@ -749,10 +751,14 @@ def _worker(target: str, seed: int, start: int, stop: int, plugins: Sequence[str
                 out.write(json.dumps({"i": -1 - k, "path": f"{s.program}: the seed itself", **vars(outcome)}) + "\n")
     out.write("ready\n")
     out.flush()
+    # The harness's own test: abort (as a crashing mutant would) at this index.
+    abort_at = int(os.environ.get(ABORT_AT_ENV, "-1"))
     for index in range(start, stop):
         chosen, path, blob, unchanged = make_mutant(runner.seeds, seed, target, index, runner.fields)
         out.write(f"> {index} {path}\n")
         out.flush()
+        if index == abort_at:
+            os.abort()
         outcome = runner.run(chosen, blob, unchanged)
         out.write(json.dumps({"i": index, "path": path, **vars(outcome)}) + "\n")
         out.flush()
@@ -842,6 +848,10 @@ def _run_worker(
     try:
         with open(stderr_path, "wb") as err_file:
             worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err_file, env=env)
+    except OSError:
+        os.unlink(stderr_path)
+        raise
+    try:
         assert worker.stdout is not None
         lines = _Lines(worker.stdout)
         current: tuple[int, str] | None = None
@@ -893,6 +903,11 @@ def _run_worker(
             )
         return stop
     finally:
+        if worker.stdout is not None:
+            worker.stdout.close()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
         os.unlink(stderr_path)
 
 
