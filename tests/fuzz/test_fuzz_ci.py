@@ -1,5 +1,5 @@
-"""CI's differential fuzz run: ``CI_PROGRAMS`` generated programs (400 by default; set
-``WRITEBACK_FUZZ_PROGRAMS=2000`` for the full run), zero mismatches. Slow tier.
+"""CI's differential fuzz run: ``CI_PROGRAMS`` generated programs (2,000 by default; set
+``WRITEBACK_FUZZ_PROGRAMS`` for another count), zero mismatches. Slow tier.
 
 The programs are split in chunks, each its own hypothesis loop (own seed) in
 worker processes, one per core (at most two). Every program runs through
@@ -26,6 +26,19 @@ worker, load ~1.9, the same 30 programs (seed 31) each way: 0.64 s per program
 without the engine targets, 1.58 s with them on every program (+0.94 s: the
 engine's own export, lift, lowering and ``.pte``). Every 4th program: 500 per
 run, ~+470 s of CPU, ~+4 min on two idle cores.
+
+The generator since draws boundary and out-of-range run-time indices, index assignment,
+slice bounds past either end, rolling buffers, convolutions and (about one program in 50)
+a PT2E-quantized linear. Measured 2026-12-03 on the shared 2-core machine at load 4-5
+(three other jobs), one worker, 40 programs (seed 31), every target as CI runs them
+(pybind variants on all, engine targets on every 4th), no shrinking: 69.4 s of CPU with
+the new draws, 68.6 s with them off (index_modes=False, quantized_chance=0, the old ten
+write forms): the same cost, ~1.5 s of CPU per program at that load (start-up of ~10 s
+included), ~0.65 s on an idle core as above. Lowering dominates (to_edge's two
+run_decompositions ~75%, three to_executorch ~20%); the pybind variants already share the
+stock target's "planned" lowering. So 2,000 programs: ~15 min on two idle cores
+(2,000 x 0.65 s / 2, plus ~4 min of engine targets), ~25 min at that load; the whole CI
+(~21 min with 400) then takes ~33-45 min, inside the 90-minute budget.
 """
 
 from __future__ import annotations
