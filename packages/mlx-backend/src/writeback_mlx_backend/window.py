@@ -634,8 +634,9 @@ class Bounded:
         self.bounded: dict[str, Any] = {}
         self.pulled: dict[tuple[str, int], Any] = {}
         self.reader = ""
-        # Whether the removed columns of a bounded or pulled value are as the proof says
-        # (a lazy boolean scalar; ``None``: nothing was removed that could differ).
+        # Whether the removed columns of a bounded or pulled value are as the proof says: a
+        # lazy scalar, 0 when they are, NaN when a value it assumed finite is not (``None``:
+        # nothing was removed that could differ). Added to an exit, it makes it NaN or not.
         self.finite: dict[str, Any] = {}
         self.pulled_finite: dict[tuple[str, int], Any] = {}
         # The values read while computing the current step or pull, with their flags.
@@ -669,8 +670,9 @@ class Bounded:
         flag = _all([f for name, f in reads if name in self.bounded or name in assumed])
         if step.name in self.window.exits:
             if flag is not None and mx.issubdtype(value.dtype, mx.floating):
-                # Eager answers NaN when a removed column holds inf or nan (module docstring).
-                value = mx.where(flag, value, mx.array(math.nan, dtype=value.dtype))
+                # Eager answers NaN when a removed column holds inf or nan (module docstring);
+                # adding 0 or NaN costs less than a select.
+                value = value + flag.astype(value.dtype)
             self.env[step.name] = value
         else:
             self.bounded[step.name] = value
@@ -711,7 +713,7 @@ class Bounded:
             if value is None:
                 whole = self.full(name)
                 value = self.cut(whole, axis)
-                flag = _finite(whole[(slice(None),) * axis + (slice(self.length, None),)])
+                flag = _finite(whole, axis, self.length)
             else:
                 flag = _all([f for _, f in reads])
             self.pulled[key], self.pulled_finite[key] = value, flag
@@ -724,20 +726,24 @@ class Bounded:
         return shape
 
 
-def _finite(removed: Any) -> Any:
-    """Whether every removed value is finite (``None`` for a dtype that cannot be otherwise)."""
-    if not mx.issubdtype(removed.dtype, mx.floating):
+def _finite(whole: Any, axis: int, length: int) -> Any:
+    """``0`` when every value of ``whole`` past ``length`` along ``axis`` is finite, else NaN
+    (``None`` for a dtype that holds only finite values). The axes after ``axis`` are summed
+    over the whole value first, a contiguous reduction, then the rows past ``length``."""
+    if not mx.issubdtype(whole.dtype, mx.floating):
         return None
-    return mx.all(mx.isfinite(removed))
+    rows = mx.sum(whole * 0, axis=list(range(axis + 1, whole.ndim))) if axis + 1 < whole.ndim else whole * 0
+    return mx.sum(rows[(slice(None),) * axis + (slice(length, None),)])
 
 
 def _all(flags: Sequence[Any]) -> Any:
+    """The flags together: 0 when every one is, NaN when any is NaN."""
     known = [f for f in flags if f is not None]
     if not known:
         return None
     found = known[0]
     for flag in known[1:]:
-        found = mx.logical_and(found, flag)
+        found = found + flag
     return found
 
 
