@@ -308,3 +308,26 @@ def test_blob_data_is_copied_not_referenced() -> None:
     raw[-60:] = np.zeros(15, dtype=np.float32).tobytes()
     r, _ = _call(delegate, handle, 2, 0, [0.0, 0.0, 0.0])
     assert r.tolist() == [[6.0, 7.0, 8.0]]
+
+
+def test_whole_write_spec_of_another_shape_refused_in_init() -> None:
+    """An in-place output that is no write op replaces its input whole: only a value of the
+    input's shape and dtype may (``s`` is ``[3]``, input ``row`` is ``[1, 3]``)."""
+    blob = _program().to_bytes()
+    with pytest.raises(ValueError, match=r"output 1 into input 2 in place.*nor a new value of its shape"):
+        MLXDelegate().init(blob, {"writeback.in_place_outputs": b'[{"output": 1, "input": 2}]'})
+
+
+def test_whole_write_spec_replaces_the_input_after_the_call_as_worked_out_by_hand() -> None:
+    """Output ``r`` (``emb[tok] + row``, ``[1, 3]``) written whole into input ``row``: the
+    caller's ``row`` holds ``r`` after the call, read as it was before it."""
+    delegate = MLXDelegate()
+    handle = delegate.init(_program().to_bytes(), {"writeback.in_place_outputs": b'[{"output": 0, "input": 2}]'})
+    row, s = torch.ones(1, 3), torch.zeros(3)
+    unused = torch.empty(0)  # the pass gives the replaced output no memory
+    delegate.execute(handle, [torch.tensor([2]), torch.tensor([1]), row, unused, s])
+    assert row.tolist() == [[7.0, 8.0, 9.0]]  # emb[2] = 6, 7, 8, plus the ones it read
+    assert s.tolist() == [7.0, 8.0, 9.0]
+    delegate.execute(handle, [torch.tensor([0]), torch.tensor([2]), row, unused, s])
+    assert row.tolist() == [[7.0, 9.0, 11.0]]  # emb[0] = 0, 1, 2, plus the row of the last call
+    assert s.tolist() == [14.0, 17.0, 20.0]  # cache rows 1 and 2

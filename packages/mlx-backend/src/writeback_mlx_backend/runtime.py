@@ -280,9 +280,11 @@ def _forced(
             forced.append(match[0])
             continue
         value, meta = outputs[output], program.input_meta[input_]
+        # A program whose steps did not trace at init (scalar inputs) has no shape here;
+        # each call then checks the value before writing anything (``_check_whole``).
         traced = info.get(value.name) if isinstance(value, Ref) else None
         want = (tuple(meta.get("shape", ())), MX_DTYPES[torch_dtype(meta["dtype"])]) if "dtype" in meta else None
-        if traced is None or want is None or traced != want:
+        if not isinstance(value, Ref) or want is None or (traced is not None and traced != want):
             raise ValueError(
                 f"the program asks the MLX delegate to write output {output} into input {input_} in place, "
                 f"but that output ({traced}) is neither a write into that input (writes it can do in place: "
@@ -291,6 +293,17 @@ def _forced(
             )
         whole.append((output, input_))
     return forced, whole
+
+
+def _check_whole(handle: _Handle, results: Sequence[Any], inputs: Sequence[Any]) -> None:
+    """Before any output is written: each value written whole into an input has its shape."""
+    for output, input_ in handle.whole:
+        shape, expected = tuple(getattr(results[output], "shape", ())), tuple(inputs[input_].shape)
+        if shape != expected:
+            raise ValueError(
+                f"MLX delegate output {output} has shape {shape}, but it replaces input "
+                f"{handle.program.inputs[input_]} of shape {expected} in place; nothing was written"
+            )
 
 
 def _rename(value: Any, renames: Mapping[str, str]) -> Any:
@@ -959,6 +972,7 @@ class MLXDelegate:
             if isinstance(tensor, torch.Tensor) and index not in done
             for span in shared_spans
         )
+        _check_whole(handle, results, inputs)
         self._write_outputs(results, outputs, done, maybe_shared)
 
     def _evaluate(self, *arrays: Any) -> None:
@@ -1036,6 +1050,7 @@ class MLXDelegate:
         # Every region is worked out before anything is written (a bad one writes nothing);
         # the outputs go first, so those read before a write keep the old contents.
         regions = _caller_regions(compiled, written, inputs, host) if compiled.caller_writes else []
+        _check_whole(handle, results, inputs)
         self._write_outputs(results, outputs, done, maybe_shared)
         if regions:
             _store(handle, regions)
