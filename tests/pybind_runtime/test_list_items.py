@@ -10,6 +10,7 @@ subprocess so that a crash fails the test instead of killing pytest.
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from writeback_testing.ptefields import plan_fields
+from writeback_testing.ptefields import PlanField, plan_fields
 
 from tests.pybind_runtime.conftest import Lower
 
@@ -94,3 +95,99 @@ def test_int_list_item_out_of_range_refused_at_load_no_crash(lower: Lower, tmp_p
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:"), done.stdout
     assert f"names value {item}, but the method has" in done.stdout, done.stdout
+
+
+@pytest.fixture(scope="module")
+def seed_pte() -> bytes:
+    """The blob fuzzer's cache-write program as a ``.pte`` (writeback's lowering: it has an
+    ``et_view``), where it found these crashes."""
+    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
+    from writeback_testing.blobfuzz import _registry as registry
+
+    return next(s.blob for s in build_seeds(registry(DEFAULT_PLUGINS), "pte") if s.program == "cache-write")
+
+
+def _kernel_calls(pte: bytes) -> list[tuple[int, str, list[int]]]:
+    """``(instruction number, operator name, arguments)`` of each kernel call of chain 0."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    loaded = deserialize_pte_binary(pte)
+    plan = getattr(loaded, "program", loaded).execution_plan[0]
+    calls = []
+    for number, instruction in enumerate(plan.chains[0].instructions):
+        call = instruction.instr_args
+        if hasattr(call, "op_index"):
+            calls.append((number, plan.operators[call.op_index].name, list(call.args)))
+    return calls
+
+
+def _field(pte: bytes, path: str) -> PlanField:
+    return next(f for f in plan_fields(pte) if f.path == path)
+
+
+def _load_bytes_and_call(data: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    from writeback_testing.blobfuzz import DEFAULT_PLUGINS  # noqa: F401  (the seed's inputs below)
+
+    pte = tmp_path / "changed.pte"
+    pte.write_bytes(data)
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from writeback_core.registry import load_registry
+        from writeback_pybind_runtime import ProgramError, Runtime
+        runtime = Runtime(load_registry(entry_points=False))
+        try:
+            method = runtime.load_program(open({str(pte)!r}, "rb").read()).load_method("forward")
+            method([torch.tensor([5]), torch.ones(1, 2, 1, 4)])
+            print("ran")
+        except ProgramError as error:
+            print("ProgramError:", error)
+        """
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_unchanged_seed_program_runs(seed_pte: bytes, tmp_path: Path) -> None:
+    done = _load_bytes_and_call(seed_pte, tmp_path)
+    assert done.stdout.strip() == "ran", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("change", ["size names a tensor", "viewed tensor becomes null"])
+def test_et_view_argument_of_the_wrong_kind_refused_at_load_no_crash(
+    seed_pte: bytes, tmp_path: Path, change: str
+) -> None:
+    """torch has no schema for ExecuTorch's ``et_view``, so its arguments went unchecked:
+    a size naming a Tensor aborted the process in ``toIntList()``, a viewed value turned
+    Null in ``toTensor()`` (found by the blob fuzzer)."""
+    data = bytearray(seed_pte)
+    number, _, args = next(c for c in _kernel_calls(seed_pte) if c[1] == "executorch_prim::et_view")
+    if change == "size names a tensor":
+        field = _field(seed_pte, f"plan[0].chains[0].instructions[{number}].KernelCall.args[1]")
+        struct.pack_into(field.fmt, data, field.offset, args[0])
+        refusal = f"passes value {args[0]} of kind 5 as argument 1 (List[int]) of executorch_prim::et_view"
+    else:
+        field = _field(seed_pte, f"plan[0].values[{args[0]}].kind")
+        data[field.offset] = 1
+        refusal = f"passes value {args[0]} of kind 1 as argument 0 (Tensor) of executorch_prim::et_view"
+    done = _load_bytes_and_call(bytes(data), tmp_path)
+    assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("ProgramError:") and refusal in done.stdout, done.stdout
+
+
+def test_partly_overlapping_planned_tensors_of_one_call_refused_at_load_no_memory_error(
+    seed_pte: bytes, tmp_path: Path
+) -> None:
+    """A planned tensor moved 8 bytes into another one that the same kernel call takes:
+    ``index_put``'s memcpy then read and wrote the same bytes (AddressSanitizer:
+    memcpy-param-overlap, found by the blob fuzzer); refused at load."""
+    fields = {f.path: f for f in plan_fields(seed_pte)}
+    low = "plan[0].values[{}].Tensor.allocation_info.memory_offset_low"
+    _, name, args = next(c for c in _kernel_calls(seed_pte) if c[1] == "aten::index_put")
+    planned = [a for a in dict.fromkeys(args) if low.format(a) in fields]
+    first, moved = planned[0], planned[-1]
+    data = bytearray(seed_pte)
+    target = fields[low.format(moved)]
+    struct.pack_into(target.fmt, data, target.offset, fields[low.format(first)].read(seed_pte) + 8)
+    done = _load_bytes_and_call(bytes(data), tmp_path)
+    assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("ProgramError:") and "partly overlaps" in done.stdout, (name, done.stdout)

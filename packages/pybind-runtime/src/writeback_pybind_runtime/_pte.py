@@ -11,6 +11,8 @@ a corrupted file raises :class:`ValueError` instead of reading out of range.
 
 from __future__ import annotations
 
+import itertools
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -238,11 +240,21 @@ def _trailing(schema: Any) -> tuple[str, ...]:
     return ("List[Tensor]",) if len(returns) > 1 else returns
 
 
+# Operators of ExecuTorch's own that torch has no schema for, with the kinds of their
+# kernel-call arguments: a view's kernel reads its size as an IntList (an Int there
+# aborts the process in toIntList()).
+_PRIM_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("executorch_prim::et_view", "default"): ("Tensor", "List[int]", "Tensor"),
+}
+
+
 @cache
 def _signature(name: str, overload: str) -> tuple[str, ...] | None:
     """The types of a kernel call's arguments to operator ``name.overload``: the schema's
-    arguments, then :func:`_trailing`; ``None`` when torch does not know the operator
-    (then only index ranges are checked)."""
+    arguments, then :func:`_trailing`; ``None`` when neither torch nor
+    :data:`_PRIM_SIGNATURES` knows the operator (then only index ranges are checked)."""
+    if (name, overload) in _PRIM_SIGNATURES:
+        return _PRIM_SIGNATURES[name, overload]
     schema = _schema(name, overload)
     if schema is None:
         return None
@@ -282,6 +294,7 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
     5. Each item of an int, tensor or optional tensor list names an existing value of
        the kind the list holds (ExecuTorch aborts the process reading an IntList item
        that names a value of another kind).
+    6. No two tensors one kernel call takes share planned memory in part.
 
     :raises ValueError: naming the method, chain, instruction and what is wrong.
     """
@@ -324,15 +337,17 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
             pos = reader.field(instruction, _UNION_VALUE)
             if kind not in _CHECKS or pos is None:
                 raise ValueError(f"method {method!r}: {where} has unknown kind {kind}")
-            context = _Context(method, where, check_value, kinds, operators, n_delegates, len(instructions))
+            context = _Context(method, where, check_value, kinds, values, operators, n_delegates, len(instructions))
             _CHECKS[kind](reader, reader.indirect(pos), context)
 
 
 # What the items of each list kind name: ExecuTorch reads an IntList's items as the
 # indices of Int values (toInt() aborts the process on any other kind), a
-# TensorList's as Tensor values, an OptionalTensorList's as Tensor values or -1.
+# TensorList's as Tensor values, an OptionalTensorList's as Tensor values or -1
+# (exir's emitter writes a None of an optional list as -1; ExecuTorch reads any other
+# item as a Tensor, so an item naming a Null value aborts it too).
 _LIST_ITEM_KINDS = {_INT_LIST: frozenset({_INT}), _TENSOR_LIST: frozenset({_TENSOR})}
-_LIST_ITEM_KINDS[_OPTIONAL_TENSOR_LIST] = frozenset({_TENSOR, _NULL})
+_LIST_ITEM_KINDS[_OPTIONAL_TENSOR_LIST] = frozenset({_TENSOR})
 
 
 def _check_list_items(reader: _Reader, value: int, kinds: list[int], where: str) -> None:
@@ -486,9 +501,54 @@ class _Context:
     where: str
     check_value: Callable[[int, str], None]
     kinds: list[int]
+    values: list[int]
     operators: list[tuple[str, str]]
     n_delegates: int
     n_instructions: int
+
+
+# Bytes per element of ExecuTorch's ScalarType codes (schema/scalar_type.fbs) for the
+# dtypes a planned tensor commonly has; a tensor of another dtype is not checked.
+_ELEMENT_BYTES = {0: 1, 1: 1, 2: 2, 3: 4, 4: 8, 5: 2, 6: 4, 7: 8, 11: 1, 15: 2}
+_TENSOR_SCALAR_TYPE = 0
+_ALLOCATION_MEMORY_ID, _ALLOCATION_LOW, _ALLOCATION_HIGH = 0, 1, 2
+
+
+def _planned_region(reader: _Reader, value: int) -> tuple[int, int, int] | None:
+    """``(memory id, first byte, end)`` of a memory-planned tensor value, else ``None``."""
+    pos = reader.field(value, _UNION_VALUE)
+    if pos is None:
+        return None
+    tensor = reader.indirect(pos)
+    allocation = reader.field(tensor, _TENSOR_ALLOCATION)
+    itemsize = _ELEMENT_BYTES.get(reader.scalar(tensor, _TENSOR_SCALAR_TYPE, "<b"))
+    if allocation is None or itemsize is None:
+        return None
+    details = reader.indirect(allocation)
+    start = reader.scalar(details, _ALLOCATION_LOW, "<I") | reader.scalar(details, _ALLOCATION_HIGH, "<I") << 32
+    numel = math.prod(reader.ints(tensor, _TENSOR_SIZES))
+    if numel <= 0:
+        return None
+    return reader.scalar(details, _ALLOCATION_MEMORY_ID, "<I"), start, start + numel * itemsize
+
+
+def _check_overlaps(reader: _Reader, args: tuple[int, ...], ctx: _Context) -> None:
+    """No two tensors a kernel call takes may share planned memory in part: all are live
+    during the call, so exir plans them apart, and a kernel copying between partly
+    overlapping ones (``index_put``'s memcpy) reads and writes the same bytes."""
+    regions: dict[int, tuple[int, int, int]] = {}
+    for a in dict.fromkeys(args):
+        if ctx.kinds[a] == _TENSOR:
+            region = _planned_region(reader, ctx.values[a])
+            if region is not None:
+                regions[a] = region
+    ordered = sorted(regions.items(), key=lambda item: item[1])
+    for (a, (memory, start, end)), (b, (other_memory, other_start, other_end)) in itertools.pairwise(ordered):
+        if memory == other_memory and other_start < end and (start, end) != (other_start, other_end):
+            raise ValueError(
+                f"method {ctx.method!r}: {ctx.where} passes values {a} and {b}, whose planned memory "
+                f"(buffer {memory}, bytes [{start}, {end}) and [{other_start}, {other_end})) partly overlaps"
+            )
 
 
 def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
@@ -500,6 +560,7 @@ def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
     args = reader.ints(call, 1)
     for a in args:
         ctx.check_value(a, ctx.where)
+    _check_overlaps(reader, args, ctx)
     name, overload = ctx.operators[op_index]
     signature = _signature(name, overload)
     if signature is None:
