@@ -97,3 +97,13 @@ def test_a_crashing_worker_is_recorded_with_its_reproduction_and_replaced() -> N
     assert "signal 6" in crashes[0].outcome.detail
     assert "--seed 0 --index 3" in crashes[0].reproduction()
     assert report.mutants == 6 and report.restarts == 1
+
+
+def test_fuzz_blobs_command_prints_counts_and_exits_zero_without_findings() -> None:
+    from click.testing import CliRunner
+    from writeback_testing.cli import fuzz_blobs_command
+
+    result = CliRunner().invoke(fuzz_blobs_command, ["--target", "backend:example", "--mutants", "5"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("5 blob mutants in ") and "backend:example: " in result.output
+    assert CliRunner().invoke(fuzz_blobs_command, ["--mutants", "0"]).exit_code == 2

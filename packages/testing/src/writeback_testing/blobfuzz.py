@@ -75,6 +75,7 @@ __all__ = [
     "Seed",
     "build_seeds",
     "classify_error",
+    "installed_plugins",
     "make_mutant",
     "run_blob_fuzz",
     "run_mutant",
@@ -89,6 +90,20 @@ DEFAULT_PLUGINS = (
     "writeback_mlx_backend.plugin",
     "writeback_example_backend.plugin",
 )
+
+
+def installed_plugins() -> tuple[str, ...]:
+    """The modules of :data:`DEFAULT_PLUGINS` that are installed (a package may be absent)."""
+    import importlib.util
+
+    def found(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its package is not installed
+            return False
+
+    return tuple(m for m in DEFAULT_PLUGINS if found(m))
+
 
 # Messages Python itself gives for a failed index, lookup, parse or unpack: an
 # internal error of the code that read the blob, never a clean refusal.

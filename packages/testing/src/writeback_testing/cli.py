@@ -12,7 +12,7 @@ import sys
 
 import click
 
-__all__ = ["fuzz_command"]
+__all__ = ["fuzz_blobs_command", "fuzz_command"]
 
 # More worker processes than this (four per core) only multiply memory: each imports torch and exir.
 _MAX_JOBS = 4 * (os.cpu_count() or 1)
@@ -133,4 +133,30 @@ def fuzz_command(
     for line in summary(report):
         click.echo(line)
     if report.failures:
+        sys.exit(1)
+
+
+@click.command("fuzz-blobs")
+@click.option("--mutants", "n_mutants", type=int, default=1000, show_default=True, help="Mutants per target.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Mutant i of a target is drawn from (seed, i).")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    help="pte, backend:NAME or engine:NAME (repeatable; default: every one the installed plugins offer).",
+)
+def fuzz_blobs_command(n_mutants: int, seed: int, targets: tuple[str, ...]) -> None:
+    """Change one field of real delegate blobs and .pte execution plans per mutant and run each.
+
+    Every mutant must be refused with a clean error or give eager PyTorch's
+    answer; a crash, a hang, a wrong answer or an internal exception escaping is
+    printed with the command that reproduces it. Exit status 1 on any.
+    """
+    from writeback_testing.blobfuzz import installed_plugins, run_blob_fuzz
+
+    if n_mutants < 1:
+        raise click.UsageError("--mutants must be at least 1")
+    report = run_blob_fuzz(list(targets) or None, n_mutants, seed, plugins=installed_plugins())
+    click.echo(report.summary())
+    if report.findings:
         sys.exit(1)
