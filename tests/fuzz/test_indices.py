@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, seed, settings
 from writeback_core.registry import Registry
 from writeback_testing.oracle import (
     Observation,
-    ProgramMismatch,
     StockTarget,
     Target,
     check_program,
@@ -69,18 +68,19 @@ def test_out_of_range_index_at_call_2_is_refused_by_every_runtime_no_partial_wri
     assert len(report.targets) == 4, report
 
 
-def test_an_answer_where_eager_refuses_is_a_mismatch_not_a_pass(fuzz_registry: Registry) -> None:
-    # index_copy_ at a constant -1: eager refuses (index_copy_ takes no negative index);
-    # stock ExecuTorch's kernel writes the last row instead, with or without writeback.
+def test_index_copy_at_a_negative_constant_index_is_refused_by_every_runtime_as_eager_refuses_it(
+    fuzz_registry: Registry,
+) -> None:
+    # index_copy_ at a constant -1: eager refuses (index_copy_ takes no negative index); stock
+    # ExecuTorch's kernels wrote the last row until the passes rejected it as eager does.
     spec = ProgramSpec(
         states=(State("s0", "buffer", (4, 3)),),
         statements=(Write("s0", "index_copy", Source("x", (1, 3), 0.5), dim=0, index=-1),),
         outputs=("s0",),
     )
-    with pytest.raises(ProgramMismatch) as caught:
-        check_program(spec, [StockTarget()], fuzz_registry)
-    assert caught.value.what == "refusal" and caught.value.call == 0
-    assert caught.value.upstream is True  # the same without writeback's passes: upstream
+    (refused,) = eager_run(build(spec))
+    assert refused.error is not None and "out of bounds" in refused.error
+    assert len(check_program(spec, _targets(fuzz_registry), fuzz_registry).targets) == 4
 
 
 def test_a_refused_call_that_changed_state_is_a_mismatch() -> None:
