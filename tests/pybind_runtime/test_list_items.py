@@ -191,3 +191,27 @@ def test_partly_overlapping_planned_tensors_of_one_call_refused_at_load_no_memor
     done = _load_bytes_and_call(bytes(data), tmp_path)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:") and "partly overlaps" in done.stdout, (name, done.stdout)
+
+
+def test_et_view_of_itself_refused_at_load_no_segfault(seed_pte: bytes, tmp_path: Path) -> None:
+    """``et_view(out, size, out)``: the view's value has no memory until the view gives it
+    its source's, so it got a null pointer and the next kernel died with SIGSEGV."""
+    number, _, args = next(c for c in _kernel_calls(seed_pte) if c[1] == "executorch_prim::et_view")
+    data = bytearray(seed_pte)
+    field = _field(seed_pte, f"plan[0].chains[0].instructions[{number}].KernelCall.args[0]")
+    struct.pack_into(field.fmt, data, field.offset, args[2])
+    done = _load_bytes_and_call(bytes(data), tmp_path)
+    assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("ProgramError:") and f"views value {args[2]} as itself" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("code", [12, 13, 14, 9])  # QInt8, QUInt8, QInt32, ComplexFloat
+def test_tensor_of_a_dtype_no_kernel_takes_refused_at_load_no_abort(seed_pte: bytes, tmp_path: Path, code: int) -> None:
+    """A float tensor's dtype changed to a quantized one: promoteTypes() aborted the process."""
+    fields = [f for f in plan_fields(seed_pte) if f.path.endswith(".Tensor.scalar_type") and f.read(seed_pte) == 6]
+    data = bytearray(seed_pte)
+    for field in fields:
+        data[field.offset] = code
+    done = _load_bytes_and_call(bytes(data), tmp_path)
+    assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("ProgramError:") and f"dtype code {code}" in done.stdout, done.stdout

@@ -295,6 +295,8 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
        the kind the list holds (ExecuTorch aborts the process reading an IntList item
        that names a value of another kind).
     6. No two tensors one kernel call takes share planned memory in part.
+    7. Every tensor has a dtype the kernels take; an ``et_view`` views a tensor of
+       its own dtype and element count.
 
     :raises ValueError: naming the method, chain, instruction and what is wrong.
     """
@@ -315,6 +317,12 @@ def validate_plan(data: bytes | memoryview, method: str) -> None:
 
     for index, value in enumerate(values):
         _check_list_items(reader, value, kinds, f"method {method!r}: value {index}")
+        facts = _tensor_facts(reader, value) if kinds[index] == _TENSOR else None
+        if facts is not None and facts[0] not in _TENSOR_DTYPES:
+            raise ValueError(
+                f"method {method!r}: value {index} is a tensor of dtype code {facts[0]}, which the "
+                f"runtime's kernels do not take (codes {sorted(_TENSOR_DTYPES)})"
+            )
     inputs, outputs = reader.ints(plan, _PLAN_INPUTS), reader.ints(plan, _PLAN_OUTPUTS)
     for j, index in enumerate(inputs):
         check_value(index, f"input {j}")
@@ -551,6 +559,41 @@ def _check_overlaps(reader: _Reader, args: tuple[int, ...], ctx: _Context) -> No
             )
 
 
+# The dtypes (ScalarType codes) a tensor of a plan may have: those the kernels this
+# runtime links take. A quantized one (QInt8 = 12 ...) aborted the process in
+# promoteTypes(); complex, bit-packed and float8 ones are no dtype writeback lowers.
+_TENSOR_DTYPES = frozenset({0, 1, 2, 3, 4, 5, 6, 7, 11, 15})
+
+
+def _tensor_facts(reader: _Reader, value: int) -> tuple[int, int | None] | None:
+    """``(dtype code, element count or None when a size is negative)`` of a Tensor value."""
+    pos = reader.field(value, _UNION_VALUE)
+    if pos is None:
+        return None
+    tensor = reader.indirect(pos)
+    sizes = reader.ints(tensor, _TENSOR_SIZES)
+    numel = None if any(size < 0 for size in sizes) else math.prod(sizes)
+    return reader.scalar(tensor, _TENSOR_SCALAR_TYPE, "<b"), numel
+
+
+def _check_view(reader: _Reader, args: tuple[int, ...], ctx: _Context) -> None:
+    """``et_view(self, size, out)`` points ``out`` at ``self``'s memory: both must be
+    tensors of one dtype and element count, or later kernels read past ``self``'s bytes
+    (the process died with SIGSEGV on a view of another value)."""
+    if len(args) != 3 or ctx.kinds[args[0]] != _TENSOR or ctx.kinds[args[2]] != _TENSOR:
+        return  # the kinds are checked against the signature
+    if args[0] == args[2]:
+        # A view's value has no memory until the view gives it its source's: of itself,
+        # a null pointer (SIGSEGV in the next kernel).
+        raise ValueError(f"method {ctx.method!r}: {ctx.where} views value {args[0]} as itself")
+    source, view = _tensor_facts(reader, ctx.values[args[0]]), _tensor_facts(reader, ctx.values[args[2]])
+    if source is None or view is None or source != view or source[1] is None:
+        raise ValueError(
+            f"method {ctx.method!r}: {ctx.where} views value {args[0]} (dtype, elements {source}) as value "
+            f"{args[2]} (dtype, elements {view}); a view has its source's dtype and element count"
+        )
+
+
 def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
     op_index = reader.scalar(call, 0)
     if not 0 <= op_index < len(ctx.operators):
@@ -565,6 +608,8 @@ def _check_kernel_call(reader: _Reader, call: int, ctx: _Context) -> None:
     signature = _signature(name, overload)
     if signature is None:
         return
+    if name in _VIEW_OPERATORS:
+        _check_view(reader, args, ctx)
     if len(args) != len(signature):
         raise ValueError(
             f"method {ctx.method!r}: {ctx.where} passes {len(args)} arguments to "
