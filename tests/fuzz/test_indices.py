@@ -156,3 +156,27 @@ def test_generator_draws_them_all() -> None:
     _SEEN.clear()
     test_generator_draws_every_index_mode_bound_roll_and_op()
     assert _SEEN == set(_MARKERS), set(_MARKERS) - _SEEN
+
+
+@pytest.mark.parametrize("mode", ["negative", "minus_size"])
+def test_index_copy_at_a_negative_run_time_index_is_refused_by_every_runtime_and_engine_state_unchanged(
+    mode: str,
+) -> None:
+    # index_copy_ at a run-time negative index: eager refuses at call 0. The kv-alias engine
+    # ran the index_put that index_copy_ decomposes into, which wraps a negative index, and
+    # answered instead; it now runs the index_copy eager runs.
+    import importlib
+
+    from writeback_core.registry import load_registry
+    from writeback_testing.engines import engine_targets
+
+    from .conftest import ENGINE_PLUGINS
+
+    registry = load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in ENGINE_PLUGINS])
+    spec = _cache_program("index_copy", mode)
+    (refused, *_) = eager_run(build(spec))
+    assert refused.error is not None and "out of bounds" in refused.error
+    runtime = registry_runtime(registry)
+    targets = [*_targets(registry), *engine_targets(registry, runtime)]
+    report = check_program(spec, targets, registry)
+    assert "kv-alias-stock" in report.targets and len(report.targets) == 6, report

@@ -14,6 +14,7 @@ import torch.fx
 
 __all__ = [
     "aten_op",
+    "decomposed_from",
     "is_aten",
     "normalize_dim",
     "normalize_index",
@@ -100,6 +101,21 @@ def packet_name(target: Any) -> str | None:
     if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
         return str(op._opname)
     return None
+
+
+def decomposed_from(node: torch.fx.Node, packet: str) -> bool:
+    """Whether ``node`` was decomposed from op ``packet`` (``"index_copy"``: the ``index_put``
+    that ``index_copy_`` becomes).
+
+    The graph says so in ``original_aten`` after one decomposition and in ``torch_fn`` (the
+    torch function the model called) after several. Rules that differ between the two ops
+    (eager's ``index_copy`` rejects a negative index that ``index_put`` wraps) ask here.
+    """
+    if packet_name(node.meta.get("original_aten")) == packet:
+        return True
+    source = node.meta.get("torch_fn")
+    function = source[1] if isinstance(source, tuple) and len(source) == 2 else None
+    return isinstance(function, str) and function.rsplit(".", 1)[-1] in (packet, f"{packet}_")
 
 
 def write_back_copies(graph: torch.fx.Graph) -> list[torch.fx.Node]:

@@ -40,7 +40,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
-from writeback_core.ops import normalize_dim, normalize_index, packet_name, write_back_copies
+from writeback_core.ops import decomposed_from, normalize_dim, normalize_index, packet_name, write_back_copies
 from writeback_core.partition import DELEGATION_TAG as _TAG
 from writeback_core.registry import InPlaceDecision
 
@@ -167,13 +167,8 @@ def _plan_index_put(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
 
 def _from_index_copy(node: torch.fx.Node) -> bool:
     """Whether ``index_put`` node ``node`` is a decomposed ``index_copy``: eager's ``index_copy``
-    rejects a negative index, as the kernel does, so only an ``index_put`` written as such wraps.
-    The op it came from is ``original_aten`` after one decomposition, ``torch_fn`` after several."""
-    if packet_name(node.meta.get("original_aten")) == "index_copy":
-        return True
-    source = node.meta.get("torch_fn")
-    function = source[1] if isinstance(source, tuple) and len(source) == 2 else None
-    return isinstance(function, str) and function.rsplit(".", 1)[-1] in ("index_copy", "index_copy_")
+    rejects a negative index, as the kernel does, so only an ``index_put`` written as such wraps."""
+    return decomposed_from(node, "index_copy")
 
 
 def _plan_index_copy(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:

@@ -77,7 +77,8 @@ _POS_MODES: tuple[str, ...] = (
     "minus_size",
     "out_of_range",
 )
-_COPY_MODES: tuple[str, ...] = ("wrap", "wrap", "wrap", "zero", "last", "out_of_range")
+# index_copy_ draws every mode: eager refuses a negative index, and every target must too.
+_COPY_MODES: tuple[str, ...] = ("wrap", "wrap", "wrap", "negative", "zero", "last", "minus_size", "out_of_range")
 
 
 @st.composite
@@ -194,8 +195,8 @@ def _write(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Write:
     # A cache is written along its sequence dim half the time: the write an engine aliases.
     dim = 2 if rank == 4 and draw(st.booleans()) else draw(st.integers(0, rank - 1))
     if how == "index_copy":
-        # Eager's index_copy_ refuses negative indices (and stock ExecuTorch wraps them, an
-        # upstream difference): in range, at its ends, or past it at call 2.
+        # Eager's index_copy_ refuses negative indices (stock ExecuTorch's index_put would
+        # wrap them): every target must refuse them as eager does.
         index = None if scope.has_pos and draw(st.booleans()) else draw(st.integers(0, shape[dim] - 1))
         src = draw(_source(scope, _with(shape, dim, 1)))
         return Write(state.name, how, src, dim=dim, index=index, pos_mode=draw(_pos_mode(scope, _COPY_MODES)))

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core import meta
-from writeback_core.ops import packet_name
+from writeback_core.ops import decomposed_from, packet_name
 
 from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones
@@ -96,6 +96,20 @@ class KVAliasPartitioner(Partitioner):  # type: ignore[misc]  # exir's base is u
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
+def _as_index_copy(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
+    """``(dim, index)`` of the ``index_copy`` an ``index_put`` node was decomposed from (its
+    indices are ``None`` for every dim before one 1-d index tensor); ``None`` for any other node."""
+    indices = node.args[1] if len(node.args) > 1 else None
+    if not decomposed_from(node, "index_copy") or not isinstance(indices, (list, tuple)) or not indices:
+        return None
+    *leading, index = indices
+    val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+    if any(i is not None for i in leading) or not isinstance(val, torch.Tensor) or val.dim() != 1:
+        return None
+    assert isinstance(index, torch.fx.Node)
+    return len(leading), index
+
+
 def _owned_tensor(program: ExportedProgram, name: str) -> torch.Tensor:
     sig = program.graph_signature
     fqn = (
@@ -158,6 +172,10 @@ def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) ->
             length=bounds.length,
             src=encode_arg(node.args[1]),
         )
+    elif packet == "index_put" and (as_copy := _as_index_copy(node)) is not None:
+        # A decomposed index_copy_ runs as one: eager's index_copy rejects a negative index
+        # that index_put would wrap.
+        step.update(update="index_copy", dim=as_copy[0], index=encode_arg(as_copy[1]), src=encode_arg(node.args[2]))
     elif packet == "index_put":
         step.update(update="index_put", indices=encode_arg(node.args[1]), src=encode_arg(node.args[2]))
     else:
@@ -218,6 +236,15 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
                 step = _in_place_step(node, position[dest.name], engine)
             if step is not None:
                 in_place[node.name] = step["input"]
+            elif (as_copy := _as_index_copy(node)) is not None:
+                # The index_put an index_copy_ decomposed into runs as the index_copy eager
+                # ran: it rejects a negative index index_put would wrap.
+                step = {
+                    "name": node.name,
+                    "op": "aten.index_copy.default",
+                    "args": encode_arg([node.args[0], as_copy[0], as_copy[1], node.args[2]]),
+                    "kwargs": encode_arg({}),
+                }
             else:
                 key = op_key(node.target)
                 step = {
