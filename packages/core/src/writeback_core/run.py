@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -43,7 +44,7 @@ from writeback_core.pipeline import (
 from writeback_core.registry import Registry
 from writeback_core.zoo import ModelCase
 
-__all__ = ["RunReport", "place_text", "run_command", "run_model", "state_lines"]
+__all__ = ["RunReport", "StepRefused", "place_text", "run_command", "run_model", "state_lines"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
@@ -106,11 +107,48 @@ def run_model(
     with progress_bar(progress):
         task = progress.add_task("decode", total=steps)
         for step in range(steps):
-            result = session.step(step)
+            try:
+                result = session.step(step)
+            except RuntimeError as error:
+                raise _refusal(step, error, session, eager) from error
             expected = eager.step(step)
             done.append((result, compare(result, expected, session.state, eager.state)))
             progress.advance(task)
     return RunReport(pipeline, case, lowered, output, done)
+
+
+class StepRefused(RuntimeError):
+    """The runtime refused a step's call. ``eager_refuses``: eager PyTorch refuses the same
+    inputs (the model's inputs are wrong, not the program); ``state_kept``: every caller-owned
+    state is as it was before the call (nothing written)."""
+
+    def __init__(self, message: str, eager_refuses: bool, state_kept: bool) -> None:
+        super().__init__(message)
+        self.eager_refuses = eager_refuses
+        self.state_kept = state_kept
+
+
+def _refusal(step: int, error: RuntimeError, session: Session, eager: Eager) -> StepRefused:
+    """Why step ``step`` failed in the runtime: eager PyTorch is asked the same call (its own
+    error names the state, the index and the size) and the caller's state is checked unchanged."""
+    before = [t.clone() for t in eager.state]
+    try:
+        eager.step(step)
+    except Exception as eager_error:  # the model's own refusal, whatever its type
+        kept = all(torch.equal(ours, theirs) for ours, theirs in zip(session.state, before, strict=True))
+        message = (
+            f"step {step}: the program refused the call ({error}), as eager PyTorch refuses these inputs: "
+            f"{type(eager_error).__name__}: {eager_error}. "
+            + ("Nothing was written: every caller-owned state is as before the call. " if kept and before else "")
+            + "Fix the model's step inputs (an index out of range, say)"
+        )
+        return StepRefused(message, eager_refuses=True, state_kept=kept)
+    return StepRefused(
+        f"step {step}: the runtime failed ({error}) where eager PyTorch answers the same inputs: this is a "
+        "failure of the lowered program, please report it with the model",
+        eager_refuses=False,
+        state_kept=False,
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -276,6 +314,8 @@ def run_command(
             raise click.ClickException(str(error)) from error
         except StepInputError as error:  # the case's step inputs do not fit what it exported
             raise UserCodeError(str(error)) from error
+        except StepRefused as error:  # eager refuses the inputs too: the model's mistake, exit 2
+            raise (UserCodeError if error.eager_refuses else click.ClickException)(str(error)) from error
         except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
             raise click.ClickException(str(error)) from error
         console.print(_summary(report))
