@@ -131,3 +131,31 @@ def test_mlx_input_shape_past_int32_is_blob_error_not_escaping_overflow_error(ml
 
     with pytest.raises(BlobError, match=r"input_meta\[0\]\.shape"):
         _mlx_init(mlx_seed, change)
+
+
+@pytest.mark.filterwarnings("ignore::writeback_trt_copyback.declare.UninitializedCopyBackWarning")
+@pytest.mark.parametrize("dim", [10**30, 4, -5])
+def test_kv_alias_index_copy_dim_past_the_caches_rank_refused_by_name_nothing_written(dim: int) -> None:
+    """Found by the blob fuzzer (``engine:kv-alias`` seed 0 mutant 74): an in-place
+    ``index_copy`` update whose dim lies outside the cache's rank reached ``index_copy_`` as
+    is (``ValueError: Overflow when unpacking long long`` for a huge one)."""
+    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
+    from writeback_testing.blobfuzz import _registry as registry
+    from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+
+    seed = next(s for s in build_seeds(registry(DEFAULT_PLUGINS), "engine:kv-alias") if s.program == "cache-write#0")
+    tree = json.loads(seed.blob)
+    updates = [step for step in tree["steps"] if step.get("update") == "index_copy"]
+    assert updates, "the seed writes its cache with an in-place index_copy"
+    updates[0]["dim"] = dim
+    delegate = KVAliasRuntimeDelegate()
+    if dim < 0:  # the blob reader takes no negative dim: refused at init, before any call
+        with pytest.raises(BlobError, match=rf"steps\[\d+\]\.dim = {dim}: out of range"):
+            delegate.init(json.dumps(tree).encode(), seed.specs)
+        return
+    handle = delegate.init(json.dumps(tree).encode(), seed.specs)
+    args = [a.clone() for a in seed.args]
+    with pytest.raises(IndexError, match=rf"index_copy update .*: its dim: dimension out of range .*but got {dim}\)"):
+        delegate.execute(handle, args)
+    for before, after in zip(seed.args, args, strict=True):
+        assert torch.equal(before, after)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from writeback_core.blob import BlobError, BlobReader, Kind, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
+from writeback_core.ops import normalize_dim
 
 from writeback_trt_copyback._blob import DELEGATE, UPDATES, Blob, Ref, compile_arg, decode_tensor, ops, resolve
 from writeback_trt_copyback.engine import BACKEND_ID
@@ -245,7 +246,9 @@ def _update(step: _Update, cache: torch.Tensor, env: dict[str, Any]) -> None:
     elif step.kind == "index_put":
         torch.ops.aten.index_put_.default(cache, resolve(step.index, env), src)
     else:
-        cache.index_copy_(step.dim, resolve(step.index, env), src)
+        where = f"kv-alias delegate: index_copy update {step.name!r} into input {step.input}"
+        dim = normalize_dim(step.dim, cache.dim(), what=f"{where}: its dim")
+        cache.index_copy_(dim, resolve(step.index, env), src)
 
 
 class KVAliasRuntimeDelegate:
