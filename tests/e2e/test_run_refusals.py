@@ -41,4 +41,5 @@ def test_a_step_eager_refuses_exits_2_with_eagers_message_and_nothing_written(tm
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "step 1: the program refused the call" in result.output
     assert f"index {bad} is out of bounds for dimension 2 with size 16" in result.output
+    assert "States written at a run-time index: cache (index_copy along dim 2 of size 16)." in result.output
     assert "Nothing was written: every caller-owned state is as before the call." in result.output

@@ -136,9 +136,15 @@ def _refusal(step: int, error: RuntimeError, session: Session, eager: Eager) -> 
         eager.step(step)
     except Exception as eager_error:  # the model's own refusal, whatever its type
         kept = all(torch.equal(ours, theirs) for ours, theirs in zip(session.state, before, strict=True))
+        indexed = [
+            f"{m.target} ({m.write.kind.value} along dim {m.write.dim} of size {m.shape[m.write.dim]})"
+            for m in session.lowered.mutations
+            if m.write.dim is not None and m.write.index is not None and m.write.dim < len(m.shape)
+        ]
         message = (
             f"step {step}: the program refused the call ({error}), as eager PyTorch refuses these inputs: "
             f"{type(eager_error).__name__}: {eager_error}. "
+            + (f"States written at a run-time index: {', '.join(indexed)}. " if indexed else "")
             + ("Nothing was written: every caller-owned state is as before the call. " if kept and before else "")
             + "Fix the model's step inputs (an index out of range, say)"
         )
