@@ -120,7 +120,6 @@ def _mlx_init(seed: object, change: object) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="mlx-backend: literals.py casts input_meta sizes to int32")
 def test_mlx_input_shape_past_int32_is_blob_error_not_escaping_overflow_error(mlx_seed: object) -> None:
     """Found by the blob fuzzer (``backend:mlx`` seed 0 mutants 107, 118): an
     ``input_meta`` size past 2**31 reaches MLX as is and escapes as ``OverflowError``
@@ -129,7 +128,7 @@ def test_mlx_input_shape_past_int32_is_blob_error_not_escaping_overflow_error(ml
     def change(tree: dict[str, list[dict[str, list[int]]]]) -> None:
         tree["input_meta"][0]["shape"][0] = 2**63 - 1
 
-    with pytest.raises(BlobError, match=r"input_meta\[0\]\.shape"):
+    with pytest.raises(BlobError, match=r"input_meta\[.*\]\.shape"):
         _mlx_init(mlx_seed, change)
 
 

@@ -315,10 +315,23 @@ class _Scalar:
         return "a scalar input"
 
 
-def _placeholder(meta: Mapping[str, Any], torch_dtype: Callable[[str], Any]) -> Any:
+# MLX takes each side of a shape as a 32-bit int.
+_MAX_SIDE = 2**31 - 1
+
+
+def _shape(shape: Any, where: str) -> list[int]:
+    """``shape`` as MLX can take it: a list of ints in ``[0, 2**31)``, else :class:`BlobError`."""
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_SIDE for n in shape
+    ):
+        raise BlobError(_DELEGATE, f"{where}.shape", shape, f"each side must be an int in [0, {_MAX_SIDE}]")
+    return list(shape)
+
+
+def _placeholder(name: str, meta: Mapping[str, Any], torch_dtype: Callable[[str], Any]) -> Any:
     if "scalar" in meta:
         return _Scalar()
-    return mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])])
+    return mx.zeros(_shape(meta["shape"], f"input_meta[{name!r}]"), dtype=MX_DTYPES[torch_dtype(meta["dtype"])])
 
 
 def check_literals(
@@ -334,9 +347,9 @@ def check_literals(
 
     :raises BlobError: naming ``nodes[i]``, the step and its op, and the rule that failed.
     """
-    env: dict[str, Any] = {name: _placeholder(meta, torch_dtype) for name, meta in inputs.items()}
+    env: dict[str, Any] = {name: _placeholder(name, meta, torch_dtype) for name, meta in inputs.items()}
     for name, (shape, dtype) in records.items():
-        env[name] = mx.zeros(list(shape), dtype=MX_DTYPES[torch_dtype(dtype)])
+        env[name] = mx.zeros(_shape(shape, f"records[{name!r}]"), dtype=MX_DTYPES[torch_dtype(dtype)])
     for position, step in enumerate(steps):
         try:
             args = resolve(step.args, env)
