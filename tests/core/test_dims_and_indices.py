@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from writeback_core.ops import normalize_dim, normalize_index
 
 
@@ -36,7 +35,8 @@ def test_every_index_eager_accepts_reads_the_row_eager_reads_and_every_other_rai
         try:
             eager = int(t[index])
         except IndexError:
-            with pytest.raises(IndexError, match=f"k row: index {index} is out of bounds for a dimension of size {size}"):
+            message = f"k row: index {index} is out of bounds for a dimension of size {size}"
+            with pytest.raises(IndexError, match=message):
                 normalize_index(index, size, what="k row")
             continue
         assert int(t[normalize_index(index, size)]) == eager
