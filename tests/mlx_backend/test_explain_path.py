@@ -68,6 +68,7 @@ def test_explain_of_a_long_cache_decoder_names_its_attention_window(tmp_path: Pa
     assert last.startswith("mlx execution, partition 1 of 1 ("), last
     assert last.endswith(
         "compiled; attention over 2 masked softmax(es) bounded by input_pos: "
-        "32..48 of 64 positions where the mask allows; 5 RMSNorm(s) as mx.fast.rms_norm; "
+        "32..48 of 64 positions where the mask allows; bounded only where the removed rows are "
+        "known finite, else over the whole axis; 5 RMSNorm(s) as mx.fast.rms_norm; "
         "2 attention(s) as mx.fast.scaled_dot_product_attention"
     ), last

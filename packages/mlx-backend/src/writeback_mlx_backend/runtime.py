@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from writeback_core.blob import BlobError, Kind, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
+from writeback_core.ops import normalize_dim, normalize_index
 
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
@@ -109,6 +110,9 @@ class _Handle:
     path: str = "interpreted"
     # The candidates the caller may take in place or not (not forced), checked per call.
     optional: list[InPlaceCandidate] = field(init=False)
+    # Per delegate-owned state: whether every value ever stored in it is finite (checked
+    # over the whole value at ``init``, then over what each call writes; see ``_Finite``).
+    finite: dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         forced = {c.node for c in self.forced}
@@ -152,6 +156,10 @@ class _Compiled:
     # The writes the program requires in callers' tensors (see ``_CallerWrite``), in
     # program order. With any, only bounded steps run compiled; ``fn`` is never called.
     caller_writes: list[_CallerWrite] = field(default_factory=list)
+    # The values a bounded trace cuts whole, with the axis (``window.Bounded.sources``), and
+    # per delegate-owned state they read, how a call's write into it is checked (``_Finite``).
+    sources: set[tuple[str, int]] = field(default_factory=set)
+    watched: dict[str, _Written | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,15 @@ class _CallerWrite:
     shape: tuple[int, ...]
     # The step's arguments other than the destination and the indices: the written values.
     sources: list[str]
+
+
+@dataclass(frozen=True)
+class _Written:
+    """The rows a call's write into a delegate-owned state stores: ``index`` along ``axis``
+    (a reference to an input, a computed index or a constant, read on the host)."""
+
+    axis: int
+    index: Ref
 
 
 def _decode(value: Any) -> Any:
@@ -505,23 +522,77 @@ def _compile(handle: _Handle) -> tuple[_Compiled | None, str]:
     if isinstance(window, str):
         return compiled, f"compiled; attention over the whole axis: {window}"
     compiled.window = window
-    if not writes:
-        return compiled, f"compiled; {window.describe()}"
-    # Trace the shortest length now: a program that reads a write whole is refused here.
+    # Trace the shortest length now: it finds the values the window cuts whole (whose
+    # removed rows must be finite), and a program that reads a write whole is refused here.
     shortest = lengths(window.size)[0]
-    bounded = mx.compile(_body(handle, state_keys, update_keys, window, shortest, pinned=pinned))
+    bounded: Callable[[list[Any], list[Any]], list[Any]] | None = mx.compile(
+        _body(handle, state_keys, update_keys, window, shortest, pinned=pinned, cut=compiled.sources)
+    )
     try:
+        assert bounded is not None
         bounded(placeholders, [handle.state[k] for k in state_keys])
     except WholeRead as error:
-        return None, f"interpreted: it writes a caller's tensor in place, and {error}"
+        if writes:
+            return None, f"interpreted: it writes a caller's tensor in place, and {error}"
+        return compiled, f"compiled; attention over the whole axis: {error}"
     except Exception as error:
-        return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        if writes:
+            return None, f"interpreted: tracing failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        compiled.window = None
+        return compiled, f"compiled; attention over the whole axis: its bounded trace failed ({type(error).__name__})"
     compiled.bounded[shortest] = bounded
+    compiled.watched = _watched(handle, compiled)
+    handle.finite = {k: _all_finite(handle.state[k]) for k in compiled.watched}
+    path = f"compiled; {window.describe()}; {_finite_rule(handle, compiled)}"
+    if not writes:
+        return compiled, path
     return compiled, (
-        f"compiled; {window.describe()}; {len(writes)} write(s) into callers' tensors stored in place "
+        f"{path}; {len(writes)} write(s) into callers' tensors stored in place "
         "after the one evaluation (a call whose writes or attention reach past the longest bounded "
         "length is interpreted)"
     )
+
+
+_WRITES = ("aten.index_copy.default", "aten.index_put.default")
+
+
+def _written(step: Step, rank: int) -> _Written | None:
+    """The rows ``step`` writes along one axis, when it is an index write along one axis whose
+    index the call can read on the host (see ``window._pull_write``); else ``None``."""
+    rest = step.args[1:]
+    if step.op == "aten.index_copy.default" and isinstance(rest[1], Ref):
+        return _Written(normalize_dim(rest[0], rank, what=f"{step.name} ({step.op}) dim"), rest[1])
+    if step.op == "aten.index_put.default" and not (len(rest) > 2 and rest[2]):
+        along = [(p, index) for p, index in enumerate(rest[0]) if index is not None]
+        if len(along) == 1 and isinstance(along[0][1], Ref):
+            return _Written(along[0][0], along[0][1])
+    return None
+
+
+def _watched(handle: _Handle, compiled: _Compiled) -> dict[str, _Written | None]:
+    """The delegate-owned states whose removed rows a bounded call reads (a source, or the
+    destination of a write that is one), each with how a call's write into it is checked:
+    its written rows (``_Written``), or the whole new value (``None``)."""
+    producers = {s.name: s for s in handle.steps}
+    found: dict[str, _Written | None] = {}
+    for name, _ in compiled.sources:
+        step = producers.get(name)
+        dest = step.args[0] if step is not None and step.op in _WRITES else Ref(name)
+        if isinstance(dest, Ref) and dest.name in handle.state and dest.name not in found:
+            update = producers.get(handle.state_updates.get(dest.name, ""))
+            rank = handle.state[dest.name].ndim
+            keep = update is not None and update.op in _WRITES and update.args[0] == dest
+            found[dest.name] = _written(update, rank) if keep and update is not None else None
+    return found
+
+
+def _finite_rule(handle: _Handle, compiled: _Compiled) -> str:
+    """How a call knows the rows its window removes are finite, for :meth:`MLXDelegate.path`."""
+    inputs = sorted({n for n, _ in compiled.sources if n in handle.program.inputs})
+    said = "bounded only where the removed rows are known finite, else over the whole axis"
+    if inputs:
+        said += f" (callers' tensors {', '.join(inputs)}: scanned past the bounded length on every call)"
+    return said
 
 
 # The writes into a caller's tensor the compiled path can bound: one index along one axis.
@@ -560,10 +631,12 @@ def _body(
     checks: list[tuple[OpHandler, list[Any], dict[str, Any]]] | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
     pinned: Sequence[str] = (),
+    cut: set[tuple[str, int]] | None = None,
 ) -> Callable[[list[Any], list[Any]], list[Any]]:
     """The step as a function to trace: ``(inputs, state) -> [*outputs, *new state]``; with
     ``window``, its attention bounded to ``length`` columns (see ``writeback_mlx_backend.window``).
-    While tracing, records each index check into ``checks`` and each value's shape into ``shapes``.
+    While tracing, records each index check into ``checks``, each value's shape into ``shapes``
+    and the values the bounded trace cuts whole into ``cut``.
     The ``pinned`` values are read from the inputs past the program's own, not computed."""
     program = handle.program
     names = [*program.inputs, *pinned]
@@ -597,6 +670,8 @@ def _body(
             if checks is not None and step.handler.validate is not None:
                 checks.append((step.handler, _check_args(step, args), dict(step.kwargs)))
             env[step.name] = call(step, args, {k: resolve(v, env) for k, v in step.kwargs.items()}, True)
+        if cut is not None and bounded is not None:
+            cut.update(bounded.sources)
         if shapes is not None:
             shapes.update({k: tuple(v.shape) for k, v in env.items() if isinstance(v, mx.array)})
         # An output the call stores itself (a caller write's) is returned empty, made in the
@@ -752,6 +827,69 @@ def _check_args(step: Step, traced: Sequence[Any]) -> list[Any]:
     return found
 
 
+# Elements one step of ``_all_finite`` reads: its temporaries stay small beside the state.
+_FINITE_CHUNK = 1 << 22
+
+
+def _all_finite(value: Any) -> bool:
+    """Whether every value of an MLX array is finite (a non-floating dtype always is), read
+    a chunk at a time."""
+    if not isinstance(value, mx.array) or not mx.issubdtype(value.dtype, mx.floating):
+        return True
+    flat = mx.reshape(value, (-1,))
+    return all(
+        bool(mx.all(mx.isfinite(flat[start : start + _FINITE_CHUNK])).item())
+        for start in range(0, flat.size, _FINITE_CHUNK)
+    )
+
+
+def _removed_scan(value: Any, axis: int, length: int) -> Any:
+    """A lazy boolean: every row of ``value`` from ``length`` on along ``axis`` is finite
+    (``None`` for a dtype that holds only finite values). Zero times a row is 0 for a finite
+    value and NaN otherwise, and one sum of those costs less than ``isfinite`` and ``all``."""
+    if not isinstance(value, mx.array) or not mx.issubdtype(value.dtype, mx.floating):
+        return None
+    removed = value[(slice(None),) * axis + (slice(length, None),)]
+    return mx.sum(removed * 0) == 0
+
+
+def _host_index(handle: _Handle, compiled: _Compiled, ref: Ref, inputs: list[Any], pinned: list[Any]) -> Any:
+    """An index on the host: from the call's inputs, its computed indices or the constants."""
+    if ref.name in handle.program.inputs:
+        return inputs[handle.program.inputs.index(ref.name)].detach().numpy()
+    if ref.name in compiled.pinned:
+        return np.asarray(pinned[compiled.pinned.index(ref.name)])
+    if ref.name in handle.constants:
+        return np.asarray(handle.constants[ref.name])
+    return None
+
+
+def _below(rows: np.ndarray, size: int, length: int) -> bool:
+    """Whether every index of ``rows`` (eager's rule: ``[-size, size)``) lands below ``length``."""
+    return all(normalize_index(int(i), size, what="written row") < length for i in rows.reshape(-1))
+
+
+def _write_checks(
+    handle: _Handle, compiled: _Compiled, new_state: Mapping[str, Any], inputs: list[Any], pinned: list[Any]
+) -> dict[str, Any]:
+    """Per watched state this call wrote and still known finite: a lazy boolean, whether what
+    the call stored is finite (its written rows, or the whole new value when the write is not
+    one index along one axis); evaluated with the call's outputs."""
+    found: dict[str, Any] = {}
+    for name, written in compiled.watched.items():
+        if name not in new_state or not handle.finite.get(name):
+            continue
+        value = new_state[name]
+        if not mx.issubdtype(value.dtype, mx.floating):
+            continue
+        rows = _host_index(handle, compiled, written.index, inputs, pinned) if written is not None else None
+        if written is not None and rows is not None:
+            index = np.asarray(rows, dtype=np.int64).reshape(-1) % value.shape[written.axis]
+            value = mx.take(value, mx.array(index), axis=written.axis)
+        found[name] = mx.all(mx.isfinite(value))
+    return found
+
+
 def _lazy_info(
     program: DelegateProgram, steps: Sequence[Step], constants: Mapping[str, Any], state: Mapping[str, Any]
 ) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -819,6 +957,10 @@ class MLXDelegate:
         # For each of the latest calls of a program with an attention window, how many
         # positions its attention read (see ``writeback_mlx_backend.window``).
         self.attention_lengths: deque[int] = deque(maxlen=COPY_HISTORY)
+        # Calls a window would have bounded that ran over the whole axis because a removed
+        # row was not known finite, and scans of callers' tensors past the bounded length.
+        self.exact_calls = 0
+        self.finite_scans = 0
 
     def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> _Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
@@ -958,7 +1100,12 @@ class MLXDelegate:
         del old_state
         env.clear()
         handle.state = {**untouched, **new_state}
-        self._evaluate(*[r for r in results if isinstance(r, mx.array)], *handle.state.values())
+        # The interpreted path checks each watched state it wrote whole (see ``_Handle.finite``).
+        watched = handle.compiled.watched if handle.compiled is not None else {}
+        checks = {k: mx.all(mx.isfinite(v)) for k, v in new_state.items() if k in watched and handle.finite.get(k)}
+        self._evaluate(*[r for r in results if isinstance(r, mx.array)], *handle.state.values(), *checks.values())
+        for name, check in checks.items():
+            handle.finite[name] = bool(check.item())
         # An output that is the array written in place already holds its value.
         done = {index for index, array in written.items() if results[index] is array}
         done |= {c.output for c in handle.forced}  # nothing reads these outputs
@@ -1004,6 +1151,8 @@ class MLXDelegate:
         fn: Callable[[list[Any], list[Any]], list[Any]] | None = compiled.fn
         window = compiled.window
         host: Mapping[str, Any] = {}  # the caller writes' indices, read once per call
+        # Scans of callers' tensors past the bounded length, evaluated with the call.
+        scans: list[Any] = []
         if window is not None:
             length = window.length(int(inputs[window.input_index].reshape(-1)[0]))
             if compiled.caller_writes:
@@ -1015,7 +1164,15 @@ class MLXDelegate:
                     if length in compiled.bounded
                     else self._bounded(handle, compiled, window, length)
                 )
-            elif compiled.caller_writes:
+                if fn is not compiled.fn:
+                    found = self._removed_finite(handle, compiled, length, inputs, arrays, pinned)
+                    if found is False:
+                        # A removed row may hold inf or nan: the whole axis answers as eager.
+                        self.exact_calls += 1
+                        fn, length = compiled.fn, 0
+                    elif found is not True:
+                        scans = found
+            if not length and compiled.caller_writes:
                 fn = None
             if fn is not None:
                 self.attention_lengths.append(length or window.size)
@@ -1032,12 +1189,26 @@ class MLXDelegate:
         except BaseException:
             handle.state = {**kept, **dict(zip(compiled.state_keys, state, strict=True))}
             raise
+        # With scans pending, the state as the call found it is kept to restore (small, see
+        # ``_removed_finite``); otherwise dropped, so MLX donates it.
+        undo = dict(zip(compiled.state_keys, state, strict=True)) if scans else {}
         del state, arrays
         count, updates = len(handle.outputs), len(compiled.update_keys)
         results, new_state = values[:count], values[count : count + updates]
         written = values[count + updates :]
         handle.state = {**kept, **dict(zip(compiled.update_keys, new_state, strict=True))} if new_state or kept else {}
-        self._evaluate(*values)
+        stored = dict(zip(compiled.update_keys, new_state, strict=True))
+        checks = _write_checks(handle, compiled, stored, inputs, pinned)
+        self._evaluate(*values, *checks.values(), *scans)
+        for name, check in checks.items():
+            handle.finite[name] = bool(check.item())
+        if not all(bool(scan.item()) for scan in scans):
+            # A caller's removed row holds inf or nan: nothing is written yet; the state goes
+            # back to how the call found it, and the call runs again, unbounded.
+            handle.state = {**kept, **undo}
+            self.exact_calls += 1
+            self.attention_lengths.pop()  # the interpreted path reads the whole axis
+            return False
         del values, new_state
         done = {w.output for w in compiled.caller_writes}
         # A result can be in runtime-visible memory only over a shared input (see execute).
@@ -1055,6 +1226,58 @@ class MLXDelegate:
         if regions:
             _store(handle, regions)
         return True
+
+    def _removed_finite(
+        self,
+        handle: _Handle,
+        compiled: _Compiled,
+        length: int,
+        inputs: list[Any],
+        arrays: list[Any],
+        pinned: list[Any],
+    ) -> bool | list[Any]:
+        """Whether every row a call bounded to ``length`` removes from the values it cuts whole
+        is known finite: a delegate-owned state by its flag; a write into one by its flag when
+        every written index lies below ``length``; a constant or a caller's tensor by a scan of
+        those rows (a caller may store anything between calls). Anything else is not known.
+
+        The scans are returned lazy, to be evaluated with the call itself (one evaluation),
+        when the delegate-owned state the call updates is small (``TRIAL_STATE_BYTES``): the
+        call keeps it to restore should a scan fail. Otherwise they are evaluated here, before
+        the call (a second evaluation), so the state can be donated to its update."""
+        producers = {s.name: s for s in handle.steps}
+        scans: list[Any] = []
+        for name, axis in sorted(compiled.sources):
+            step = producers.get(name)
+            if name in handle.state:
+                known = handle.finite.get(name, False)
+            elif step is not None and step.op in _WRITES and step.args[0] in [Ref(k) for k in handle.state]:
+                dest = step.args[0].name
+                written = _written(step, handle.state[dest].ndim)
+                rows = _host_index(handle, compiled, written.index, inputs, pinned) if written else None
+                known = (
+                    handle.finite.get(dest, False)
+                    and written is not None
+                    and written.axis == axis
+                    and rows is not None
+                    and _below(rows, handle.state[dest].shape[axis], length)
+                )
+            elif name in handle.program.inputs or name in handle.constants:
+                value = arrays[handle.program.inputs.index(name)] if name in handle.program.inputs else None
+                scans.append(_removed_scan(handle.constants[name] if value is None else value, axis, length))
+                continue
+            else:
+                known = False
+            if not known:
+                return False
+        scans = [s for s in scans if s is not None]
+        if not scans:
+            return True
+        self.finite_scans += 1
+        if sum(handle.state[k].nbytes for k in compiled.update_keys) <= TRIAL_STATE_BYTES:
+            return scans
+        self._evaluate(*scans)
+        return all(bool(s.item()) for s in scans)
 
     @staticmethod
     def _index_error(
@@ -1087,7 +1310,15 @@ class MLXDelegate:
         length on the whole-axis step (with caller writes: interpreted, ``None``), and
         :meth:`path` says so."""
         fn: Callable[[list[Any], list[Any]], list[Any]] | None = mx.compile(
-            _body(handle, compiled.state_keys, compiled.update_keys, window, length, pinned=compiled.pinned)
+            _body(
+                handle,
+                compiled.state_keys,
+                compiled.update_keys,
+                window,
+                length,
+                pinned=compiled.pinned,
+                cut=compiled.sources,
+            )
         )
         try:
             placeholders = _placeholders(handle.program)
@@ -1100,6 +1331,11 @@ class MLXDelegate:
             handle.path += f"; length {length} {fallback} (its trace failed: {type(error).__name__})"
             fn = None if compiled.caller_writes else compiled.fn
         compiled.bounded[length] = fn
+        for name, written in _watched(handle, compiled).items():
+            if name not in compiled.watched:
+                # Not checked over the calls before: not known finite from here on.
+                compiled.watched[name] = written
+                handle.finite[name] = False
         return fn
 
     def _bind(self, value: Any, copies: list[int] | None = None) -> tuple[Any, bool]:

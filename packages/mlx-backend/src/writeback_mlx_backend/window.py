@@ -40,9 +40,11 @@ region into the caller's memory itself.
 The proof in step 3 holds for finite values: ``-inf + x`` is ``-inf`` and ``0 * x`` is
 ``0`` only for a finite ``x``. A cache row the mask removes may hold ``inf`` or ``nan``
 (eager then answers NaN: the masked score is ``nan``, or its zero weight times the row
-is). So each bounded trace also reads whether the removed columns of every value whose
-finiteness the proof assumed are finite, and each exit (a contraction, a reduction, a
-fused attention) is NaN where they are not, as the unbounded program is.
+is). A bounded trace therefore records, in :attr:`Bounded.sources`, every value it cuts
+whole (a state, a caller's tensor, a write into one, a constant): every removed column
+the proof reads comes from one of them. The runtime runs a call bounded only when it
+knows the removed rows of each source are finite, and over the whole axis otherwise, so
+every answer is the unbounded program's (``writeback_mlx_backend.runtime``).
 
 Steps with keyword arguments the rules do not read (``add(x, mask, alpha=-1)`` turns a
 ``-inf`` mask into ``+inf``) are not followed: such a program has no window.
@@ -634,21 +636,12 @@ class Bounded:
         self.bounded: dict[str, Any] = {}
         self.pulled: dict[tuple[str, int], Any] = {}
         self.reader = ""
-        # Whether the removed columns of a bounded or pulled value are as the proof says: a
-        # lazy scalar, 0 when they are, NaN when a value it assumed finite is not (``None``:
-        # nothing was removed that could differ). Added to an exit, it makes it NaN or not.
-        self.finite: dict[str, Any] = {}
-        self.pulled_finite: dict[tuple[str, int], Any] = {}
-        # The values read while computing the current step or pull, with their flags.
-        self.reads: list[list[tuple[str, Any]]] = []
-
-    def _read(self, name: str, flag: Any) -> None:
-        if self.reads:
-            self.reads[-1].append((name, flag))
+        # The values cut whole, with the axis cut: their removed rows are the only ones the
+        # proof takes to be finite (module docstring).
+        self.sources: set[tuple[str, int]] = set()
 
     def get(self, name: str) -> Any:
-        """The bounded value ``name`` (its flag joins the current step's)."""
-        self._read(name, self.finite.get(name))
+        """The bounded value ``name``."""
         return self.bounded[name]
 
     def full(self, name: str) -> Any:
@@ -661,22 +654,11 @@ class Bounded:
     def run(self, step: Step) -> None:
         """Compute ``step`` (see :meth:`Window.bounds`): an exit into ``env``, else into ``bounded``."""
         self.reader = step.name
-        self.reads.append([])
-        try:
-            value = _REWRITE.get(step.op, _rewrite_elementwise)(self, step)
-        finally:
-            reads = self.reads.pop()
-        assumed = self.window.assumed.get(step.name, frozenset())
-        flag = _all([f for name, f in reads if name in self.bounded or name in assumed])
+        value = _REWRITE.get(step.op, _rewrite_elementwise)(self, step)
         if step.name in self.window.exits:
-            if flag is not None and mx.issubdtype(value.dtype, mx.floating):
-                # Eager answers NaN when a removed column holds inf or nan (module docstring);
-                # adding 0 or NaN costs less than a select.
-                value = value + flag.astype(value.dtype)
             self.env[step.name] = value
         else:
             self.bounded[step.name] = value
-            self.finite[step.name] = flag
 
     def cut(self, value: Any, axis: int) -> Any:
         return value[(slice(None),) * axis + (slice(0, self.length),)]
@@ -705,46 +687,17 @@ class Bounded:
             unread = self.env.get(name)
             if isinstance(unread, Unread) and unread.name == name:
                 rule = _pull_write  # the write itself; a value computed from it has its own rule
-            self.reads.append([])
-            try:
-                value = rule(self, step, axis) if rule is not None and step is not None else None
-            finally:
-                reads = self.reads.pop()
+            value = rule(self, step, axis) if rule is not None and step is not None else None
             if value is None:
-                whole = self.full(name)
-                value = self.cut(whole, axis)
-                flag = _finite(whole, axis, self.length)
-            else:
-                flag = _all([f for _, f in reads])
-            self.pulled[key], self.pulled_finite[key] = value, flag
-        self._read(name, self.pulled_finite[key])
+                value = self.cut(self.full(name), axis)
+                self.sources.add(key)
+            self.pulled[key] = value
         return self.pulled[key]
 
     def shape(self, name: str, axis: int) -> list[int]:
         shape = list(self.window.shapes[name])
         shape[axis] = self.length
         return shape
-
-
-def _finite(whole: Any, axis: int, length: int) -> Any:
-    """``0`` when every value of ``whole`` past ``length`` along ``axis`` is finite, else NaN
-    (``None`` for a dtype that holds only finite values). The axes after ``axis`` are summed
-    over the whole value first, a contiguous reduction, then the rows past ``length``."""
-    if not mx.issubdtype(whole.dtype, mx.floating):
-        return None
-    rows = mx.sum(whole * 0, axis=list(range(axis + 1, whole.ndim))) if axis + 1 < whole.ndim else whole * 0
-    return mx.sum(rows[(slice(None),) * axis + (slice(length, None),)])
-
-
-def _all(flags: Sequence[Any]) -> Any:
-    """The flags together: 0 when every one is, NaN when any is NaN."""
-    known = [f for f in flags if f is not None]
-    if not known:
-        return None
-    found = known[0]
-    for flag in known[1:]:
-        found = found + flag
-    return found
 
 
 def _kwargs(step: Step, env: Mapping[str, Any]) -> dict[str, Any]:
