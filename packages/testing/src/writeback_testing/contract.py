@@ -209,13 +209,16 @@ class DelegateWrites:
 
     ``declared``: the inputs its lowering says it writes (in-place compile spec entries,
     and its engine's ``aliased_io`` for an aliasing engine's delegate); ``written``:
-    the inputs whose values the call changed.
+    the inputs whose values the call changed. ``refused``: the error the call raised on
+    those inputs (integers are zero: a division by one may fail as eager's does), after
+    which no input may have changed.
     """
 
     delegate: int
     backend_id: str
     declared: frozenset[int]
     written: frozenset[int]
+    refused: str | None = None  # the error a call on fresh inputs raised (then nothing may be written)
 
     @property
     def undeclared(self) -> frozenset[int]:
@@ -270,8 +273,11 @@ def check_declared_writes(program: Any, registry: Registry) -> list[DelegateWrit
         before = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         delegate = offered[backend_id]
         handle = delegate.init(module.processed_bytes, specs)
+        refused: str | None = None
         try:
             delegate.execute(handle, [*inputs, *outputs])
+        except Exception as error:  # e.g. an integer division by the zero a fresh input holds
+            refused = f"{type(error).__name__}: {error}"
         finally:
             delegate.destroy(handle)
         written = {
@@ -279,7 +285,12 @@ def check_declared_writes(program: Any, registry: Registry) -> list[DelegateWrit
             for i, (old, new) in enumerate(zip(before, inputs, strict=True))
             if isinstance(old, torch.Tensor) and not torch.equal(old, new)
         }
-        record = DelegateWrites(number, backend_id, frozenset(declared), frozenset(written))
+        record = DelegateWrites(number, backend_id, frozenset(declared), frozenset(written), refused)
+        if refused is not None and written:
+            raise ContractViolation(
+                f"delegate {number} ({backend_id}) refused the call ({refused}) but changed input(s) "
+                f"{sorted(written)}: a refused call must change nothing"
+            )
         if record.undeclared:
             raise ContractViolation(
                 f"delegate {number} ({backend_id}) wrote input(s) {sorted(record.undeclared)} that its lowering "
