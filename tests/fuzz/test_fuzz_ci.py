@@ -58,13 +58,6 @@ RUNTIME_EVERY = 1
 ENGINE_EVERY = 4
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "open (issue 29): at CI scale the new out-of-range draws find a refused call leaving state changed "
-        "on stock+passes, a kv-alias AliasMismatchError and a ZeroDivisionError; not yet fixed"
-    ),
-)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_generated_programs_match_eager_in_every_runtime(chunk: int) -> None:
     programs = CI_PROGRAMS // CHUNKS + (1 if chunk < CI_PROGRAMS % CHUNKS else 0)

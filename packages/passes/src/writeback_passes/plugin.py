@@ -81,7 +81,8 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     multiply of a ``bmm`` operand moved to the smaller one (10). At
     ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order 50),
     writing state in place with the stock runtime's kernels (60), making reshape-only copies
-    views (65), then early write-back (100: after graph-editing passes)."""
+    views (65), early write-back (100: after graph-editing passes), then every run-time index
+    checked before the first state write (110: a refused call changes nothing)."""
     if stage == "before_partition":
         from writeback_passes.attention import scale_smaller_operand_pass
         from writeback_passes.view_copies import functional_copies_as_views_pass
@@ -89,12 +90,19 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
         return (functional_copies_as_views_pass(), scale_smaller_operand_pass())
     if stage != "before_memory_planning":
         return ()
+    from writeback_passes.index_checks import index_checks_pass
     from writeback_passes.pipeline import early_write_back_pass
     from writeback_passes.reinplace_delegate import reinplace_delegate_pass
     from writeback_passes.reinplace_state_writes import state_writes_pass
     from writeback_passes.view_copies import copies_as_views_pass
 
-    return (reinplace_delegate_pass(), state_writes_pass(), copies_as_views_pass(), early_write_back_pass())
+    return (
+        reinplace_delegate_pass(),
+        state_writes_pass(),
+        copies_as_views_pass(),
+        early_write_back_pass(),
+        index_checks_pass(),
+    )
 
 
 @hookimpl
