@@ -48,6 +48,7 @@ def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
         "reinplace_state_writes",
         "copies_as_views",
         "insert_write_back_early",
+        "check_indices_first",
     )
     assert lowered.write_back_bytes == {}
     # Only the token and the position (8 B each) are copied, into the delegate.

@@ -51,8 +51,10 @@ def test_writeback_program_passes_hook_offers_early_write_back_before_memory_pla
     (early,) = [p for p in passes if p.name == "insert_write_back_early"]
     assert (early.stage, early.order) == ("before_memory_planning", 100)
     assert EARLY_WRITE_BACK_ORDER == 100
-    # Every other pass of this package edits the graph, so it must come first.
-    assert passes[-1] is early
+    # Every other pass of this package that moves writes comes first; then the index checks
+    # (order 110), which move only index computations, go before the writes where they are.
+    assert passes[-2] is early
+    assert (passes[-1].name, passes[-1].order) == ("check_indices_first", 110)
     assert registry.program_passes("edge") == []
     # Installed through its entry point as well.
     names = [p.name for p in load_registry().program_passes("before_memory_planning")]

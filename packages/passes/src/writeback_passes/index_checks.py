@@ -11,11 +11,15 @@ stock runtime. This pass restores "refused means unchanged":
    ``index_put_``) or a delegate call.
 2. For every later node that reads an index tensor at run time (``index_put``,
    ``index_put_``, ``index.Tensor``, ``index_select``, ``embedding``, ``gather``),
-   take the index ``i`` and the size of the dim it indexes. An index the passes
-   already wrapped (``where(i < 0, i + size, i)``) or guarded for ``index_copy``
-   (``where(i < 0, i - size, i)``) is read through to ``i`` with that meaning.
+   take the index ``i`` and the size of the dim it indexes, and whether the kernel
+   wraps a negative ``i`` (functional ``index_put``, ``index``) or rejects it (in-place
+   ``index_put_`` and the rest). An index the passes already wrapped
+   (``where(i < 0, i + size, i)``) or guarded for ``index_copy`` (``where(i < 0, i -
+   size, i)``) is read through to ``i`` with that meaning. An ``arange`` of constant
+   bounds inside the dim needs no check.
 3. Move the pure nodes that compute ``i`` (never a read of state that is written in
-   place, never a delegate output) to just before that first write, and put there
+   place, never a delegate output) to just after what they read (before that first
+   write, and a write-back placed right after its value stays there), and put there
    ``checked = arange(size)[i]``: the ``index.Tensor`` kernel rejects an ``i`` outside
    ``[-size, size)`` (an ``index_copy``'s or a reject-negative op's ``i`` moved below
    ``-size`` first) before anything is written, and otherwise returns ``i`` wrapped,
@@ -57,8 +61,11 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 
 # Ops whose kernel reads an index tensor and refuses one out of range, and whether a
 # negative index counts from the end (``wrap``) or is refused (``reject``), as eager reads it.
-_WRAPS = frozenset({"index_put", "index_put_", "index"})
-_REJECTS = frozenset({"index_select", "embedding", "gather"})
+# The kernels' own reading, measured on ExecuTorch 1.5.1's portable library: the functional
+# ``index_put.out`` and ``index.Tensor_out`` wrap a negative index; the in-place ``index_put_``
+# rejects one (the passes wrap its index first where eager wraps, a pattern read through below).
+_WRAPS = frozenset({"index_put", "index"})
+_REJECTS = frozenset({"index_put_", "index_select", "embedding", "gather"})
 
 
 class UncheckedIndexWarning(UserWarning):
@@ -152,7 +159,8 @@ def _index_uses(node: torch.fx.Node) -> Iterator[_Use]:
     if packet not in _WRAPS | _REJECTS or not isinstance(source, torch.Tensor):
         return
     candidates: list[tuple[tuple[int, int | None], object, int]] = []
-    if packet in _WRAPS and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)):
+    listed = packet in ("index_put", "index_put_", "index")
+    if listed and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)):
         candidates = [((1, k), i, k) for k, i in enumerate(node.args[1])]
     elif packet == "index_select" and len(node.args) > 2 and isinstance(node.args[1], int):
         candidates = [((2, None), node.args[2], node.args[1])]
@@ -169,11 +177,31 @@ def _index_uses(node: torch.fx.Node) -> Iterator[_Use]:
         size = source.shape[dim]
         if not isinstance(size, int):
             continue
+        if _constant_in_range(index, size):
+            continue  # nothing to check at run time
         negatives = "wrap" if packet in _WRAPS else "reject"
         unwrapped = _unwrap(index, size)
         if unwrapped is not None:
             index, negatives = unwrapped
         yield _Use(node, slot, index, size, negatives)
+
+
+def _constant_in_range(index: torch.fx.Node, size: int) -> bool:
+    """Whether ``index`` is an ``arange`` of constant bounds whose every value lies in ``[0, size)``."""
+    if packet_name(index.target) != "arange" or index.kwargs.get("dtype", torch.int64) not in _INDEX_DTYPES:
+        return False
+    bounds = list(index.args)
+    if len(bounds) == 1:
+        bounds = [0, bounds[0]]
+    if len(bounds) == 2:
+        bounds.append(1)
+    if len(bounds) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in bounds):
+        return False
+    start, end, step = (int(v) for v in bounds)  # type: ignore[arg-type]
+    if step <= 0:
+        return False
+    values = range(start, end, step)
+    return len(values) == 0 or (0 <= values[0] and values[-1] < size)
 
 
 def _cone(
@@ -230,8 +258,8 @@ def _fake_mode(graph: torch.fx.Graph) -> Any:
 class _Inserter:
     """Inserts edge calls before one node, with their ``val`` computed on fake tensors."""
 
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node) -> None:
-        self.graph, self.anchor, self.fake = graph, anchor, _fake_mode(graph)
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake: Any) -> None:
+        self.graph, self.anchor, self.fake = graph, anchor, fake
         self.created: list[torch.fx.Node] = []
 
     def call(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
@@ -268,7 +296,7 @@ def check_indices_first(program: ExportedProgram | torch.fx.GraphModule) -> Inde
     if not uses:
         return report
     written = _written_placeholders(graph)
-    inserter: _Inserter | None = None
+    fake = _fake_mode(graph)
     aranges: dict[int, torch.fx.Node] = {}
     checks: dict[tuple[torch.fx.Node, int, str], torch.fx.Node] = {}
     for use in uses:
@@ -279,18 +307,27 @@ def check_indices_first(program: ExportedProgram | torch.fx.GraphModule) -> Inde
             if why is not None:
                 report.unchecked.append(UncheckedIndex(_describe(use.node), use.index.name, why))
                 continue
+            # Right after what the index reads (not just before the first write): a write-back
+            # placed right after its value stays there.
+            anchor = _after_inputs(graph, cone or [use.index], set(cone), set(aranges.values()))
             for node in cone:
-                first.prepend(node)
+                anchor.prepend(node)
                 before.add(node)
                 report.moved.append(node.name)
-            inserter = inserter or _Inserter(graph, first)
+            head = next(n for n in graph.nodes if n.op != "placeholder")
+            if use.size not in aranges:
+                aranges[use.size] = _Inserter(graph, head, fake).call(
+                    "arange.start_step", (0, use.size, 1), {"dtype": torch.int64}
+                )
+                before.add(aranges[use.size])
+            elif aranges[use.size] is not head:
+                head.prepend(aranges[use.size])  # an arange reads nothing: first, before every check
+            inserter = _Inserter(graph, anchor, fake)
             index = use.index
             if use.negatives == "reject":
                 negative = inserter.call("lt.Scalar", (index, 0))
                 below = inserter.call("add.Scalar", (index, -use.size))
                 index = inserter.call("where.self", (negative, below, index))
-            if use.size not in aranges:
-                aranges[use.size] = inserter.call("arange.start_step", (0, use.size, 1), {"dtype": torch.int64})
             check = inserter.call("index.Tensor", (aranges[use.size], [index]))
             before.update(inserter.created)
             checks[key] = check
@@ -311,6 +348,22 @@ def check_indices_first(program: ExportedProgram | torch.fx.GraphModule) -> Inde
         graph.lint()
         gm.recompile()
     return report
+
+
+def _after_inputs(
+    graph: torch.fx.Graph, nodes: list[torch.fx.Node], inside: set[torch.fx.Node], heads: set[torch.fx.Node]
+) -> torch.fx.Node:
+    """The node just after the last input of ``nodes`` from outside ``inside`` (the first
+    non-placeholder when they read only placeholders and constants), past ``heads``."""
+    inputs = {i for n in nodes for i in (n.all_input_nodes if n in inside else [n])} - inside
+    last: torch.fx.Node | None = None
+    for node in graph.nodes:
+        if node in inputs:
+            last = node
+    current = last.next if last is not None else next(iter(graph.nodes))
+    while current.op == "placeholder" or current in heads:
+        current = current.next
+    return current
 
 
 def _describe(node: torch.fx.Node) -> str:
