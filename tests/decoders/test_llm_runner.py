@@ -98,7 +98,9 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
     folder: tuple[Path, list[str]], tmp_path: Path, backend: str, prefill: str
 ) -> None:
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    from writeback_core.llm_runner import load_runner_kernels
 
+    assert load_runner_kernels()  # the folder's attention runs ExecuTorch's llama:: kernels
     model, expected = folder
     if prefill == "one-call":
         output = _export(model, backend, tmp_path)
@@ -110,6 +112,7 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
         assert "get_max_seq_len=1, get_max_context_len=64" in output
         assert "enable_dynamic_shape=False" in output
         assert "prefill: one token per call" in output
+    assert "written by llama::update_cache, read by llama::custom_sdpa" in " ".join(output.split())
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
     assert (tmp_path / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()

@@ -66,6 +66,9 @@ class GenerationStats:
 
 
 def _runner() -> Any:
+    from writeback_core.llm_runner import load_runner_kernels
+
+    load_runner_kernels()  # a program may call llama::update_cache / custom_sdpa, as the C++ runner links them
     try:
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     except (ImportError, RuntimeError) as error:

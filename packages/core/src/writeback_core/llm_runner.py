@@ -36,6 +36,7 @@ __all__ = [
     "RUNNER_METADATA",
     "RunnerContractError",
     "check_runner_contract",
+    "load_runner_kernels",
     "runner_contract_problems",
     "runner_metadata",
 ]
@@ -50,6 +51,20 @@ RUNNER_METADATA = (
     "get_bos_id",
     "get_vocab_size",
 )
+
+
+def load_runner_kernels() -> bool:
+    """Register the kernels ExecuTorch's LLM runners link beside the stock ones
+    (``llama::update_cache``, ``llama::custom_sdpa``, ...: ``llama_main`` and the demo apps
+    are built with them) in this process, as the Python ``TextLLMRunner`` needs them loaded.
+    Returns False when this executorch wheel does not ship them."""
+    import importlib
+
+    try:
+        importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
 
 
 class RunnerContractError(ValueError):

@@ -226,7 +226,7 @@ def runner_metadata_of(config: Any, max_cache_len: int, dynamic: bool = False) -
     )
 
 
-def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: str) -> Any:
+def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: str, strict: bool = True) -> Any:
     """The module exported with a dynamic token dimension of 1 to ``max_cache_len`` tokens
     (``input_ids [1, n]``, ``cache_position [n]``), from a two-token example."""
     from writeback_core.lowering import export_model
@@ -234,7 +234,18 @@ def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: st
     tokens = torch.export.Dim("tokens", min=1, max=max_cache_len)
     example = {"input_ids": torch.tensor([[1, 1]], dtype=torch.int64), "cache_position": torch.arange(2)}
     shapes = {"input_ids": {1: tokens}, "cache_position": {0: tokens}}
-    return export_model(build(), (), example, strict=True, dynamic_shapes=shapes, name=f"model {name!r}")
+    return export_model(build(), (), example, strict=strict, dynamic_shapes=shapes, name=f"model {name!r}")
+
+
+def _static_export(build: Callable[[], nn.Module], max_cache_len: int, name: str) -> Any:
+    """The static-cache module exported one token per call, as transformers' integration does."""
+    from writeback_core.lowering import export_model
+
+    return export_model(build(), (), _kwargs(1, 0), strict=True, name=f"model {name!r}")
+
+
+# The contender a custom-ops case carries: the same weights through transformers' StaticCache.
+STATIC_CONTENDER = "transformers StaticCache"
 
 
 class _Deferred(Mapping[str, Any]):
@@ -269,6 +280,7 @@ def _case(
     dtype: torch.dtype,
     prompt_token: int,
     integration_export: bool,
+    attention: str = "static",
 ) -> ModelCase:
     """The case; ``source()`` gives the folder or config (called only when a model is built)."""
 
@@ -276,7 +288,15 @@ def _case(
         return _load(source(), seed, dtype)
 
     def build() -> nn.Module:
+        if attention == "custom-ops":
+            from writeback_decoders.custom_ops import CustomOpsDecoder
+
+            return CustomOpsDecoder(model(), max_cache_len).eval().requires_grad_(False)
         return _wrap(model(), max_cache_len)
+
+    # ExecuTorch's ops take the start position as an int read from the tensor (.item()),
+    # which only the non-strict export traces.
+    strict = attention != "custom-ops"
 
     greedy = GreedyTokens(build, _call, max_cache_len, prompt=prompt_token)
     exported: Callable[[], Any] | None = None
@@ -296,18 +316,29 @@ def _case(
         build=build,
         step_inputs=lambda step: (),
         step_kwargs=lambda step: _kwargs(greedy.token(step), greedy.position(step)),
-        strict=True,
+        strict=strict,
         exported=exported,
         constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len)),
     )
 
+    def static_build() -> nn.Module:
+        return _wrap(model(), max_cache_len)
+
+    if attention == "custom-ops":
+        # What a user exports without these kernels: transformers' own static cache.
+        case = replace(case, contenders={STATIC_CONTENDER: lambda: _static_export(static_build, max_cache_len, name)})
+
     def dynamic_prefill() -> ModelCase:
+        contenders = {}
+        if attention == "custom-ops":
+            contenders = {STATIC_CONTENDER: lambda: _prefill_export(static_build, max_cache_len, name)}
         return replace(
             case,
             description=f"{description}; token dimension dynamic up to {max_cache_len} (prompt prefilled in one call)",
-            exported=lambda: _prefill_export(build, max_cache_len, name),
+            exported=lambda: _prefill_export(build, max_cache_len, name, strict),
             constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len, True)),
             dynamic_prefill=None,
+            contenders=contenders,
         )
 
     return replace(case, dynamic_prefill=dynamic_prefill)
@@ -325,6 +356,7 @@ def hf_case(
     dtype: torch.dtype = torch.float32,
     prompt_token: int = 1,
     integration_export: bool = False,
+    attention: str = "static",
 ) -> ModelCase:
     """A Hugging Face causal LM with a ``StaticCache`` as a :class:`~writeback_core.zoo.ModelCase`.
 
@@ -342,6 +374,12 @@ def hf_case(
         ``TorchExportableModuleForDecoderOnlyLM(...).export(...)`` makes (``exported=``)
         instead of letting writeback export the same module strictly with the same
         keyword inputs.
+    :param attention: ``"static"``: transformers' ``StaticCache`` and attention (the cache
+        written by ``index_copy_``, the whole cache read every call); ``"custom-ops"``:
+        :class:`~writeback_decoders.custom_ops.CustomOpsDecoder` (the cache written in place
+        by ExecuTorch's ``llama::update_cache``, attention by ``llama::custom_sdpa`` over the
+        written positions only), for configs :func:`~writeback_decoders.custom_ops.custom_ops_refusal`
+        accepts.
 
     Step ``s`` calls ``module(input_ids=[[token]], cache_position=[s % max_cache_len])``;
     the token is ``prompt_token`` at step 0, then the greedy token eager PyTorch
@@ -352,17 +390,34 @@ def hf_case(
         how to install it).
     """
     require_transformers("hf_case")
+    if attention not in ("static", "custom-ops"):
+        raise ValueError(f"attention must be 'static' or 'custom-ops', got {attention!r}")
     config = _config_of(source)
     text = config.get_text_config()
+    if attention == "custom-ops":
+        from writeback_decoders.custom_ops import CustomOpsUnsupported, custom_ops_refusal
+
+        refusal = custom_ops_refusal(config)
+        if refusal is not None:
+            kind = getattr(text, "model_type", "model")
+            raise CustomOpsUnsupported(f"this {kind} uses {refusal}; use attention='static'")
+        if integration_export:
+            raise ValueError("integration_export exports transformers' own static-cache module; use attention='static'")
     if max_cache_len is None:
         max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or 256), 256)
     if max_cache_len < 1:
         raise ValueError(f"max_cache_len must be at least 1, got {max_cache_len}")
     model_type = getattr(text, "model_type", "") or type(text).__name__
     where = f"from {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else "seeded random weights"
+    cache = (
+        f"StaticCache of {max_cache_len} positions"
+        if attention == "static"
+        else f"cache of {max_cache_len} positions written by llama::update_cache, read by llama::custom_sdpa "
+        "up to the last written position"
+    )
     description = (
-        f"Hugging Face {model_type}, {getattr(text, 'num_hidden_layers', '?')} layers, "
-        f"StaticCache of {max_cache_len} positions, {where}, {_EXPORTED_AS}"
+        f"Hugging Face {model_type}, {getattr(text, 'num_hidden_layers', '?')} layers, {cache}, {where}, "
+        f"{_EXPORTED_AS if attention == 'static' else 'greedy tokens'}"
     )
     # A config the caller holds is not read again: the case keeps its own copy.
     kept = source if isinstance(source, (str, os.PathLike)) else copy.deepcopy(config)
@@ -375,6 +430,7 @@ def hf_case(
         dtype,
         prompt_token,
         integration_export,
+        attention,
     )
 
 

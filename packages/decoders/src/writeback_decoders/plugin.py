@@ -22,10 +22,15 @@ def writeback_models() -> dict[str, ModelCase]:
 
 @hookimpl
 def writeback_model_from_path(path: str) -> ModelCase | None:
+    """A local Hugging Face folder (``config.json``): its attention through ExecuTorch's
+    ``llama::update_cache``/``llama::custom_sdpa`` where they compute it (reads only the
+    written positions), else transformers' static cache."""
     from pathlib import Path
 
     if not (Path(path) / "config.json").is_file():
         return None
-    from writeback_decoders.hf import hf_case
+    from writeback_decoders.custom_ops import custom_ops_refusal
+    from writeback_decoders.hf import _config_of, hf_case
 
-    return hf_case(path)
+    supported = custom_ops_refusal(_config_of(path)) is None
+    return hf_case(path, attention="custom-ops" if supported else "static")
