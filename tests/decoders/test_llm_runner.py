@@ -190,3 +190,27 @@ def test_export_refuses_a_program_with_two_outputs_naming_it_and_writing_nothing
     assert "does not fit ExecuTorch's LLM runner" in result.output
     assert "forward returns 2 outputs; the runner takes exactly one" in result.output
     assert not (tmp_path / "m.pte").exists()
+
+
+def test_bench_generate_times_every_contender_in_the_runner_all_giving_the_static_cache_programs_text(
+    folder: tuple[Path, list[str]],
+) -> None:
+    from writeback_core import load_registry
+    from writeback_core.bench_generate import STOCK_SAME, WRITEBACK, bench_generation
+    from writeback_core.cli import resolve_model_option
+
+    model, expected = folder
+    registry = load_registry()
+    case = resolve_model_option(registry, str(model))
+    assert case.dynamic_prefill is not None
+    rows = bench_generation(registry, case.dynamic_prefill(), model / "tokenizer.json", 3, NEW_TOKENS, rounds=2)
+    names = [r.name for r in rows]
+    assert names == ["stock+xnnpack (transformers StaticCache)", STOCK_SAME, WRITEBACK]
+    for row in rows:
+        assert row.error is None, (row.name, row.error)
+        assert len(row.prefill) == len(row.decode) == 2
+        # The bench's prompt is its own text; every contender must generate the same greedy text.
+        assert row.text == rows[-1].text, row.name
+    # On the fixture's prompt the runner of writeback's program gives transformers' tokens (checked
+    # above per backend); here the bench's text is non-empty and made of the tokenizer's pieces.
+    assert rows[-1].text and expected

@@ -32,11 +32,13 @@ def writeback_cli_commands(group: click.Group) -> None:
     group.add_command(cli.plugins_command)
     group.add_command(cli.explain_command)
     from writeback_core.bench import bench_command
+    from writeback_core.bench_generate import bench_generate_command
     from writeback_core.export import export_command
     from writeback_core.generate import generate_command
     from writeback_core.run import run_command
 
     group.add_command(run_command)
     group.add_command(bench_command)
+    group.add_command(bench_generate_command)
     group.add_command(export_command)
     group.add_command(generate_command)

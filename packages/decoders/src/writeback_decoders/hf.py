@@ -366,7 +366,7 @@ def hf_case(
         (random weights drawn from ``seed`` inside ``build``: two builds are identical).
     :param name: the case's name; default ``hf-<model_type>``.
     :param max_cache_len: cache positions; default the config's
-        ``max_position_embeddings``, at most 256.
+        ``max_position_embeddings``, at most 1,024 for a folder and 256 for a config.
     :param dtype: weights and cache dtype (float32: the run compares with eager at fp32
         tolerances).
     :param prompt_token: the token fed at step 0.
@@ -404,7 +404,9 @@ def hf_case(
         if integration_export:
             raise ValueError("integration_export exports transformers' own static-cache module; use attention='static'")
     if max_cache_len is None:
-        max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or 256), 256)
+        # A folder is a model to deploy (up to 1,024 positions); a config, a test or bench case.
+        cap = 1024 if isinstance(source, (str, os.PathLike)) else 256
+        max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or cap), cap)
     if max_cache_len < 1:
         raise ValueError(f"max_cache_len must be at least 1, got {max_cache_len}")
     model_type = getattr(text, "model_type", "") or type(text).__name__
