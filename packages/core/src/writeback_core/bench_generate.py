@@ -111,8 +111,13 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Calla
 
 def _prompt(tokenizer: Path, tokens: int) -> str:
     """Text that the tokenizer reads as (about) ``tokens`` tokens."""
-    from tokenizers import Tokenizer
-
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as error:
+        raise click.ClickException(
+            "bench-generate cuts its prompt with Hugging Face's tokenizers library, which is not installed "
+            "(pip install tokenizers; transformers brings it)"
+        ) from error
     reader = Tokenizer.from_file(str(tokenizer))
     base = "the quick brown fox jumps over the lazy dog and the state it mutates is written once in place "
     text = base * (tokens // 4 + 8)
