@@ -27,7 +27,7 @@ from writeback_trt_copyback import (
     engine_aliasing,
     lift_mutated_buffers,
 )
-from writeback_trt_copyback.lift import RETURNED_ONLY_WRITE
+from writeback_trt_copyback.lift import DEAD_WRITE, RETURNED_ONLY_WRITE
 
 from tests.trt_copyback.conftest import export, run_against_eager
 
@@ -276,3 +276,46 @@ def test_output_that_views_a_buffer_written_in_the_same_call_keeps_the_old_value
         registry=registry,
     )  # type: ignore[arg-type]
     assert report.targets == ["kv-alias-pybind", "kv-alias-stock"] and not report.skipped
+
+
+# Found by the CI fuzz run (chunk 0, kv-alias-pybind): an int64 cache written at a run-time
+# slot, then converted and the conversion never used. The only trace of ``.to()`` left in
+# the exported graph is an assertion on the written cache (``_assert_tensor_metadata``), so
+# lift took the write for a live one and predicted it aliased; exir erases assertions, then
+# the write nothing reads, and the engine never saw it: AliasMismatchError, s2's write lost.
+# Fixed in lift.py (_live_nodes): only readers the output depends on keep a write alive.
+WRITE_READ_ONLY_BY_AN_ASSERTION = """import torch
+
+
+class FuzzModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('s1', ((torch.arange(2, dtype=torch.float32) % 5 - 1) * 0.5).reshape((1, 1, 2, 1)))
+        self.register_buffer('s2', torch.tensor([1, 2]).reshape((1, 1, 2, 1)))
+
+    def forward(self, x, pos):
+        self.s2[:, :, torch.remainder(pos, 2)] = torch.full((1, 1, 1, 1), 7, dtype=torch.int64)
+        t0 = READ.to(torch.float32)
+        return (self.s1 * 2,)
+
+
+def step_inputs(step):
+    return (torch.randn(4, generator=torch.Generator().manual_seed(step)), torch.tensor([3 * step + 1]))
+
+
+def make_state():
+    return ()
+"""
+
+
+@pytest.mark.parametrize("read", ["self.s2", "self.s2.view(-1)"], ids=["cache", "view-of-cache"])
+def test_cache_write_read_only_by_an_erased_assertion_is_copied_back_not_lost(registry: Registry, read: str) -> None:
+    source = WRITE_READ_ONLY_BY_AN_ASSERTION.replace("READ", read)
+    report = check_source(source, targets=_targets(registry), registry=registry, calls=3)  # type: ignore[arg-type]
+    assert report.targets == ["kv-alias-pybind", "kv-alias-stock"] and not report.skipped
+    namespace: dict[str, object] = {}
+    exec(compile(source, "<reproducer>", "exec"), namespace)
+    module = namespace["FuzzModule"]()  # type: ignore[operator]  # the reproducer defines it
+    lifted = lift_mutated_buffers(export(module, (torch.zeros(4), torch.tensor([1]))), KVAliasEngine())
+    (cls,) = lifted.buffers
+    assert (cls.target, cls.aliased, cls.marked, cls.reason) == ("s2", False, True, DEAD_WRITE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -109,22 +110,46 @@ def _copy_chain(value: torch.fx.Node, write: torch.fx.Node | None) -> list[torch
     return chain
 
 
-def _unread(value: torch.fx.Node, write: torch.fx.Node | None) -> str | None:
+def _live_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes the graph's output depends on: all that survive the lowering.
+
+    exir erases graph assertions (``_assert_tensor_metadata`` that ``.to()``
+    leaves on a tensor, ``_assert_scalar``) and then every node nothing reads,
+    so a node the output does not depend on never reaches an engine, whatever
+    reads it in the exported graph.
+    """
+    live: set[torch.fx.Node] = set()
+    frontier = [graph.output_node()]
+    while frontier:
+        node = frontier.pop()
+        if node not in live:
+            live.add(node)
+            frontier.extend(node.all_input_nodes)
+    return live
+
+
+def _unread(value: torch.fx.Node, write: torch.fx.Node | None, live: set[torch.fx.Node]) -> str | None:
     """Why an aliased write could never happen, or ``None`` when something computes on its result.
 
-    :data:`DEAD_WRITE`: nothing but the (erased) write-back reads the result,
-    so dead-code elimination takes the write before any engine sees it.
+    Only readers in ``live`` (:func:`_live_nodes`) count: an assertion on the
+    result is erased by the lowering, and the write with it.
+    :data:`DEAD_WRITE`: nothing live but the (erased) write-back reads the
+    result, so dead-code elimination takes the write before any engine sees it
+    (``self.s2[:, :, i] = v`` followed by an unused ``self.s2.to(torch.float32)``,
+    whose only trace is an assertion on the written cache: found by the fuzzer).
     :data:`RETURNED_ONLY_WRITE`: only the graph's output reads it (the model
     returns the cache it wrote); aliasing would point that output at the buffer,
     leaving the engine's call, and the write in it, unused (found by the fuzzer:
     ``tests/trt_copyback/test_fuzz_target.py``).
     """
     chain = _copy_chain(value, write)
-    if any(len(n.users) != 1 for n in chain[1:]):
+    for later, node in itertools.pairwise(chain):
+        if any(u is not later and u in live for u in node.users):
+            return None
+    readers = [u for u in value.users if u in live]
+    if any(u.op != "output" for u in readers):
         return None
-    if any(u.op != "output" for u in value.users):
-        return None
-    return RETURNED_ONLY_WRITE if value.users else DEAD_WRITE
+    return RETURNED_ONLY_WRITE if readers else DEAD_WRITE
 
 
 def _detached(
@@ -161,14 +186,18 @@ def _detached(
 
 
 def _classify(
-    mutation: Mutation, by_name: dict[str, torch.fx.Node], engine: AliasingEngine, mode: Mode
+    mutation: Mutation,
+    by_name: dict[str, torch.fx.Node],
+    engine: AliasingEngine,
+    mode: Mode,
+    live: set[torch.fx.Node],
 ) -> tuple[BufferClass, torch.fx.Node | None]:
     placeholder, value = by_name[mutation.placeholder], by_name[mutation.value]
     write = engine_write(value, placeholder)
     node = write_node_of(write.write, value.graph)
     refusal = engine.alias_refusal(write)
     marked = False
-    unread = _unread(value, node) if refusal is None and mode is Mode.PREDICT else None
+    unread = _unread(value, node, live) if refusal is None and mode is Mode.PREDICT else None
     if unread is not None:
         refusal, marked = unread, True
     cls = BufferClass(
@@ -227,7 +256,8 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
         graph.output(tuple(v for v, _ in kept))
     graph.erase_node(old)
     by_name = {n.name: n for n in graph.nodes}
-    classes = [_classify(m, by_name, engine, mode) for m in mutations]
+    live = _live_nodes(graph)
+    classes = [_classify(m, by_name, engine, mode, live) for m in mutations]
     analysis = AliasAnalysis(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     written = [by_name[m.placeholder] for m in found]
