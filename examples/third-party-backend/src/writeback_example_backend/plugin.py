@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch.fx
 from writeback_core import (
     BackendSpec,
     Mutation,
@@ -15,6 +16,7 @@ from writeback_core import (
     WriteKind,
     hookimpl,
 )
+from writeback_core.ops import packet_name
 
 from writeback_example_backend import BACKEND_ID, BACKEND_NAME
 
@@ -27,6 +29,44 @@ def _partitioner(registry: Registry, **options: Any) -> Any:
 
     # Our partitioner only tags nodes; core wraps it and records the per-mutation decisions.
     return ExamplePartitioner(**options)
+
+
+def _overwrites(node: torch.fx.Node, state: torch.fx.Node) -> bool:
+    """``aten.copy(state, src)``: the functional write-back lands in ``state``, reading none of its values."""
+    return packet_name(node.target) == "copy" and bool(node.args) and node.args[0] is state
+
+
+def _reader_not_ordered_before(state: torch.fx.Node, write: torch.fx.Node) -> torch.fx.Node | None:
+    """A node that reads ``state``'s old value and may run after ``write``, or ``None``.
+
+    Writing ``state`` in place is safe only when every reader of its old value
+    runs before the write. Node order does not promise that (exir places each
+    fused delegate call where it likes: a functional ``s0.index_copy(...)``
+    delegated beside the in-place one ran after it); only a data dependency
+    does. So every node reached from ``state``, other than through ``write``
+    or a functional write-back into ``state`` (:func:`_overwrites`), must be an
+    ancestor of ``write``. The walk goes on through those ancestors
+    too: one may be a view of ``state`` (exir turns ``view_copy`` into a view),
+    whose later readers see the new value.
+    """
+    ancestors: set[torch.fx.Node] = set()
+    frontier = list(write.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            frontier.extend(node.all_input_nodes)
+    seen = {state}
+    frontier = [state]
+    while frontier:
+        for user in frontier.pop().users:
+            if user is write or user in seen or _overwrites(user, state):
+                continue
+            if user not in ancestors:
+                return user
+            seen.add(user)
+            frontier.append(user)
+    return None
 
 
 @hookimpl
@@ -52,7 +92,14 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
         # A buffer is planned memory; the value the caller gets back must live
         # elsewhere, so a copy is needed either way: keep exir's write-back.
         return False
-    return partition.contains(write.node)
+    if not partition.contains(write.node):
+        return False
+    # The partition takes only the write: another reader of the old value stays outside it.
+    nodes = {n.name: n for n in partition.graph.nodes}
+    state, node = nodes.get(mutation.placeholder), nodes.get(write.node)
+    if state is None or node is None:
+        return False
+    return _reader_not_ordered_before(state, node) is None
 
 
 @hookimpl
