@@ -52,13 +52,6 @@ def test_example_backend_keeps_its_contract_on_the_zoo(example_registry: Registr
         writes=("index_copy", "add", "slice"), max_buffers=1, max_inputs=1, max_statements=4, no_input_chance=False
     )
 )
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "open (issue 29): at CI scale the new out-of-range draws find a refused call leaving state changed "
-        "on stock+passes, a kv-alias AliasMismatchError and a ZeroDivisionError; not yet fixed"
-    ),
-)
 def test_example_backend_keeps_its_contract_on_generated_programs(spec: ProgramSpec) -> None:
     try:
         check_backend_contract(_registry(EXAMPLE_PLUGINS), "example", spec)
