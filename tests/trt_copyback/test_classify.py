@@ -264,3 +264,27 @@ def test_delegate_whose_only_outputs_are_aliased_writes_is_refused_not_dropped()
     engine = KVAliasEngine(excluded_ops=("aten.amax",))
     with pytest.raises(ValueError, match=r"would drop it as dead code, losing the writes of \['cache'\]"):
         compile_quietly(export(_ReadAfter(), (_rand(1, 2, 1, 4), torch.tensor([1]))), engine)
+
+
+class _ConvertedThenWritten(torch.nn.Module):
+    """An int64 cache converted (unused: export keeps only a dtype assertion on the old cache),
+    then written at ``pos`` and read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 2, 8, 4, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor]:
+        self.cache.to(torch.float32)
+        self.cache.index_copy_(2, pos, x)
+        return (self.cache * 2,)
+
+
+def test_dtype_assertion_on_the_old_cache_is_no_read_and_the_write_is_aliased() -> None:
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((1, 2, 1, 4), step + 1, dtype=torch.int64), torch.tensor([step])
+
+    cls = _only(_ConvertedThenWritten(), *inputs(0))
+    assert (cls.aliased, cls.read_before_write) == (True, False), cls.reason
+    compiled = run_against_eager(_ConvertedThenWritten, inputs)
+    assert compiled.aliased == ["cache"] and compiled.copy_back == []

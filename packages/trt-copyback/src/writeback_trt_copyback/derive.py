@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch.fx
 from writeback_core import meta
 from writeback_core.mutations import Dynamic, WriteKind, WriteShape, classify_write
-from writeback_core.ops import packet_name
+from writeback_core.ops import packet_name, schema_of
 from writeback_core.types import EngineWrite
 
 from writeback_trt_copyback.clones import peeled_input
@@ -99,6 +99,13 @@ def _shape_only(node: torch.fx.Node) -> bool:
     return bool(node.users) and all(packet_name(u.target) == "copy" and u.args[0] is node for u in node.users)
 
 
+def _metadata_check(node: torch.fx.Node) -> bool:
+    """``aten._assert_tensor_metadata(cache, ...)`` (what an unused ``cache.to(dtype)`` leaves):
+    it reads the dtype and device only, which no write changes, and exir erases it."""
+    schema = schema_of(node.target)
+    return schema is not None and schema.name == "aten::_assert_tensor_metadata"
+
+
 def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list[torch.fx.Node]:
     """The nodes that read ``cache``'s old values, other than ``write`` landing in it.
 
@@ -106,7 +113,8 @@ def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list
     is ``cache``; a computed value (``cache * 0.9 + x``) reads it.
 
     A clone of ``cache`` that the lowering peels counts as ``cache`` itself;
-    a slice whose values are only overwritten (:func:`_shape_only`) is no read.
+    a slice whose values are only overwritten (:func:`_shape_only`) and a
+    metadata assertion (:func:`_metadata_check`) are no reads.
     """
     lands = write is not None and packet_name(write.target) in _LANDING_WRITES
     dest = write.args[0] if lands and write is not None and write.args else None
@@ -114,7 +122,10 @@ def old_value_readers(cache: torch.fx.Node, write: torch.fx.Node | None) -> list
     if isinstance(dest, torch.fx.Node) and dest is not cache and peeled_input(dest) is cache:
         holders.append(dest)
     return [
-        u for h in holders for u in h.users if not (lands and u is write) and u not in holders and not _shape_only(u)
+        u
+        for h in holders
+        for u in h.users
+        if not (lands and u is write) and u not in holders and not _shape_only(u) and not _metadata_check(u)
     ]
 
 
