@@ -91,6 +91,16 @@ CASES: dict[str, tuple[dict[str, Any] | None, int, str]] = {
         0,
         r"slice_scatter: source of shape \[1, 3\], expected \[2, 3\]",
     ),
+    "mm_shapes": (
+        _node("x", "aten.mm.default", [R, R]),
+        0,
+        r"aten.mm.default: its arguments' shapes do not fit the op \(\[matmul\]",
+    ),
+    "add_shapes_of_a_renamed_reference": (
+        _node("x", "aten.add.Tensor", [{"$v": "emb"}, {"$v": "cache"}]),
+        0,
+        r"aten.add.Tensor: its arguments' shapes do not fit the op \(\[broadcast_shapes\]",
+    ),
     "index_put_indices": (
         _node("x", "aten.index_put.default", [R, [{"$v": "pos"}, {"$v": "pos"}, {"$v": "pos"}], R]),
         0,

@@ -366,5 +366,17 @@ def check_literals(
                 ) from None
         try:
             env[step.name] = call(step, args, kwargs, traced=True)
+        except ValueError as error:
+            message = str(error)
+            if message.startswith("[") and "shape" in message.lower():
+                # MLX builds the graph lazily but works out every shape now: arguments whose
+                # traced shapes do not fit the op (a reference renamed, a shape changed).
+                raise BlobError(
+                    _DELEGATE,
+                    f"nodes[{position}]",
+                    step.name,
+                    f"{step.op}: its arguments' shapes do not fit the op ({message}); nothing was run",
+                ) from None
+            return  # the step's own checks raise again when it runs
         except Exception:  # the step's own checks raise again when it runs
             return
