@@ -155,7 +155,7 @@ class CustomOpsDecoder(nn.Module):
     def __init__(self, model: Any, max_cache_len: int) -> None:
         super().__init__()
         from transformers import StaticCache
-        from transformers.integrations.executorch import get_head_shapes  # type: ignore[attr-defined]
+        from transformers.integrations.executorch import get_head_shapes  # type: ignore[attr-defined]  # not in its __all__
 
         refusal = custom_ops_refusal(model.config)
         if refusal is not None:
@@ -195,8 +195,8 @@ class CustomOpsDecoder(nn.Module):
                 f"positions [{start}, {start + n}) do not fit the cache of {self.max_cache_len} positions; "
                 "start a new generation or export with a longer cache"
             )
-        torch._check(start >= 0)  # type: ignore[no-untyped-call]
-        torch._check(start + n <= self.max_cache_len)  # type: ignore[no-untyped-call]
+        torch._check(start >= 0)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        torch._check(start + n <= self.max_cache_len)  # type: ignore[no-untyped-call]  # unannotated in torch
         position_ids = (torch.arange(n) + start).unsqueeze(0)
         # The layers write the buffers as this call sees them (torch.export traces the module's
         # attributes, not tensors held elsewhere).

@@ -197,7 +197,7 @@ def _constant_in_range(index: torch.fx.Node, size: int) -> bool:
         bounds.append(1)
     if len(bounds) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in bounds):
         return False
-    start, end, step = (int(v) for v in bounds)  # type: ignore[arg-type]
+    start, end, step = (int(v) for v in bounds)  # type: ignore[arg-type]  # ints, checked above
     if step <= 0:
         return False
     values = range(start, end, step)
@@ -222,7 +222,7 @@ def _cone(
             continue
         if node.op != "call_function" or _writes(node) or node.is_impure():
             return [], f"its index depends on {_describe(node)}, which runs after the first write"
-        if node.target is operator.getitem and node.args and _is_delegate_call(node.args[0]):  # type: ignore[arg-type]
+        if node.target is operator.getitem and node.args and _is_delegate_call(node.args[0]):  # type: ignore[arg-type]  # a Node: a getitem's input
             return [], f"its index depends on {node.name}, a delegate's output"
         cone.add(node)
         frontier.extend(node.all_input_nodes)
@@ -385,7 +385,7 @@ def _replace(use: _Use, check: torch.fx.Node) -> None:
     if item is None:
         args[position] = check
     else:
-        entries = list(args[position])  # type: ignore[arg-type]
+        entries = list(args[position])  # type: ignore[arg-type]  # the indices list, per _index_uses
         entries[item] = check
         args[position] = entries
     use.node.args = tuple(args)
