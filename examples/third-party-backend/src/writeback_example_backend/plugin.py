@@ -56,17 +56,31 @@ def _reader_not_ordered_before(state: torch.fx.Node, write: torch.fx.Node) -> to
         if node not in ancestors:
             ancestors.add(node)
             frontier.extend(node.all_input_nodes)
+    position = {n: i for i, n in enumerate(write.graph.nodes)}
     seen = {state}
     frontier = [state]
     while frontier:
         for user in frontier.pop().users:
             if user is write or user in seen or _overwrites(user, state):
                 continue
-            if user not in ancestors:
+            if user not in ancestors and not _kept_before(user, write, position):
                 return user
             seen.add(user)
-            frontier.append(user)
+            if user in ancestors or packet_name(user.target) == "view_copy":
+                frontier.append(user)  # its readers read the state too (a view, once exir makes one)
     return None
+
+
+def _kept_before(node: torch.fx.Node, write: torch.fx.Node, position: dict[torch.fx.Node, int]) -> bool:
+    """Whether ``node`` runs before ``write`` without a data dependency: it stays outside every
+    partition (only one-index writes are delegated, each alone) and comes first in the graph,
+    whose order exir keeps for the nodes it does not fuse; an aten op that computes a new
+    value, not a clone, which the passes treat as a possible alias of the state."""
+    from writeback_example_backend.backend import _single_index_dim  # exir: only while lowering
+
+    if node.op != "call_function" or packet_name(node.target) in (None, "clone"):
+        return False  # a copy (exir's clone) may share the state's memory later: not a plain read
+    return _single_index_dim(node) is None and position[node] < position[write]
 
 
 @hookimpl
