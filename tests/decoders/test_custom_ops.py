@@ -96,8 +96,9 @@ def test_custom_ops_decoder_generates_transformers_static_cache_greedy_tokens(ma
         ({"sliding_window": 16, "use_sliding_window": True}, "a sliding window of 16 positions"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layers of type ['sliding_attention']"),
         ({"attn_logit_softcapping": 30.0}, "attention logit soft-capping"),
+        ({"is_encoder_decoder": True}, "an encoder-decoder model"),
     ],
-    ids=["sliding-window", "sliding-layers", "softcapping"],
+    ids=["sliding-window", "sliding-layers", "softcapping", "encoder-decoder"],
 )
 def test_attention_the_kernels_do_not_compute_is_refused_by_name(change: dict[str, Any], named: str) -> None:
     config = _qwen2()
@@ -106,6 +107,22 @@ def test_attention_the_kernels_do_not_compute_is_refused_by_name(change: dict[st
     assert named in (custom_ops_refusal(config) or "")
     with pytest.raises(CustomOpsUnsupported, match=f"uses {re.escape(named)}.*static-cache attention instead"):
         CustomOpsDecoder(_Configured(config), CACHE)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"s_aux": torch.zeros(4)}, "arguments ['s_aux']"), ({"dropout": 0.1}, "dropout")],
+    ids=["attention-sinks", "dropout"],
+)
+def test_attention_asked_for_what_custom_sdpa_does_not_compute_is_refused_by_name(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    from writeback_decoders.custom_ops import _attention
+
+    q = torch.zeros(1, 4, 1, 16)
+    cache = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(CustomOpsUnsupported, match=re.escape(named)):
+        _attention(torch.nn.Module(), q, cache, cache, None, **kwargs)
 
 
 def test_hf_case_refuses_custom_ops_for_a_windowed_config_naming_the_window() -> None:
