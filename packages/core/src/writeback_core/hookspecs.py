@@ -73,7 +73,7 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     """Called when the pipeline assembles the passes of one stage of its lowering.
 
-    :param stage: ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
+    :param stage: ``"exported"``, ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
         ``writeback_core.types.Stage``).
     :return: the passes this plugin runs at that stage; empty for none.
     """

@@ -285,8 +285,9 @@ def partition(
     backend: BackendSpec | None,
     constant_methods: Mapping[str, Any] | None = None,
 ) -> Partitioned:
-    """``to_edge_transform_and_lower`` of ``program`` with the registry's ``"before_partition"``
-    passes and ``backend``'s partitioner (none: no delegate), wrapped by
+    """``to_edge_transform_and_lower`` of ``program`` (after the registry's ``"exported"``
+    passes edit a copy of it) with the registry's ``"before_partition"`` passes and
+    ``backend``'s partitioner (none: no delegate), wrapped by
     :func:`writeback_core.annotating` so core records a decision per mutation a partition touches.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
     ``forward``.
@@ -305,10 +306,13 @@ def partition(
         wrapped = annotating(backend.partitioner(registry), backend.name, registry)
     # Passes of the "before_partition" stage edit the functional edge graph the partitioner sees.
     transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")] if registry else []
+    own = _own_tables(program)
     try:
+        for program_pass in registry.program_passes("exported") if registry else []:
+            program_pass.run(own)
         with known_warnings_ignored():
             edge = to_edge_transform_and_lower(
-                _own_tables(program),
+                own,
                 transform_passes=transforms or None,
                 partitioner=[wrapped] if wrapped is not None else [],
                 constant_methods=dict(constant_methods) if constant_methods else None,
@@ -713,6 +717,6 @@ def pass_names(registry: Registry | None) -> tuple[str, ...]:
         return ()
     return tuple(
         p.name
-        for stage in ("before_partition", "edge", "before_memory_planning")
+        for stage in ("exported", "before_partition", "edge", "before_memory_planning")
         for p in registry.program_passes(stage)
     )

@@ -26,6 +26,10 @@ __all__ = [
 ]
 
 # Where a program pass runs:
+#   "exported": on the ATen ``ExportedProgram`` from ``torch.export``, before ``to_edge``
+#           (a copy the lowering owns; edited in place: a function
+#           ``ExportedProgram -> Any``, its result ignored); the graph still has its
+#           in-place ops and ``scaled_dot_product_attention`` undecomposed;
 #   "before_partition": on the edge ``GraphModule`` after ``to_edge``, before the
 #           backend's partitioner tags it (``to_edge_transform_and_lower``'s
 #           ``transform_passes``; a function ``GraphModule -> PassResult | None``);
@@ -35,7 +39,7 @@ __all__ = [
 #   "before_memory_planning": on the ``GraphModule`` after exir inserted its
 #           write-backs and before memory planning (``ExecutorchBackendConfig.passes``;
 #           a function ``GraphModule -> PassResult | None``).
-Stage = Literal["before_partition", "edge", "before_memory_planning"]
+Stage = Literal["exported", "before_partition", "edge", "before_memory_planning"]
 
 
 @dataclass(frozen=True)

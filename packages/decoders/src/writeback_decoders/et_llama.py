@@ -16,8 +16,9 @@ seed, same weights) with its source transformations: the custom KV cache
 
 from __future__ import annotations
 
+import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,7 +77,10 @@ class ETLlamaConfig:
         return self.layers * 2 * self.kv_heads * self.max_seq * self.head_dim * 4
 
 
-def _model_args(cfg: ETLlamaConfig) -> Any:
+def _model_args(cfg: ETLlamaConfig, dynamic: bool = False) -> Any:
+    """The example's arguments; ``dynamic``: ExecuTorch's ``enable_dynamic_shape`` (the cache
+    written by ``index_copy_`` at ``arange(n) + start``, the mask narrowed to ``n`` rows), as
+    ``export_llama --enable_dynamic_shape`` builds it."""
     from executorch.examples.models.llama.model_args import ModelArgs
 
     return ModelArgs(
@@ -91,20 +95,54 @@ def _model_args(cfg: ETLlamaConfig) -> Any:
         max_seq_len=cfg.max_seq,
         max_context_len=cfg.max_seq,
         use_kv_cache=True,
+        enable_dynamic_shape=dynamic,
     )
 
 
-def _build(cfg: ETLlamaConfig) -> nn.Module:
-    from executorch.examples.models.llama.llama_transformer import construct_transformer
+_CHECK_IS_SIZE = "_check_is_size will be removed"
 
-    module: nn.Module = seeded(cfg.seed, lambda: construct_transformer(_model_args(cfg)))
+
+def _quiet_forward(module: nn.Module) -> nn.Module:
+    """``module`` with its ``forward`` silent about ``torch._check_is_size``'s deprecation: the
+    example's dynamic-shape path checks its start position with it at every call (torch 2.13
+    deprecates it); nothing a user of the example can act on. The module, its parameters and
+    buffers are unchanged."""
+    forward = module.forward
+
+    @functools.wraps(forward)  # the signature torch.export matches dynamic shapes against
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_CHECK_IS_SIZE, category=FutureWarning)
+            return forward(*args, **kwargs)
+
+    module.forward = quiet  # an instance's forward, so state names stay the model's
     return module
 
 
-def _inputs(token: int, position: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-    return (torch.tensor([[token]], dtype=torch.int64),), {
+def _build(cfg: ETLlamaConfig, dynamic: bool = False) -> nn.Module:
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+
+    module: nn.Module = seeded(cfg.seed, lambda: construct_transformer(_model_args(cfg, dynamic)))
+    return _quiet_forward(module) if dynamic else module
+
+
+def _inputs(token: int | list[int], position: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    tokens = [token] if isinstance(token, int) else token
+    return (torch.tensor([tokens], dtype=torch.int64),), {
         "attn_options": {"input_pos": torch.tensor([position], dtype=torch.int64)}
     }
+
+
+def _prefill_export(module: nn.Module, max_seq: int) -> ExportedProgram:
+    """``module`` exported as ``export_llama --enable_dynamic_shape`` does: the token dimension
+    dynamic, 1 to ``max_seq`` tokens, from a two-token example; ``input_pos`` one start
+    position."""
+    from writeback_core.lowering import export_model
+
+    tokens = torch.export.Dim("tokens", min=1, max=max_seq)
+    args, kwargs = _inputs([1, 1], 0)
+    shapes = ({1: tokens}, {"input_pos": {0: torch.export.Dim.STATIC}})
+    return export_model(module, args, kwargs, strict=False, dynamic_shapes=shapes, name="model 'et-llama'")
 
 
 def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
@@ -113,20 +151,28 @@ def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
     return logits
 
 
-def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
-    """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights)."""
+def _custom_ops_module(cfg: ETLlamaConfig, dynamic: bool = False) -> nn.Module:
+    """The same model (same weights) with ExecuTorch's custom KV cache and SDPA source
+    transformations."""
     from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
         replace_kv_cache_with_custom_kv_cache,
     )
     from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
+
+    module: nn.Module = replace_sdpa_with_custom_op(replace_kv_cache_with_custom_kv_cache(_build(cfg, dynamic)))
+    return _quiet_forward(module)
+
+
+def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
+    """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights)."""
     from writeback_core.lowering import export_model
 
-    module = replace_sdpa_with_custom_op(replace_kv_cache_with_custom_kv_cache(_build(cfg)))
+    module = _custom_ops_module(cfg)
     args, kwargs = _inputs(1, 0)
     with warnings.catch_warnings():
         # The custom ops check their start position with torch._check_is_size, which torch 2.13
         # deprecates; nothing a user of the example can act on.
-        warnings.filterwarnings("ignore", message="_check_is_size will be removed", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=_CHECK_IS_SIZE, category=FutureWarning)
         return export_model(module, args, kwargs, strict=False)
 
 
@@ -145,6 +191,10 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
     and cached in the case). The call is ``model(tokens, attn_options={"input_pos":
     pos})``; the program's inputs are ``tokens`` and ``input_pos``; it returns the
     logits ``[1, vocab]``.
+
+    Its ``dynamic_prefill`` is the model ExecuTorch's ``export_llama --enable_dynamic_shape``
+    exports: ``n`` tokens from ``input_pos`` in one call (1 to ``max_seq``), logits of the
+    last; its contender ``et-custom-ops`` is the same with ExecuTorch's custom ops.
     """
     if cache_mib is not None:
         config = ETLlamaConfig.for_cache_mib(cache_mib)
@@ -157,7 +207,7 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
     def step_kwargs(step: int) -> dict[str, Any]:
         return _inputs(greedy.token(step), greedy.position(step))[1]
 
-    return ModelCase(
+    case = ModelCase(
         name="et-llama",
         description=(
             f"ExecuTorch's Llama example, {cfg.layers} layers, dim {cfg.dim}, KV cache "
@@ -175,3 +225,25 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
             max_seq_len=1, max_context_len=cfg.max_seq, vocab_size=cfg.vocab, bos_id=1, eos_ids=(), dynamic_shape=False
         ),
     )
+
+    def dynamic_prefill() -> ModelCase:
+        return replace(
+            case,
+            description=(
+                f"{case.description}; token dimension dynamic up to {cfg.max_seq} (prompt prefilled in one call)"
+            ),
+            build=lambda: _build(cfg, dynamic=True),
+            exported=lambda: _prefill_export(_build(cfg, dynamic=True), cfg.max_seq),
+            contenders={"et-custom-ops": lambda: _prefill_export(_custom_ops_module(cfg, dynamic=True), cfg.max_seq)},
+            constant_methods=runner_metadata(
+                max_seq_len=cfg.max_seq,
+                max_context_len=cfg.max_seq,
+                vocab_size=cfg.vocab,
+                bos_id=1,
+                eos_ids=(),
+                dynamic_shape=True,
+            ),
+            dynamic_prefill=None,
+        )
+
+    return replace(case, dynamic_prefill=dynamic_prefill)
