@@ -42,6 +42,7 @@ def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
     pipeline = assemble(registry)
     lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
     assert lowered.passes == (
+        "runner_attention",
         "bound_attention",
         "functional_copies_as_views",
         "scale_smaller_operand",

@@ -20,6 +20,9 @@ from writeback_core import load_registry
 from writeback_core.lowering import export_case, export_model, lower
 from writeback_passes import plugin as passes_plugin
 from writeback_passes.bounded_attention import BoundReport, bound_attention
+from writeback_passes.runner_attention import attention_to_runner_kernels
+
+RUNNER = "runner_attention"
 
 POSITIONS, HEADS, DIM = 16, 2, 8
 
@@ -43,6 +46,11 @@ class Layer(torch.nn.Module):
             table = torch.zeros(POSITIONS, POSITIONS).masked_fill(~table, torch.finfo(torch.float32).min)
         elif variant == "float":
             table = torch.zeros(POSITIONS, POSITIONS).masked_fill(~table, float("-inf"))
+        elif variant == "window":  # a sliding window of 4: causal, not exactly is_causal
+            table = torch.tril(torch.ones(POSITIONS, POSITIONS, dtype=torch.bool)).triu(-3)
+        elif variant == "float-window":
+            window = torch.tril(torch.ones(POSITIONS, POSITIONS, dtype=torch.bool)).triu(-3)
+            table = torch.zeros(POSITIONS, POSITIONS).masked_fill(~window, float("-inf"))
         elif variant == "one-column":  # broadcast along the keys: every key open
             table = torch.ones(POSITIONS, 1, dtype=torch.bool)
         self.register_buffer("table", table, persistent=False)
@@ -57,6 +65,8 @@ class Layer(torch.nn.Module):
         torch._check(start + n <= POSITIONS)
         q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
         rows = torch.arange(n) + start
+        if self.variant == "rows-from-input":
+            rows = input_pos + torch.arange(n)
         keys = self.cache_k.index_copy_(2, rows, k)
         values = self.cache_v.index_copy_(2, rows, v)
         if self.variant == "computed-keys":
@@ -70,6 +80,8 @@ class Layer(torch.nn.Module):
             self.table.logical_and_(torch.ones_like(self.table))
         dropout = 0.5 if self.variant == "dropout" else 0.0
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout)
+        if self.variant == "cache-read-twice":
+            out = out + keys.mean()
         return out.transpose(1, 2).reshape(1, n, HEADS * DIM)
 
 
@@ -102,19 +114,30 @@ def _report(variant: str) -> BoundReport:
     return bound_attention(_export(Layer(variant).eval()))
 
 
-@pytest.mark.parametrize("variant", ["", "float"])
+@pytest.mark.parametrize(
+    ("variant", "pass_name"),
+    [("window", "bound_attention"), ("float-window", "bound_attention"), ("", RUNNER), ("float", RUNNER)],
+)
 @pytest.mark.parametrize("backend", ["portable", pytest.param("xnnpack", marks=pytest.mark.slow)])
-def test_bounded_attention_answers_as_eager_over_prompts_of_several_lengths(variant: str, backend: str) -> None:
+def test_attention_answers_as_eager_over_prompts_of_several_lengths(variant: str, pass_name: str, backend: str) -> None:
+    """A sliding-window table is bounded (``bound_attention``); an exactly causal one moves onto
+    the runner's kernels (``runner_attention``, which reports it and leaves nothing to bound)."""
     from executorch.runtime import Runtime
 
     module = Layer(variant).eval()
     eager = copy.deepcopy(module)
     exported = _export(module)
-    assert len(bound_attention(copy.deepcopy(exported)).bounded) == 1
+    runner = attention_to_runner_kernels(copy.deepcopy(exported))
+    assert len(runner.rewritten) == (pass_name == RUNNER)
+    if pass_name != RUNNER:
+        assert "not exactly causal" in next(iter(runner.refused.values()))
+        assert len(bound_attention(copy.deepcopy(exported)).bounded) == 1
     registry = load_registry(entry_points=False, plugins=[passes_plugin])
     lowered = lower(exported, registry, registry.backends()[backend], "planned")
-    assert lowered.passes[0] == "bound_attention"
+    assert lowered.passes[:2] == (RUNNER, "bound_attention")
     assert lowered.write_back_bytes == {}  # the caches stay written in place
+    operators = {op.name for op in lowered.program.executorch_program.execution_plan[0].operators}
+    assert ("llama::custom_sdpa" in operators) == (pass_name == RUNNER)
     method = Runtime.get().load_program(lowered.pte).load_method("forward")
     start = 0
     torch.manual_seed(1)
@@ -131,7 +154,7 @@ def test_bounded_attention_answers_as_eager_over_prompts_of_several_lengths(vari
 def test_bounded_attention_reads_a_shorter_key_axis_than_the_cache() -> None:
     """The attention's keys are ``[0, start + n)``: at start 3 with 2 tokens, 5 of 16 positions,
     and the answer is eager's."""
-    module = Layer().eval()
+    module = Layer("window").eval()
     eager = copy.deepcopy(module)
     exported = _export(module)
     bound_attention(exported)
@@ -184,6 +207,46 @@ def test_a_cache_the_caller_passes_is_refused_naming_the_input() -> None:
     assert report.bounded == []
     (why,) = report.refused.values()
     assert "read from input 'cache'" in why and "non-finite" in why
+    runner = attention_to_runner_kernels(_export(CallerCache().eval(), caller_cache=True))
+    assert runner.rewritten == [] and "read from input 'cache'" in next(iter(runner.refused.values()))
+
+
+RUNNER_REFUSALS: list[tuple[str, str]] = [
+    ("window", "not exactly causal"),
+    ("rows-from-input", "rows are not written at arange(n) + start"),
+    ("cache-read-twice", "is read by more than this attention"),
+    ("repeat-along-keys", "reshaped along its key axis"),
+]
+
+
+@pytest.mark.parametrize(("variant", "reason"), RUNNER_REFUSALS)
+def test_each_runner_kernel_refusal_fires_and_leaves_the_graph_unchanged(variant: str, reason: str) -> None:
+    exported = _export(Layer(variant).eval())
+    before = [str(n.args) for n in exported.graph_module.graph.nodes]
+    report = attention_to_runner_kernels(exported)
+    assert report.rewritten == []
+    (why,) = report.refused.values()
+    assert reason in why
+    assert [str(n.args) for n in exported.graph_module.graph.nodes] == before
+
+
+def test_runner_kernels_store_the_cache_positions_first_with_the_same_bytes() -> None:
+    """The rewritten program keeps the cache buffer (same name, same bytes) as ``[1, positions,
+    heads, dim]``, and answers as eager over two calls."""
+    module = Layer().eval()
+    eager = copy.deepcopy(module)
+    exported = _export(module)
+    assert attention_to_runner_kernels(exported).rewritten == ["scaled_dot_product_attention"]
+    assert exported.state_dict["cache_k"].shape == (1, POSITIONS, HEADS, DIM)
+    targets = {str(n.target) for n in exported.graph_module.graph.nodes}
+    assert {"llama.update_cache.default", "llama.custom_sdpa.default"} <= targets
+    assert "aten.index_copy_.default" not in targets
+    runnable = exported.module()
+    with torch.no_grad():
+        for start, n in ((0, 4), (4, 1)):
+            x = torch.randn(1, n, DIM)
+            got = runnable(x, torch.tensor([start]))
+            torch.testing.assert_close(got, eager(x, torch.tensor([start])), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -133,16 +133,31 @@ def _inputs(token: int | list[int], position: int) -> tuple[tuple[torch.Tensor, 
     }
 
 
-def _prefill_export(module: nn.Module, max_seq: int) -> ExportedProgram:
+def _prefill_export(module: nn.Module, max_seq: int, canonical: bool = False) -> ExportedProgram:
     """``module`` exported as ``export_llama --enable_dynamic_shape`` does: the token dimension
     dynamic, 1 to ``max_seq`` tokens, from a two-token example; ``input_pos`` one start
-    position."""
+    position. ``canonical``: then its canonical passes run (:func:`_canonical`)."""
     from writeback_core.lowering import export_model
 
     tokens = torch.export.Dim("tokens", min=1, max=max_seq)
     args, kwargs = _inputs([1, 1], 0)
     shapes = ({1: tokens}, {"input_pos": {0: torch.export.Dim.STATIC}})
-    return export_model(module, args, kwargs, strict=False, dynamic_shapes=shapes, name="model 'et-llama'")
+    program = export_model(module, args, kwargs, strict=False, dynamic_shapes=shapes, name="model 'et-llama'")
+    return _canonical(program, args, kwargs, shapes) if canonical else program
+
+
+def _canonical(program: ExportedProgram, args: Any, kwargs: Any, shapes: Any = None) -> ExportedProgram:
+    """``program`` after the graph passes ExecuTorch's LLM export (``LLMEdgeManager``) runs on every
+    export before lowering, re-exported as it re-exports: ``RemoveRedundantTransposes``, which
+    cancels the transpose pair the custom KV cache puts around each whole cache (its storage is
+    ``[B, S, H, D]``, its callers read ``[B, H, S, D]``)."""
+    from executorch.extension.llm.export.export_passes import RemoveRedundantTransposes
+
+    result = RemoveRedundantTransposes()(program.module())
+    assert result is not None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CHECK_IS_SIZE, category=FutureWarning)
+        return torch.export.export(result.graph_module, args, kwargs, strict=False, dynamic_shapes=shapes)
 
 
 def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
@@ -164,7 +179,8 @@ def _custom_ops_module(cfg: ETLlamaConfig, dynamic: bool = False) -> nn.Module:
 
 
 def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
-    """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights)."""
+    """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights), with the
+    canonical passes of ExecuTorch's LLM export."""
     from writeback_core.lowering import export_model
 
     module = _custom_ops_module(cfg)
@@ -173,7 +189,8 @@ def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
         # The custom ops check their start position with torch._check_is_size, which torch 2.13
         # deprecates; nothing a user of the example can act on.
         warnings.filterwarnings("ignore", message=_CHECK_IS_SIZE, category=FutureWarning)
-        return export_model(module, args, kwargs, strict=False)
+        program = export_model(module, args, kwargs, strict=False)
+    return _canonical(program, args, kwargs)
 
 
 def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None = None) -> ModelCase:
@@ -234,7 +251,9 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
             ),
             build=lambda: _build(cfg, dynamic=True),
             exported=lambda: _prefill_export(_build(cfg, dynamic=True), cfg.max_seq),
-            contenders={"et-custom-ops": lambda: _prefill_export(_custom_ops_module(cfg, dynamic=True), cfg.max_seq)},
+            contenders={
+                "et-custom-ops": lambda: _prefill_export(_custom_ops_module(cfg, dynamic=True), cfg.max_seq, True)
+            },
             constant_methods=runner_metadata(
                 max_seq_len=cfg.max_seq,
                 max_context_len=cfg.max_seq,

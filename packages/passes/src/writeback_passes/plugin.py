@@ -77,7 +77,8 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """At ``"exported"``: attention bounded to the keys its mask opens. At
+    """At ``"exported"``: a static cache's causal attention moved onto the LLM runner's
+    kernels (order -10), then attention bounded to the keys its mask opens (0). At
     ``"before_partition"``: reshape-only copies made views (order 0), then each scalar
     multiply of a ``bmm`` operand moved to the smaller one (10). At
     ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order 50),
@@ -86,8 +87,9 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     checked before the first state write (110: a refused call changes nothing)."""
     if stage == "exported":
         from writeback_passes.bounded_attention import bound_attention_pass
+        from writeback_passes.runner_attention import runner_attention_pass
 
-        return (bound_attention_pass(),)
+        return (runner_attention_pass(), bound_attention_pass())
     if stage == "before_partition":
         from writeback_passes.attention import scale_smaller_operand_pass
         from writeback_passes.view_copies import functional_copies_as_views_pass
