@@ -60,7 +60,7 @@ class Layer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
-        start = input_pos[0].item()
+        start = input_pos.max().item() if self.variant == "start-from-max" else input_pos[0].item()
         torch._check(start >= 0)
         torch._check(start + n <= POSITIONS)
         q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
@@ -69,6 +69,9 @@ class Layer(torch.nn.Module):
             rows = input_pos + torch.arange(n)
         keys = self.cache_k.index_copy_(2, rows, k)
         values = self.cache_v.index_copy_(2, rows, v)
+        if self.variant == "slice-assigned":  # the cache written as k_cache[:, :, rows] = k
+            self.cache_k[:, :, rows] = k
+            keys = self.cache_k
         if self.variant == "computed-keys":
             keys = keys * 2
         if self.variant == "repeat-along-keys":
@@ -216,7 +219,37 @@ RUNNER_REFUSALS: list[tuple[str, str]] = [
     ("rows-from-input", "rows are not written at arange(n) + start"),
     ("cache-read-twice", "is read by more than this attention"),
     ("repeat-along-keys", "reshaped along its key axis"),
+    ("slice-assigned", "is not a cache written by index_copy_"),
+    ("start-from-max", "the mask's start is not an element of a one-element input"),
 ]
+
+
+class CallerMask(Layer):
+    """The same attention with the mask table passed by the caller."""
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # a third input: the caller's mask table
+        n = x.shape[1]
+        start = input_pos[0].item()
+        torch._check(start >= 0)
+        torch._check(start + n <= POSITIONS)
+        q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+        keys = self.cache_k.index_copy_(2, torch.arange(n) + start, k)
+        values = self.cache_v.index_copy_(2, torch.arange(n) + start, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=table.narrow(0, start, n))
+        return out.transpose(1, 2).reshape(1, n, HEADS * DIM)
+
+
+def test_a_mask_table_the_caller_passes_is_refused_by_both_passes() -> None:
+    def exported() -> Any:
+        tokens = torch.export.Dim("tokens", min=1, max=POSITIONS)
+        table = torch.tril(torch.ones(POSITIONS, POSITIONS, dtype=torch.bool))
+        args = (torch.randn(1, 2, DIM), torch.tensor([0]), table)
+        return export_model(CallerMask().eval(), args, strict=False, dynamic_shapes=({1: tokens}, None, None))
+
+    bounded = bound_attention(exported())
+    assert bounded.bounded == [] and "is not a constant of the program" in next(iter(bounded.refused.values()))
+    runner = attention_to_runner_kernels(exported())
+    assert runner.rewritten == [] and "is not a constant of the program" in next(iter(runner.refused.values()))
 
 
 @pytest.mark.parametrize(("variant", "reason"), RUNNER_REFUSALS)
