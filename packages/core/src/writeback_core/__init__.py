@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from writeback_core._name import NAME
 from writeback_core.alias import AliasAnalysis
 from writeback_core.blob import InPlaceOutput, encode_in_place_outputs, in_place_outputs
+from writeback_core.copies import CopyLeft, CopyLeftWarning, copies_left
 from writeback_core.mutations import (
     Dynamic,
     Mutation,
@@ -33,7 +34,12 @@ from writeback_core.registry import (
 from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
 
 if TYPE_CHECKING:
-    from writeback_core.partition import AnnotatingPartitioner, annotating, record_in_place_decisions
+    from writeback_core.partition import (
+        AnnotatingPartitioner,
+        annotating,
+        record_in_place_decisions,
+        to_edge_arguments,
+    )
     from writeback_core.zoo import ModelCase, builtin_models
 
 __all__ = [
@@ -41,6 +47,8 @@ __all__ = [
     "AliasAnalysis",
     "AnnotatingPartitioner",
     "BackendSpec",
+    "CopyLeft",
+    "CopyLeftWarning",
     "Dynamic",
     "InPlaceConflictError",
     "InPlaceDecision",
@@ -58,6 +66,7 @@ __all__ = [
     "annotating",
     "builtin_models",
     "classify_write",
+    "copies_left",
     "encode_in_place_outputs",
     "find_mutations",
     "hookimpl",
@@ -65,12 +74,14 @@ __all__ = [
     "in_place_outputs",
     "load_registry",
     "record_in_place_decisions",
+    "to_edge_arguments",
 ]
 
 _LAZY = {
     "AnnotatingPartitioner": "writeback_core.partition",
     "annotating": "writeback_core.partition",
     "record_in_place_decisions": "writeback_core.partition",
+    "to_edge_arguments": "writeback_core.partition",
     # The zoo is the application's: the contract (registry, hookspecs) never imports it.
     "ModelCase": "writeback_core.zoo",
     "builtin_models": "writeback_core.zoo",

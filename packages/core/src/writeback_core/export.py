@@ -26,7 +26,7 @@ from writeback_core.pipeline import PipelineError, assemble
 from writeback_core.registry import Registry
 from writeback_core.run import state_lines
 
-__all__ = ["ExportReport", "export_command", "runner_loads"]
+__all__ = ["ExportReport", "export_command", "runner_loads", "where_it_loads"]
 
 # Backends whose delegates the stock ExecuTorch runtime (and so its LLM runner) has linked in.
 _STOCK_BACKENDS = frozenset({"portable", "xnnpack"})
@@ -45,6 +45,20 @@ def runner_loads(backend: str | None) -> bool:
     """Whether ExecuTorch's stock runtime, and so ``TextLLMRunner``, can load a program
     lowered for ``backend`` (``None``: no delegate)."""
     return backend is None or backend in _STOCK_BACKENDS
+
+
+def where_it_loads(backend: str | None, pte_path: Path) -> str:
+    """One line saying which runtime loads a program lowered for ``backend``, and how."""
+    if runner_loads(backend):
+        return (
+            f"loads in ExecuTorch's stock runtime (executorch.runtime.Runtime.get().load_program('{pte_path}')) "
+            "and its LLM runner"
+        )
+    return (
+        f"needs writeback's runtime: writeback_pybind_runtime.Runtime.get().load_program('{pte_path}') with the "
+        f"{backend} backend's package installed (writeback-pybind-runtime registers its delegate); ExecuTorch's "
+        "stock runtime and TextLLMRunner fail to load it (backend not registered)"
+    )
 
 
 def _default_backend(registry: Registry) -> str:
@@ -85,10 +99,7 @@ def _lines(report: ExportReport) -> list[str]:
             "--prompt TEXT"
         )
     else:
-        lines.append(
-            f"needs writeback's runtime (writeback-pybind-runtime and the {backend} backend's package): "
-            "ExecuTorch's stock runtime and TextLLMRunner do not have its delegate registered"
-        )
+        lines.append(where_it_loads(lowered.backend, report.pte_path))
     return lines
 
 

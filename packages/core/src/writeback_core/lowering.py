@@ -42,6 +42,7 @@ from writeback_core.types import BackendSpec, ProgramPass
 if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
 
+    from writeback_core.copies import CopyLeft
     from writeback_core.zoo import ModelCase
 
 __all__ = [
@@ -285,10 +286,10 @@ def partition(
     backend: BackendSpec | None,
     constant_methods: Mapping[str, Any] | None = None,
 ) -> Partitioned:
-    """``to_edge_transform_and_lower`` of ``program`` (after the registry's ``"exported"``
-    passes edit a copy of it) with the registry's ``"before_partition"`` passes and
-    ``backend``'s partitioner (none: no delegate), wrapped by
-    :func:`writeback_core.annotating` so core records a decision per mutation a partition touches.
+    """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
+    delegate) inside a :class:`~writeback_core.partition.LoweringPartitioner`, which runs the
+    registry's ``"exported"`` passes on a copy of the program and its ``"before_partition"``
+    passes on the edge program, and records core's decision per mutation a partition touches.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
     ``forward``.
 
@@ -296,27 +297,29 @@ def partition(
     """
     from executorch.exir import to_edge_transform_and_lower
 
-    from writeback_core.partition import annotating
+    from writeback_core.partition import LoweringPartitioner, edge_arguments
 
-    wrapped = None
-    if backend is not None:
-        if registry is None:
-            raise ValueError(f"backend {backend.name!r} needs a registry to ask per mutation")
-        # The backend's partitioner only tags; core records the per-mutation decisions.
-        wrapped = annotating(backend.partitioner(registry), backend.name, registry)
-    # Passes of the "before_partition" stage edit the functional edge graph the partitioner sees.
-    transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")] if registry else []
-    own = _own_tables(program)
+    if backend is not None and registry is None:
+        raise ValueError(f"backend {backend.name!r} needs a registry to ask per mutation")
+    methods = dict(constant_methods) if constant_methods else None
     try:
-        for program_pass in registry.program_passes("exported") if registry else []:
-            program_pass.run(own)
-        with known_warnings_ignored():
-            edge = to_edge_transform_and_lower(
-                own,
-                transform_passes=transforms or None,
-                partitioner=[wrapped] if wrapped is not None else [],
-                constant_methods=dict(constant_methods) if constant_methods else None,
-            )
+        if backend is not None and registry is not None:
+            # What writeback_core.to_edge_arguments() hands a user's own export script.
+            arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
+            with known_warnings_ignored():
+                edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
+            wrapped: LoweringPartitioner | None = arguments["partitioner"][0]
+        else:
+            # No delegate: the same passes, at the same points, without a partitioner.
+            own = own_tables(program)
+            transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")] if registry else []
+            for program_pass in registry.program_passes("exported") if registry else []:
+                program_pass.run(own)
+            with known_warnings_ignored():
+                edge = to_edge_transform_and_lower(
+                    own, transform_passes=transforms or None, partitioner=[], constant_methods=methods
+                )
+            wrapped = None
     except InPlaceConflictError:
         raise  # the plugins' disagreement, named by core: not a failure of the lowering
     except Exception as error:
@@ -327,7 +330,7 @@ def partition(
     return Partitioned(edge, decisions)
 
 
-def _own_tables(program: ExportedProgram) -> ExportedProgram:
+def own_tables(program: ExportedProgram) -> ExportedProgram:
     """``program`` over a graph and dicts of constants and weights of its own (the tensors
     are shared), without the weights, buffers and constants nothing reads.
 
@@ -598,6 +601,13 @@ class Lowered:
     def copied_per_call(self) -> int:
         """Bytes of whole-state write-back copies the program makes every call."""
         return sum(self.write_back_bytes.values())
+
+    @property
+    def copies_left(self) -> list[CopyLeft]:
+        """Each whole-state copy :attr:`write_back_bytes` counts, with its cause and what to do."""
+        from writeback_core.copies import copies_left
+
+        return copies_left(self.decisions, self.program.exported_program())
 
     @property
     def passes_run(self) -> bool:

@@ -28,6 +28,7 @@ copied back).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +41,27 @@ from writeback_core.types import PartitionView
 if TYPE_CHECKING:
     from writeback_core.registry import InPlaceDecision, Registry
 
-__all__ = ["DELEGATION_TAG", "AnnotatingPartitioner", "annotating", "partition_views", "record_in_place_decisions"]
+__all__ = [
+    "DELEGATION_TAG",
+    "AnnotatingPartitioner",
+    "LoweringPartitioner",
+    "annotating",
+    "partition_views",
+    "record_in_place_decisions",
+    "to_edge_arguments",
+    "wrapped",
+]
+
+# True while a wrapper runs the backend's own ``partition``: a backend partitioner used bare
+# (nothing records its decisions) can tell so and say what it needs.
+_WRAPPED: ContextVar[bool] = ContextVar("writeback_wrapped", default=False)
+
+
+def wrapped() -> bool:
+    """Whether the partitioner now running is wrapped by :func:`annotating` (core records its
+    in-place decisions). A backend's partitioner calls it to warn when it is used bare."""
+    return _WRAPPED.get()
+
 
 # The ``node.meta`` key exir partitioners tag delegated nodes with (exir's own name).
 DELEGATION_TAG = "delegation_tag"
@@ -125,7 +146,11 @@ class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         """Run the backend's ``partition``, then record a decision per mutation a partition touches."""
-        result = self.partitioner.partition(exported_program)
+        token = _WRAPPED.set(True)
+        try:
+            result = self.partitioner.partition(exported_program)
+        finally:
+            _WRAPPED.reset(token)
         if not isinstance(result, PartitionResult):
             raise TypeError(
                 f"the partitioner of backend {self.backend!r} ({type(self.partitioner).__name__}) returned "
@@ -163,3 +188,62 @@ def annotating(partitioner: Any, backend: str, registry: Registry) -> Annotating
             f"{type(partitioner).__name__}; make the backend's partitioner subclass it"
         )
     return AnnotatingPartitioner(partitioner, backend, registry)
+
+
+class LoweringPartitioner(AnnotatingPartitioner):
+    """An :class:`AnnotatingPartitioner` whose ``transform_for_pre_decomposition`` also runs
+    the registry's ``"exported"`` passes, on a copy of the program that owns its tables
+    (the caller's program is not changed), before the backend's own transform. exir calls
+    it first in ``to_edge_transform_and_lower``, on the ATen program."""
+
+    def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        """A copy of ``exported_program`` with the ``"exported"`` passes run, then the backend's transform."""
+        from writeback_core.lowering import own_tables
+
+        own = own_tables(exported_program)
+        for program_pass in self.registry.program_passes("exported"):
+            program_pass.run(own)
+        return super().transform_for_pre_decomposition(own)
+
+
+def to_edge_arguments(backend: str, partitioner: Any = None, registry: Registry | None = None) -> dict[str, Any]:
+    """The ``partitioner`` and ``transform_passes`` arguments that make ExecuTorch's own
+    ``to_edge_transform_and_lower`` writeback's partition step.
+
+    ``to_edge_transform_and_lower(ep, **to_edge_arguments("xnnpack"))`` then
+    :func:`writeback_passes.to_executorch` writes the ``.pte`` that
+    :func:`writeback_core.lowering.lower` writes for the same program and backend, byte
+    for byte (``lower`` partitions through this very function).
+
+    :param backend: an installed backend's name (``BackendSpec.name``: ``xnnpack``, ``mlx``, ...).
+    :param partitioner: the backend's exir ``Partitioner`` to use (for ``xnnpack``, ExecuTorch's
+        own ``XnnpackPartitioner()``); default: the one the backend's plugin makes.
+    :param registry: whose plugins decide and whose passes run (default: :func:`load_registry`).
+    :raises ValueError: ``backend`` is not installed; the message lists those that are.
+    :raises TypeError: ``partitioner`` is not an exir ``Partitioner``.
+    """
+    from writeback_core.registry import load_registry
+
+    registry = registry if registry is not None else load_registry()
+    specs = registry.backends()
+    spec = specs.get(backend)
+    if spec is None:
+        raise ValueError(
+            f"no backend named {backend!r} is installed (installed: {', '.join(sorted(specs)) or 'none'}); "
+            "install the plugin that provides it or pick one of those"
+        )
+    return edge_arguments(backend, partitioner if partitioner is not None else spec.partitioner(registry), registry)
+
+
+def edge_arguments(backend: str, inner: Any, registry: Registry) -> dict[str, Any]:
+    """:func:`to_edge_arguments` for ``inner``, backend ``backend``'s partitioner, already made."""
+    from writeback_core.lowering import as_exir_pass
+
+    if isinstance(inner, AnnotatingPartitioner):
+        inner = inner.partitioner
+    if not isinstance(inner, Partitioner):
+        raise TypeError(
+            f"to_edge_arguments() wraps an executorch.exir.backend.partitioner.Partitioner, got {type(inner).__name__}"
+        )
+    transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")]
+    return {"partitioner": [LoweringPartitioner(inner, backend, registry)], "transform_passes": transforms or None}

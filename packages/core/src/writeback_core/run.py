@@ -222,6 +222,10 @@ def _summary(report: RunReport) -> str:
             "return a ModelCase with step_inputs to give each step its own"
         )
     lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
+    if report.kept:
+        from writeback_core.export import where_it_loads  # export's module imports the CLI that imports this one
+
+        lines.append(where_it_loads(lowered.backend, report.pte_path))
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -17,6 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
+from writeback_core.partition import wrapped
 
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
 from writeback_mlx_backend.ops import unsupported_reason
@@ -67,7 +69,11 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
         return list(_KEEP), lambda node: node.target not in _KEEP or (unsupported_reason(node) is None)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        """Tag supported nodes, owned buffers and constants."""
+        """Tag supported nodes, owned buffers and constants.
+
+        Used bare (not wrapped by writeback, see :func:`writeback_core.partition.wrapped`), it
+        warns, naming every state that then stays copied back whole.
+        """
         gm = exported_program.graph_module
         tags: dict[str, DelegationSpec] = {}
         nodes = {n.name: n for n in gm.graph.nodes}
@@ -83,7 +89,33 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
                 placeholders[name].meta["delegation_tag"] = tag
         tag_constant_data(exported_program)
         _untag_shared_constants(gm)
+        if not wrapped():
+            _warn_used_alone(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+
+def _warn_used_alone(program: ExportedProgram) -> None:
+    """Name each mutated state a bare partitioner leaves to exir's whole-state copy: every one
+    but the buffers a partition owns (those live inside the delegate)."""
+    from writeback_core.copies import CopyLeftWarning, caller_stacklevel
+    from writeback_core.mutations import MutationKind, find_mutations
+
+    owned = {n.name for n in program.graph_module.graph.nodes if n.op == "placeholder" and _meta_tag(n) is not None}
+    copied = [m for m in find_mutations(program) if m.placeholder not in owned]
+    if not copied:
+        return
+    lines = [
+        f"{'input' if m.kind is MutationKind.USER_INPUT else 'buffer'} {m.target!r} ({m.nbytes} bytes)" for m in copied
+    ]
+    warnings.warn(
+        "MLXPartitioner() used alone: writeback records no in-place decision for it, so each of these "
+        "mutated states is copied back whole on every call: "
+        + ", ".join(lines)
+        + ". To write them in place: to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments('mlx')) "
+        "then writeback_passes.to_executorch(edge).",
+        CopyLeftWarning,
+        stacklevel=caller_stacklevel(),
+    )
 
 
 def _untag_shared_constants(gm: torch.fx.GraphModule) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from writeback_core import ProgramPass, Registry, load_registry
+from writeback_core import ProgramPass, Registry, in_place_decisions, load_registry
 from writeback_core.lowering import as_exir_pass, run_program_passes
 
 if TYPE_CHECKING:
@@ -62,12 +62,49 @@ def to_executorch(
     user's own, in their order), sorted by ``(order, name)``. With the
     writeback-passes plugin installed that includes the early write-back
     pass (order :data:`EARLY_WRITE_BACK_ORDER`), so the resulting ``.pte``
-    has its write-backs early. ``config`` itself is not changed.
+    has its write-backs early. ``config`` itself is not changed; without one,
+    the config :func:`writeback_core.lowering.lower` uses (named mutable buffers,
+    the ``"state"`` memory plan), so that after
+    ``to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments(backend))``
+    the ``.pte`` is ``lower()``'s, byte for byte.
+
+    Every mutated state the result still copies back whole is named, with its bytes
+    per call, its cause and the line to add, in one
+    :class:`~writeback_core.copies.CopyLeftWarning` per method.
 
     :raises TypeError: a registered pass returned something exir cannot use.
     """
-    from executorch.exir import ExecutorchBackendConfig
+    from writeback_core import lowering
+    from writeback_core.copies import copies_left, warn_copies_left
+    from writeback_core.quiet import known_warnings_ignored
 
     registry = registry if registry is not None else load_registry()
-    config = config if config is not None else ExecutorchBackendConfig()
-    return run_program_passes(edge_manager, config, registry)
+    decisions = {}
+    for method in edge_manager.methods:
+        decisions.update(in_place_decisions(edge_manager.exported_program(method)))
+    if config is None:
+        lowering.load_quantized_kernels(edge_manager)
+        config = lowering.backend_config(edge_manager)
+    with known_warnings_ignored():  # exir's notes that are harmless here, as lower() silences them
+        program = run_program_passes(edge_manager, config, registry)
+    backend = _backend_of(program, registry)
+    for method in program.methods:
+        warn_copies_left(copies_left(decisions, program.exported_program(method), backend), method)
+    return program
+
+
+def _backend_of(program: ExecutorchProgramManager, registry: Registry) -> str | None:
+    """The installed backend whose delegate ``program`` calls (``portable`` without one)."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    ids = {
+        module.backend_id
+        for method in program.methods
+        for _, module, _ in get_lowered_submodules(program.exported_program(method).graph_module)
+    }
+    names = [
+        spec.name
+        for spec in registry.backends().values()
+        if spec.backend_id in ids or (not ids and not spec.backend_id)
+    ]
+    return names[0] if len(names) == 1 else None
