@@ -83,6 +83,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return path, [tokenizer.decode([t]) for t in tokens]
 
 
+def runner_generates(pte: Path, tokenizer: Path) -> tuple[list[str], list[Any]]:
+    """The pieces and statistics ``TextLLMRunner`` gives for PROMPT, greedy, NEW_TOKENS new tokens."""
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    runner = TextLLMRunner(str(pte), str(tokenizer))
+    pieces: list[str] = []
+    stats: list[Any] = []
+    config = GenerationConfig(echo=False, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    runner.generate(PROMPT, config, token_callback=pieces.append, stats_callback=stats.append)
+    return pieces, stats
+
+
 def _export(model: Path, backend: str, out: Path, *options: str) -> str:
     command = ["export", str(model), "--backend", backend, "--output", str(out / "model.pte"), *options]
     result = CliRunner().invoke(main, command)
@@ -97,7 +109,6 @@ def _export(model: Path, backend: str, out: Path, *options: str) -> str:
 def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder(
     folder: tuple[Path, list[str]], tmp_path: Path, backend: str, prefill: str
 ) -> None:
-    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     from writeback_core.llm_runner import load_runner_kernels
 
     assert load_runner_kernels()  # the folder's attention runs ExecuTorch's llama:: kernels
@@ -116,11 +127,7 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
     assert (tmp_path / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
-    runner = TextLLMRunner(str(tmp_path / "model.pte"), str(tmp_path / "tokenizer.json"))
-    pieces: list[str] = []
-    stats: list[Any] = []
-    config = GenerationConfig(echo=False, max_new_tokens=NEW_TOKENS, temperature=0.0)
-    runner.generate(PROMPT, config, token_callback=pieces.append, stats_callback=stats.append)
+    pieces, stats = runner_generates(tmp_path / "model.pte", tmp_path / "tokenizer.json")
     assert pieces == expected
     assert stats[-1].num_prompt_tokens == 3
 

@@ -17,11 +17,6 @@ from .lowering import assert_runs_like_eager, edge_of
 
 _X = (seeded(1, 16),)
 
-# These programs come from exir's plain to_edge (no writeback-wrapped partitioner), so their
-# write-backs stay and to_executorch says so (tests/e2e/test_export_idiom.py checks the
-# warning); here only the order and place of passes is under test.
-pytestmark = pytest.mark.filterwarnings("ignore::writeback_core.copies.CopyLeftWarning")
-
 
 def _copy_follows_value(gm: torch.fx.GraphModule) -> bool:
     (copy,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]

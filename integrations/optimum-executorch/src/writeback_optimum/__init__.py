@@ -1,0 +1,54 @@
+"""writeback's recipes for optimum-executorch.
+
+``register()`` adds ``writeback-xnnpack`` to optimum-executorch's recipe registry (optimum-cli
+calls it at start through ``optimum.commands.register``). The recipe lowers the program
+optimum exports (with ``--use_custom_sdpa`` and friends as given) through ExecuTorch's
+``to_edge_transform_and_lower`` with :func:`writeback_core.to_edge_arguments` for
+``xnnpack`` and :func:`writeback_passes.to_executorch`: the caches are written in place,
+and optimum's runner metadata is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RECIPES", "export_with_writeback_xnnpack", "register"]
+
+
+def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
+    """The ``writeback-xnnpack`` recipe: ``model`` is optimum's exportable module; returns
+    ``{"model": ExecutorchProgramManager}`` as optimum's own recipes do."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from writeback_core import to_edge_arguments
+    from writeback_passes import to_executorch
+
+    programs = model.export()
+    if len(programs) == 1:
+        programs = {"forward": next(iter(programs.values()))}
+    arguments = to_edge_arguments("xnnpack")
+    # optimum's own pass (an embedding's padding_idx dropped), then writeback's.
+    from optimum.executorch.passes.remove_padding_idx_embedding_pass import (  # type: ignore[import-not-found]  # optimum-executorch is installed beside this package, untyped
+        RemovePaddingIdxEmbeddingPass,
+    )
+
+    arguments["transform_passes"] = [RemovePaddingIdxEmbeddingPass(), *(arguments["transform_passes"] or [])]
+    edge = to_edge_transform_and_lower(
+        programs,
+        **arguments,
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+        constant_methods=model.metadata,
+    )
+    return {"model": to_executorch(edge)}
+
+
+RECIPES = {"writeback-xnnpack": export_with_writeback_xnnpack}
+
+
+def register() -> None:
+    """Add every writeback recipe to optimum-executorch's registry (idempotent)."""
+    from optimum.exporters.executorch.recipe_registry import (  # type: ignore[import-not-found]  # optimum-executorch is installed beside this package, untyped
+        register_recipe,
+    )
+
+    for name, recipe in RECIPES.items():
+        register_recipe(name)(recipe)
