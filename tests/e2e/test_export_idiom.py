@@ -13,7 +13,7 @@ import pytest
 import torch
 import writeback_passes
 from executorch.exir import to_edge_transform_and_lower
-from writeback_core import CopyLeftWarning, load_registry, to_edge_arguments
+from writeback_core import CopyLeftWarning, Mutation, PartitionView, hookimpl, load_registry, to_edge_arguments
 from writeback_core.lowering import export_case, lower
 from writeback_core.zoo import ModelCase, builtin_models
 
@@ -194,3 +194,41 @@ def test_run_says_which_runtime_loads_an_mlx_pte_and_that_runtime_does_in_a_fres
     )
     loaded = subprocess.run([sys.executable, "-c", ours], capture_output=True, text=True)
     assert loaded.returncode == 0 and "loaded" in loaded.stdout, loaded.stderr[-2000:]
+
+
+class _DeclineMLX:
+    """A plugin that declines every mutation of the mlx backend (and none other answers)."""
+
+    writeback_name = "decline-mlx"
+
+    @hookimpl
+    def writeback_accepts_in_place(self, backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
+        return False if backend == "mlx" else None
+
+
+def test_a_plugins_refusal_is_named_in_the_copy_warning() -> None:
+    from writeback_core.partition import edge_arguments
+    from writeback_mlx_backend import MLXPartitioner
+
+    registry = load_registry(entry_points=False, plugins=[_DeclineMLX()])
+    case = builtin_models()["decoder-caller-cache"]
+    edge = to_edge_transform_and_lower(export_case(case), **edge_arguments("mlx", MLXPartitioner(), registry))
+    messages = _copy_warnings(lambda: writeback_passes.to_executorch(edge, registry=registry))
+    assert len(messages) == 1, messages
+    for name in ("caches_0", "caches_1"):
+        assert (
+            f"input {name!r} (2048 bytes): plugin 'decline-mlx' declined to write it in place for backend 'mlx'"
+            in (messages[0])
+        )
+
+
+def test_run_names_the_cause_of_each_copy_left() -> None:
+    """`writeback run --backend none`: no backend decided, and the line says so."""
+    from click.testing import CliRunner
+    from writeback_core.cli import main
+
+    result = CliRunner().invoke(main, ["run", "decoder", "--backend", "none", "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    for name in ("blocks.0.k_cache", "blocks.0.v_cache"):
+        assert f"{name} (2.0 KiB): program buffer; whole-state copy left (2.0 KiB/call): no backend was chosen" in flat

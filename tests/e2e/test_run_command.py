@@ -37,7 +37,7 @@ def test_run_default_model_matches_eager_and_writes_the_pte(tmp_path: Path) -> N
         # The MLX delegate takes the caches with it: they live inside it, written in place.
         ("mlx", "inside delegate 0 (mlx), written in place; no copy left", "none"),
         # No delegate: mutable buffers of the .pte, copied back whole every call (2 KiB each).
-        ("none", "program buffer; whole-state copy left (2.0 KiB/call)", "2 (4.0 KiB/call)"),
+        ("none", "program buffer; whole-state copy left (2.0 KiB/call): no backend was chosen", "2 (4.0 KiB/call)"),
     ],
 )
 def test_run_says_where_each_cache_of_the_buffer_decoder_lives_and_what_copy_is_left(

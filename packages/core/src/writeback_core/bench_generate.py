@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,8 +135,15 @@ def bench_generation(
     rounds: int = 3,
     threads: int = 1,
     on_progress: Callable[[str], None] | None = None,
+    files: Sequence[tuple[str, Path]] = (),
+    only_files: bool = False,
 ) -> list[GenerationRow]:
-    """Every contender's generations through ``TextLLMRunner``, interleaved (see the module docstring)."""
+    """Every contender's generations through ``TextLLMRunner``, interleaved (see the module docstring).
+
+    ``files`` adds contenders written elsewhere (``(row name, .pte path)``; for instance by
+    ``optimum-cli export executorch`` in an environment of its own), run beside the others;
+    with ``only_files``, they alone run.
+    """
     import torch
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
@@ -153,7 +160,9 @@ def bench_generation(
     rows: list[GenerationRow] = []
     runners: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="writeback-bench-generate-") as folder:
-        for name, what, make in _programs(registry, case):
+        given = [(name, f"file {path.name}", path.read_bytes) for name, path in files]
+        own = [] if only_files else _programs(registry, case)
+        for name, what, make in [*own, *given]:
             row = GenerationRow(name, what)
             rows.append(row)
             say(f"lowering {name}")
@@ -189,8 +198,11 @@ def bench_generation(
     return rows
 
 
-def _table(rows: list[GenerationRow]) -> list[str]:
-    base = next((r for r in rows if r.error is None and r.name.startswith("stock")), None)
+def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
+    if baseline is not None:
+        base = next((r for r in rows if r.error is None and r.name == baseline), None)
+    else:
+        base = next((r for r in rows if r.error is None and r.name.startswith("stock")), None)
     ours = next((r for r in rows if r.name == WRITEBACK and r.error is None), None)
     lines = [f"{'contender':<52} {'prefill tok/s':>13} {'decode tok/s':>12} {'prefill x':>9} {'decode x':>8}  tokens"]
     for row in rows:
@@ -222,6 +234,17 @@ def _table(rows: list[GenerationRow]) -> list[str]:
 @click.option(
     "--threads", default=1, show_default=True, type=click.IntRange(min=1), help="XNNPACK and PyTorch threads."
 )
+@click.option(
+    "--pte",
+    "files",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="Also run this .pte (written elsewhere, e.g. by optimum-cli) as contender NAME. Repeatable.",
+)
+@click.option("--only-pte", is_flag=True, help="Run the --pte files alone, not MODEL's own contenders.")
+@click.option(
+    "--baseline", default=None, metavar="NAME", help="The row ratios are against (default: the first stock row)."
+)
 @click.pass_context
 def bench_generate_command(
     ctx: click.Context,
@@ -231,6 +254,9 @@ def bench_generate_command(
     new_tokens: int,
     rounds: int,
     threads: int,
+    files: tuple[str, ...],
+    only_pte: bool,
+    baseline: str | None,
 ) -> None:
     """Time whole generations of MODEL in ExecuTorch's LLM runner for every contender, interleaved.
 
@@ -248,6 +274,9 @@ def bench_generate_command(
         tokenizer = Path(model) / "tokenizer.json"
         if not tokenizer.is_file():
             raise click.UsageError(f"no tokenizer.json in {model!r}: pass --tokenizer PATH")
+    given = _given_files(files)
+    if only_pte and not given:
+        raise click.UsageError("--only-pte needs at least one --pte NAME=PATH")
     console = Console(width=140, stderr=True)
     rows = bench_generation(
         registry,
@@ -258,12 +287,32 @@ def bench_generate_command(
         rounds,
         threads,
         on_progress=lambda line: console.print(line, markup=False, highlight=False),
+        files=given,
+        only_files=only_pte,
     )
+    if baseline is not None and not any(r.name == baseline and r.error is None for r in rows):
+        names = ", ".join(repr(r.name) for r in rows if r.error is None)
+        raise click.UsageError(f"--baseline {baseline!r} is not a contender that ran (those that ran: {names})")
     prompt = next((r.prompt_tokens for r in rows if r.prompt_tokens), prompt_tokens)
     click.echo(f"model {case.name}: {case.description}")
     click.echo(
         f"prompt {prompt} tokens, {new_tokens} new tokens, greedy; {rounds} rounds interleaved; "
-        f"{threads} thread(s); medians; x = ratio to the first stock row"
+        f"{threads} thread(s); medians; x = ratio to " + (repr(baseline) if baseline else "the first stock row")
     )
-    for line in _table(rows):
+    for line in _table(rows, baseline):
         click.echo(line)
+
+
+def _given_files(files: Sequence[str]) -> list[tuple[str, Path]]:
+    """``NAME=PATH`` options as (name, path), every path an existing file, every name once."""
+    given: list[tuple[str, Path]] = []
+    for item in files:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{item!r} is not NAME=PATH", param_hint="--pte")
+        if not Path(path).is_file():
+            raise click.BadParameter(f"{path!r} (contender {name!r}) is not a file", param_hint="--pte")
+        if name in {n for n, _ in given} or name in (WRITEBACK, STOCK_SAME):
+            raise click.BadParameter(f"contender name {name!r} is used twice", param_hint="--pte")
+        given.append((name, Path(path)))
+    return given

@@ -625,7 +625,8 @@ class StatePlace:
     order) that holds the state or, for a caller or program state, that writes it in place;
     ``writers`` lists every delegate the state is handed to when there are several.
     ``in_place`` is core's decision (a plugin accepted writing it in place); ``copy_bytes``
-    the bytes of the whole-state write-back ``copy_`` left in the program per call (0: none).
+    the bytes of the whole-state write-back ``copy_`` left in the program per call (0: none)
+    and ``why`` its cause (:attr:`Lowered.copies_left`).
     """
 
     mutation: Mutation
@@ -635,6 +636,7 @@ class StatePlace:
     writers: tuple[int, ...]
     in_place: bool
     copy_bytes: int
+    why: str = ""
 
 
 def state_places(lowered: Lowered) -> list[StatePlace]:
@@ -659,6 +661,10 @@ def state_places(lowered: Lowered) -> list[StatePlace]:
             if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
                 handed.setdefault(arg.name, []).append(number)
     buffer_placeholders = {target: name for name, target in signature.inputs_to_buffers.items()}
+    if lowered.backend is None:
+        causes = {c.state: _NO_BACKEND for c in lowered.copies_left}
+    else:
+        causes = {c.state: c.reason for c in lowered.copies_left}
     user_inputs = list(signature.user_inputs)
     places = []
     for mutation in lowered.mutations:
@@ -677,8 +683,12 @@ def state_places(lowered: Lowered) -> list[StatePlace]:
         writers = tuple(handed.get(placeholder, ())) if isinstance(placeholder, str) else ()
         copy = lowered.write_back_bytes.get(placeholder, 0) if isinstance(placeholder, str) else 0
         writer = writers[0] if in_place and len(writers) == 1 else None
-        places.append(StatePlace(mutation, owner, backend, writer, writers, in_place, copy))
+        why = causes.get(mutation.target, "") if copy else ""
+        places.append(StatePlace(mutation, owner, backend, writer, writers, in_place, copy, why))
     return places
+
+
+_NO_BACKEND = "no backend was chosen, so no plugin decided (the portable backend runs the same kernels in place)"
 
 
 def lower(

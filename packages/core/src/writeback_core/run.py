@@ -175,7 +175,8 @@ def place_text(place: StatePlace) -> str:
         elif place.in_place and place.writers:
             where += f", written in place by one of delegates {', '.join(map(str, place.writers))} ({place.backend})"
     if place.copy_bytes:
-        return f"{where}; whole-state copy left ({format_bytes(place.copy_bytes)}/call)"
+        why = f": {place.why}" if place.why else ""
+        return f"{where}; whole-state copy left ({format_bytes(place.copy_bytes)}/call){why}"
     return f"{where}; no copy left"
 
 
