@@ -221,3 +221,36 @@ def test_bench_generate_times_every_contender_in_the_runner_all_giving_the_stati
     # On the fixture's prompt the runner of writeback's program gives transformers' tokens (checked
     # above per backend); here the bench's text is non-empty and made of the tokenizer's pieces.
     assert rows[-1].text and expected
+
+
+def test_bench_generate_runs_a_pte_written_elsewhere_alone_against_itself(
+    folder: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    model, _ = folder
+    _export(model, "xnnpack", tmp_path)
+    pte = tmp_path / "model.pte"
+    command = ["bench-generate", str(model), "--pte", f"given={pte}", "--only-pte", "--baseline", "given"]
+    result = CliRunner().invoke(main, [*command, "--rounds", "1", "--prompt-tokens", "3", "--new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("given ")]
+    assert len(rows) == 1, result.output
+    assert rows[0].split()[3:5] == ["1.00", "1.00"]  # ratios against itself
+    assert "x = ratio to 'given'" in result.output
+    assert "writeback+xnnpack" not in result.output  # --only-pte: the model's own contenders do not run
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--pte", "no-equals-sign"], "'no-equals-sign' is not NAME=PATH"),
+        (["--pte", "x=/nonexistent/model.pte"], "(contender 'x') is not a file"),
+        (["--only-pte"], "--only-pte needs at least one --pte NAME=PATH"),
+    ],
+)
+def test_bench_generate_refuses_a_bad_pte_option_with_exit_2_before_lowering(
+    folder: tuple[Path, list[str]], options: list[str], message: str
+) -> None:
+    model, _ = folder
+    result = CliRunner().invoke(main, ["bench-generate", str(model), *options])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())

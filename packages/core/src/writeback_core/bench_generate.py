@@ -204,6 +204,8 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
     else:
         base = next((r for r in rows if r.error is None and r.name.startswith("stock")), None)
     ours = next((r for r in rows if r.name == WRITEBACK and r.error is None), None)
+    # The text every row is checked against: writeback's, or the baseline's when writeback's row did not run.
+    reference, label = (ours, "writeback") if ours is not None else (base, "the baseline")
     lines = [f"{'contender':<52} {'prefill tok/s':>13} {'decode tok/s':>12} {'prefill x':>9} {'decode x':>8}  tokens"]
     for row in rows:
         if row.error is not None:
@@ -211,8 +213,8 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
             continue
         px = row.prefill_median / base.prefill_median if base else float("nan")
         dx = row.decode_median / base.decode_median if base else float("nan")
-        same = "same as writeback" if ours is not None and row.text == ours.text else "DIFFER from writeback"
-        if row is ours:
+        same = f"same as {label}" if reference is not None and row.text == reference.text else f"DIFFER from {label}"
+        if row is reference:
             same = "-"
         lines.append(
             f"{row.name:<52} {row.prefill_median:>13.1f} {row.decode_median:>12.1f} {px:>9.2f} {dx:>8.2f}  {same}"
