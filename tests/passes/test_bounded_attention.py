@@ -58,12 +58,17 @@ class Layer(torch.nn.Module):
         self.register_buffer("cache_k", torch.zeros(1, HEADS, POSITIONS, DIM) if start is None else start)
         self.register_buffer("cache_v", torch.zeros(1, HEADS, POSITIONS, DIM))
 
+    def project(self, x: torch.Tensor, start: Any) -> torch.Tensor:
+        """Queries, keys and values of ``x`` as ``[3, 1, heads, n, dim]``, ``start`` checked in range."""
+        n = x.shape[1]
+        torch._check(start >= 0)
+        torch._check(start + n <= POSITIONS)
+        return self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
         start = input_pos.max().item() if self.variant == "start-from-max" else input_pos[0].item()
-        torch._check(start >= 0)
-        torch._check(start + n <= POSITIONS)
-        q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+        q, k, v = self.project(x, start)
         rows = torch.arange(n) + start
         if self.variant == "rows-from-input":
             rows = input_pos + torch.arange(n)
@@ -94,9 +99,7 @@ class CallerCache(Layer):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # a third input: the caller's key cache
         n = x.shape[1]
         start = input_pos[0].item()
-        torch._check(start >= 0)
-        torch._check(start + n <= POSITIONS)
-        q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+        q, k, v = self.project(x, start)
         keys = cache.index_copy_(2, torch.arange(n) + start, k)
         values = self.cache_v.index_copy_(2, torch.arange(n) + start, v)
         mask = self.table.narrow(0, start, n)
@@ -230,9 +233,7 @@ class CallerMask(Layer):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # a third input: the caller's mask table
         n = x.shape[1]
         start = input_pos[0].item()
-        torch._check(start >= 0)
-        torch._check(start + n <= POSITIONS)
-        q, k, v = self.proj(x).view(1, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+        q, k, v = self.project(x, start)
         keys = self.cache_k.index_copy_(2, torch.arange(n) + start, k)
         values = self.cache_v.index_copy_(2, torch.arange(n) + start, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=table.narrow(0, start, n))

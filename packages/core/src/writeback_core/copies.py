@@ -26,6 +26,7 @@ __all__ = [
     "caller_stacklevel",
     "copies_left",
     "describe_copies",
+    "idiom",
     "warn_copies_left",
 ]
 
@@ -53,12 +54,19 @@ class CopyLeft:
     fix: str
 
 
+def idiom(backend: str) -> str:
+    """The two lines that lower a user's program with writeback's decisions for ``backend``."""
+    return (
+        f"to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments({backend!r})) "
+        "and writeback_passes.to_executorch(edge)"
+    )
+
+
 def _why(decision: InPlaceDecision | None, backend: str) -> tuple[str, str]:
     if decision is None:
         return (
             "no in-place decision was recorded for it: no writeback-wrapped partitioner saw it",
-            f"lower with to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments({backend!r})) "
-            "and writeback_passes.to_executorch(edge)",
+            f"lower with {idiom(backend)}",
         )
     if decision.declined_by:
         plugins = ", ".join(repr(p) for p in decision.declined_by)

@@ -97,7 +97,7 @@ class MLXPartitioner(Partitioner):  # type: ignore[misc]  # executorch is untype
 def _warn_used_alone(program: ExportedProgram) -> None:
     """Name each mutated state a bare partitioner leaves to exir's whole-state copy: every one
     but the buffers a partition owns (those live inside the delegate)."""
-    from writeback_core.copies import CopyLeftWarning, caller_stacklevel
+    from writeback_core.copies import CopyLeftWarning, caller_stacklevel, idiom
     from writeback_core.mutations import MutationKind, find_mutations
 
     owned = {n.name for n in program.graph_module.graph.nodes if n.op == "placeholder" and _meta_tag(n) is not None}
@@ -111,8 +111,7 @@ def _warn_used_alone(program: ExportedProgram) -> None:
         "MLXPartitioner() used alone: writeback records no in-place decision for it, so each of these "
         "mutated states is copied back whole on every call: "
         + ", ".join(lines)
-        + ". To write them in place: to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments('mlx')) "
-        "then writeback_passes.to_executorch(edge).",
+        + f". To write them in place: {idiom(BACKEND_NAME)}.",
         CopyLeftWarning,
         stacklevel=caller_stacklevel(),
     )
