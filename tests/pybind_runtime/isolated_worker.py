@@ -13,9 +13,12 @@ Modes:
   exception), and the first messages of the last two.
 - ``separate-methods``: four threads each load their own ``Method`` of one
   ``Program`` per PTE and call it; prints the same counts.
-- ``truncate``: loads the PTE from its path, truncates the file to 0 bytes, then
-  loads the method and calls it; rewrites the file with other bytes and calls
+- ``truncate``: loads the PTE's method from its path, truncates the file to 0
+  bytes, then calls it; rewrites the file with other bytes and calls
   again; prints whether every output matched eager.
+- ``truncate-before-method``: loads the PTE from its path, cuts or rewrites the
+  file (modification time moved on), then loads the method; prints the error
+  each attempt raised (``None`` if it loaded).
 """
 
 from __future__ import annotations
@@ -133,11 +136,12 @@ def separate_methods(runtime: Runtime, paths: list[str]) -> dict[str, object]:
 
 def truncate(runtime: Runtime, paths: list[str]) -> dict[str, object]:
     results = []
+    import executorch.runtime  # noqa: F401  (registers ExecuTorch's XnnpackBackend in the shared registry)
+
     for path in paths:
         size = os.path.getsize(path)
-        program = runtime.load_program(path)
+        method = runtime.load_program(path).load_method("forward")
         os.truncate(path, 0)
-        method = program.load_method("forward")
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
         state, expected_state = torch.zeros(16, 64), torch.zeros(16, 64)
         matched = []
@@ -152,6 +156,34 @@ def truncate(runtime: Runtime, paths: list[str]) -> dict[str, object]:
             )
         results.append(matched)
     return {"matched": results}
+
+
+def truncate_before_method(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    import executorch.runtime  # noqa: F401  (registers ExecuTorch's XnnpackBackend in the shared registry)
+
+    errors: list[str | None] = []
+    for path in paths:
+        original = Path(path).read_bytes()
+        for change in ("cut", "zero", "rewrite"):
+            Path(path).write_bytes(original)
+            program = runtime.load_program(path)
+            stat = os.stat(path)
+            if change == "cut":
+                os.truncate(path, len(original) // 2)
+            elif change == "zero":
+                os.truncate(path, 0)
+            else:
+                with open(path, "r+b") as handle:
+                    handle.write(b"\xff" * len(original))
+            # A modification time the file system's clock would not have moved yet.
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+            try:
+                program.load_method("forward")
+                errors.append(None)
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+        Path(path).write_bytes(original)
+    return {"errors": errors}
 
 
 def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
@@ -175,7 +207,12 @@ def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
     return result
 
 
-MODES = {"shared-method": shared_method, "separate-methods": separate_methods, "truncate": truncate}
+MODES = {
+    "shared-method": shared_method,
+    "separate-methods": separate_methods,
+    "truncate": truncate,
+    "truncate-before-method": truncate_before_method,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -1,26 +1,56 @@
-"""A loaded program owns its bytes: what happens to its file afterwards does not reach it."""
+"""A program loaded from a file reads it, never maps it: what happens to the file
+after a method is loaded does not reach the method, and a file changed before a
+method is loaded is an error naming it, never a crash or a wrong answer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from writeback_pybind_runtime import Runtime
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from writeback_pybind_runtime import ProgramError, Runtime
 
 from tests.pybind_runtime.conftest import Lower
 from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP, run_isolated
 
 
-def test_truncated_pte_after_load_still_runs_correctly(lower: Lower, tmp_path: Path) -> None:
-    """Truncated to 0 bytes after load, then rewritten with other bytes: the method
-    still loads and runs, and matches eager (a mapped file dies of SIGBUS)."""
+def _ptes(lower: Lower, tmp_path: Path) -> list[Path]:
+    """The MLP with planned and unplanned inputs, and lowered to XNNPACK (its
+    weights in a delegate blob read at ``load_method``)."""
     paths = []
-    for planned in (True, False):
-        path = tmp_path / f"mlp_{planned}.pte"
-        path.write_bytes(lower(StatefulMLP(), EXAMPLE, planned_inputs=planned, planned_outputs=planned))
+    for name, kwargs in (
+        ("planned", {}),
+        ("unplanned", {"planned_inputs": False, "planned_outputs": False}),
+        ("xnnpack", {"partitioners": [XnnpackPartitioner()]}),
+    ):
+        path = tmp_path / f"mlp_{name}.pte"
+        path.write_bytes(lower(StatefulMLP(), EXAMPLE, **kwargs))
         paths.append(path)
-    result = run_isolated("truncate", *paths)
-    assert result["matched"] == [[True, True], [True, True]], result
+    return paths
+
+
+def test_truncated_pte_after_load_method_still_runs_correctly(lower: Lower, tmp_path: Path) -> None:
+    """Truncated to 0 bytes after the method loaded, then rewritten with other bytes:
+    the method runs and matches eager (a mapped file dies of SIGBUS)."""
+    result = run_isolated("truncate", *_ptes(lower, tmp_path))
+    assert result["matched"] == [[True, True]] * 3, result
+
+
+def test_file_changed_before_load_method_is_an_error_not_a_crash(lower: Lower, tmp_path: Path) -> None:
+    """Cut in half, cut to 0 bytes, or rewritten in place between ``load_program``
+    and ``load_method``: the XNNPACK program's method refuses to load, naming the
+    file and the change and what to do. The portable programs hold every byte they
+    need from ``load_program`` on (their constants are read then), so they load."""
+    paths = _ptes(lower, tmp_path)
+    errors = run_isolated("truncate-before-method", *paths)["errors"]
+    assert errors[:6] == [None] * 6, errors
+    sizes = [str(paths[2].stat().st_size)] * 3
+    for error, now in zip(errors[6:], (str(int(sizes[0]) // 2), "0", sizes[0]), strict=True):
+        assert error is not None, errors
+        assert error.startswith("ProgramError: cannot load method 'forward'"), error
+        assert f"'{paths[2]}': the file changed since load_program ({sizes[0]} bytes then, {now} now)" in error
+        assert "load it again" in error
 
 
 def test_bytes_a_program_was_loaded_from_can_change_after_load(lower: Lower, runtime: Runtime) -> None:
@@ -31,3 +61,14 @@ def test_bytes_a_program_was_loaded_from_can_change_after_load(lower: Lower, run
     with torch.no_grad():
         expected = StatefulMLP()(x, torch.zeros(16, 64))
     torch.testing.assert_close(program.load_method("forward")([x, torch.zeros(16, 64)])[1], expected)
+
+
+def test_cut_file_is_refused_at_load_program_naming_both_sizes(lower: Lower, runtime: Runtime, tmp_path: Path) -> None:
+    """A file shorter than the program its header declares fails at ``load_program``."""
+    data = lower(StatefulMLP(), EXAMPLE, partitioners=[XnnpackPartitioner()])
+    declared = int.from_bytes(data[16:24], "little")
+    path = tmp_path / "cut.pte"
+    path.write_bytes(data[: declared - 1])
+    expected = rf"header says the program is {declared} bytes, but the file has {declared - 1}"
+    with pytest.raises(ProgramError, match=expected):
+        runtime.load_program(path)

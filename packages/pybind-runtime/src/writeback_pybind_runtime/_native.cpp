@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -749,12 +750,17 @@ py::object evalue_to_py(const etr::EValue& value, bool views, const std::string&
 // ---------------------------------------------------------------------------
 // Programs.
 
-// A program owns its bytes: loaded from a file, they are read into memory
-// once, so nothing the file goes through afterwards (truncated, rewritten,
-// deleted) reaches the program. A mapped file would be read lazily, and a
-// truncation kills the process with SIGBUS at the next page touched (private
-// mappings too). The Python layer reads the plan from the same bytes
-// (NativeProgram's buffer protocol).
+// A program loaded from bytes owns a copy of them. A program loaded from a file
+// keeps the file open (read-only) and owns only its flatbuffer prefix (the
+// plan; the Python layer reads it through NativeProgram's buffer protocol):
+// every other range (constant data, delegate blobs, named data) is read from the
+// file when the runtime asks for it, into memory released when the runtime frees
+// it. A delegate that packs its weights (XNNPACK) frees its blob after init, so
+// the file's bytes are not held twice. Reads, not a mapping: a file cut short
+// under a mapping kills the process (SIGBUS) at the next page touched, private
+// mappings too; a short read is an error. Each read also checks that the file
+// is still the one opened (size and modification time), so bytes of a file
+// rewritten since load_program are refused with an error saying so.
 struct ProgramBytes {
   void* data = nullptr;
   size_t nbytes = 0;
@@ -779,10 +785,153 @@ struct ProgramBytes {
   ProgramBytes& operator=(const ProgramBytes&) = delete;
 };
 
+bool same_file_state(const struct stat& a, const struct stat& b) {
+  return a.st_size == b.st_size && a.st_mtim.tv_sec == b.st_mtim.tv_sec &&
+         a.st_mtim.tv_nsec == b.st_mtim.tv_nsec;
+}
+
+// Reads [offset, offset + size) of `fd` into `into`; "" on success, else why not.
+std::string read_exactly(int fd, size_t offset, size_t size, void* into) {
+  size_t done = 0;
+  while (done < size) {
+    ssize_t got = ::pread(fd, static_cast<char*>(into) + done, size - done,
+                          static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    if (got < 0) {
+      return std::strerror(errno);
+    }
+    if (got == 0) {
+      return "the file ends at byte " + std::to_string(offset + done) + ", before byte " +
+             std::to_string(offset + size);
+    }
+    done += static_cast<size_t>(got);
+  }
+  return "";
+}
+
+class FileLoader final : public etr::DataLoader {
+ public:
+  FileLoader(int fd, std::string path, const struct stat& opened, std::unique_ptr<ProgramBytes> prefix)
+      : fd_(fd), path_(std::move(path)), opened_(opened), prefix_(std::move(prefix)) {}
+  ~FileLoader() override { ::close(fd_); }
+  FileLoader(const FileLoader&) = delete;
+  FileLoader& operator=(const FileLoader&) = delete;
+
+  const ProgramBytes& prefix() const { return *prefix_; }
+
+  etr::Result<etr::FreeableBuffer> load(size_t offset, size_t size,
+                                        const SegmentInfo& /*info*/) const override {
+    if (!in_file(offset, size)) {
+      return etr::Error::InvalidArgument;
+    }
+    if (offset + size <= prefix_->nbytes) {
+      return etr::FreeableBuffer(static_cast<const char*>(prefix_->data) + offset, size, nullptr);
+    }
+    std::unique_ptr<ProgramBytes> block;
+    try {
+      block = std::make_unique<ProgramBytes>(size);
+    } catch (std::bad_alloc&) {
+      fail("cannot allocate " + std::to_string(size) + " bytes to read bytes " +
+           std::to_string(offset) + ".. of it into");
+      return etr::Error::MemoryAllocationFailed;
+    }
+    if (!read_checked(offset, size, block->data)) {
+      return etr::Error::AccessFailed;
+    }
+    void* data = block->data;
+    // The buffer's free function deletes the block (unmapping it).
+    return etr::FreeableBuffer(data, size, &FileLoader::free_block, block.release());
+  }
+
+  etr::Error load_into(size_t offset, size_t size, const SegmentInfo& /*info*/,
+                       void* buffer) const override {
+    if (!in_file(offset, size)) {
+      return etr::Error::InvalidArgument;
+    }
+    return read_checked(offset, size, buffer) ? etr::Error::Ok : etr::Error::AccessFailed;
+  }
+
+  etr::Result<size_t> size() const override { return static_cast<size_t>(opened_.st_size); }
+
+  // Why the last failed read failed ("" if none did), and forgets it.
+  std::string take_failure() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string failure;
+    failure.swap(failure_);
+    return failure;
+  }
+
+ private:
+  static void free_block(void* context, void* /*data*/, size_t /*size*/) {
+    delete static_cast<ProgramBytes*>(context);
+  }
+
+  bool in_file(size_t offset, size_t size) const {
+    size_t file_size = static_cast<size_t>(opened_.st_size);
+    if (offset > file_size || size > file_size - offset) {
+      fail("the program asks for bytes " + std::to_string(offset) + ".." +
+           std::to_string(offset + size) + " of a " + std::to_string(file_size) +
+           "-byte file (a corrupted program?)");
+      return false;
+    }
+    return true;
+  }
+
+  bool unchanged() const {
+    struct stat now {};
+    if (::fstat(fd_, &now) != 0) {
+      fail(std::string("cannot check the file: ") + std::strerror(errno));
+      return false;
+    }
+    if (!same_file_state(now, opened_)) {
+      fail("the file changed since load_program (" + std::to_string(opened_.st_size) + " bytes then, " +
+           std::to_string(now.st_size) +
+           " now); load it again, or load its bytes to keep the whole program in memory");
+      return false;
+    }
+    return true;
+  }
+
+  bool read_checked(size_t offset, size_t size, void* into) const {
+    if (!unchanged()) {
+      return false;
+    }
+    std::string failure = read_exactly(fd_, offset, size, into);
+    if (!failure.empty()) {
+      fail("cannot read bytes " + std::to_string(offset) + ".." + std::to_string(offset + size) +
+           ": " + failure);
+      return false;
+    }
+    return unchanged();
+  }
+
+  void fail(const std::string& why) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failure_ = "'" + path_ + "': " + why;
+  }
+
+  int fd_;
+  std::string path_;
+  struct stat opened_;
+  std::unique_ptr<ProgramBytes> prefix_;
+  mutable std::mutex mutex_;
+  mutable std::string failure_;
+};
+
 struct ProgramState {
-  std::unique_ptr<ProgramBytes> buffer;
+  std::unique_ptr<ProgramBytes> buffer;  // bytes given to from_bytes
   std::unique_ptr<etr::DataLoader> loader;
+  const FileLoader* file = nullptr;  // the loader, when loaded from a file
   std::unique_ptr<etr::Program> program;
+
+  const ProgramBytes& bytes() const { return file != nullptr ? file->prefix() : *buffer; }
+  // Why the file could not be read, as " (...)" to append to an error, or "".
+  std::string file_failure() const {
+    std::string why = file != nullptr ? file->take_failure() : "";
+    return why.empty() ? why : " (" + why + ")";
+  }
 };
 
 [[noreturn]] void raise_program_error(const std::string& message) {
@@ -790,10 +939,11 @@ struct ProgramState {
   throw py::error_already_set();
 }
 
-// Reads the whole file at `path` into memory the program owns (the GIL released).
-std::unique_ptr<ProgramBytes> read_file(const std::string& path) {
+// Opens `path` read-only and reads its flatbuffer prefix (the whole file when it
+// has no extended header), the GIL released.
+std::unique_ptr<FileLoader> open_program_file(const std::string& path) {
   std::string failure;
-  std::unique_ptr<ProgramBytes> block;
+  std::unique_ptr<FileLoader> loader;
   {
     py::gil_scoped_release release;
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -804,35 +954,49 @@ std::unique_ptr<ProgramBytes> read_file(const std::string& path) {
       failure = "not a regular file";
     } else {
       size_t size = static_cast<size_t>(info.st_size);
-      try {
-        block = std::make_unique<ProgramBytes>(size);
-      } catch (std::bad_alloc&) {
-        failure = "cannot allocate " + std::to_string(size) + " bytes to read it into";
+      size_t prefix = size;
+      // ExecuTorch's extended header: "eh00" at byte 8, the flatbuffer's size
+      // as a little-endian u64 at byte 16.
+      unsigned char header[24] = {};
+      if (size >= sizeof(header)) {
+        failure = read_exactly(fd, 0, sizeof(header), header);
+        if (failure.empty() && std::memcmp(header + 8, "eh00", 4) == 0) {
+          uint64_t declared = 0;
+          for (int i = 7; i >= 0; --i) {
+            declared = (declared << 8) | header[16 + i];
+          }
+          if (declared < sizeof(header) || declared > size) {
+            failure = "its header says the program is " + std::to_string(declared) +
+                      " bytes, but the file has " + std::to_string(size) + " (a corrupted or cut file)";
+          } else {
+            prefix = static_cast<size_t>(declared);
+          }
+        }
       }
-      size_t done = 0;
-      while (block && done < size) {
-        ssize_t got = ::read(fd, static_cast<char*>(block->data) + done, size - done);
-        if (got < 0 && errno == EINTR) {
-          continue;
+      std::unique_ptr<ProgramBytes> block;
+      if (failure.empty()) {
+        try {
+          block = std::make_unique<ProgramBytes>(prefix);
+        } catch (std::bad_alloc&) {
+          failure = "cannot allocate " + std::to_string(prefix) + " bytes to read it into";
         }
-        if (got <= 0) {
-          failure = got < 0 ? std::string(std::strerror(errno))
-                            : "the file shrank from " + std::to_string(size) + " to " +
-                                  std::to_string(done) + " bytes while being read";
-          block.reset();
-          break;
-        }
-        done += static_cast<size_t>(got);
+      }
+      if (block) {
+        failure = read_exactly(fd, 0, prefix, block->data);
+      }
+      if (failure.empty()) {
+        loader = std::make_unique<FileLoader>(fd, path, info, std::move(block));
+        fd = -1;  // the loader closes it
       }
     }
     if (fd >= 0) {
       ::close(fd);
     }
   }
-  if (!block) {
+  if (!loader) {
     raise_program_error("cannot open program file '" + path + "': " + failure);
   }
-  return block;
+  return loader;
 }
 
 class NativeProgram {
@@ -855,15 +1019,18 @@ class NativeProgram {
 
   static NativeProgram from_path(const std::string& path, int verification) {
     auto state = std::make_shared<ProgramState>();
-    state->buffer = read_file(path);
+    auto loader = open_program_file(path);
+    state->file = loader.get();
+    state->loader = std::move(loader);
     return NativeProgram(std::move(state), verification, "'" + path + "'");
   }
 
   // The program's bytes, read-only, for the Python layer's plan reader; a
   // memoryview of them keeps this program alive.
   py::buffer_info bytes() const {
-    return py::buffer_info(state_->buffer->data, 1, py::format_descriptor<uint8_t>::format(), 1,
-                           {static_cast<py::ssize_t>(state_->buffer->nbytes)}, {1},
+    const ProgramBytes& bytes = state_->bytes();
+    return py::buffer_info(bytes.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(bytes.nbytes)}, {1},
                            /*readonly=*/true);
   }
 
@@ -883,14 +1050,16 @@ class NativeProgram {
  private:
   NativeProgram(std::shared_ptr<ProgramState> state, int verification, const std::string& what)
       : state_(std::move(state)) {
-    state_->loader = std::make_unique<BufferDataLoader>(state_->buffer->data, state_->buffer->nbytes);
+    if (!state_->loader) {
+      state_->loader = std::make_unique<BufferDataLoader>(state_->buffer->data, state_->buffer->nbytes);
+    }
     auto mode = verification == 0 ? etr::Program::Verification::Minimal
                                   : etr::Program::Verification::InternalConsistency;
     auto program = etr::Program::load(state_->loader.get(), mode);
     if (!program.ok()) {
-      PyErr_SetString(g_program_error,
-                      ("cannot load " + what + " as an ExecuTorch program: " + describe(program.error()))
-                          .c_str());
+      PyErr_SetString(g_program_error, ("cannot load " + what + " as an ExecuTorch program: " +
+                                        describe(program.error()) + state_->file_failure())
+                                           .c_str());
       throw py::error_already_set();
     }
     state_->program = std::make_unique<etr::Program>(std::move(program.get()));
@@ -1013,7 +1182,8 @@ class NativeMethod {
     clear_pending();
     auto method = prog.load_method(name.c_str(), memory_->manager.get());
     if (!method.ok()) {
-      raise_failure(g_program_error, "cannot load method '" + name + "'", method.error());
+      raise_failure(g_program_error, "cannot load method '" + name + "'" + program_->file_failure(),
+                    method.error());
     }
     method_ = std::make_unique<etr::Method>(std::move(method.get()));
 

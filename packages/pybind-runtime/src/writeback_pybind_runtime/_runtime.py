@@ -15,8 +15,8 @@ Contracts that differ from stock ``executorch.runtime`` 1.5.1 (each has a test):
   ExecuTorch backends; their exceptions come back as :class:`DelegateError`.
 - A ``Method`` refuses a second concurrent call with ``RuntimeError``; separate
   methods run concurrently.
-- A program loaded from a path owns a copy of the file's bytes: changing or
-  truncating the file afterwards does not reach it.
+- A program loaded from a path reads the file, never maps it: a loaded method
+  never reads it again, and one changed before ``load_method`` is refused.
 - Before a call runs, every tensor it reads or writes in caller memory must
   still have the storage its shape needs, and a tensor it writes must not
   require grad while grad mode is on; otherwise ``ValueError``, nothing run.
@@ -204,8 +204,11 @@ class Method:
 class Program:
     """A loaded program. ``load_method`` returns a fresh :class:`Method` each call.
 
-    It owns its bytes (a file is read in whole at load), so it never depends on
-    the file afterwards.
+    Loaded from bytes, it owns a copy of them. Loaded from a path, it keeps the
+    file open and owns its plan and constants; each ``load_method`` reads the
+    delegate data it needs from the file (freed once the delegate has taken it),
+    and refuses with :class:`ProgramError` if the file changed since
+    ``load_program``. A loaded method never reads the file again.
     """
 
     def __init__(self, native_program: Any) -> None:
@@ -306,8 +309,11 @@ class Runtime:
     ) -> Program:
         """Load a program from a ``.pte`` path or its bytes.
 
-        Either way the program keeps its own copy of the bytes: a file is read
-        once, in whole, and may then change or disappear.
+        From bytes, the program keeps its own copy. From a path, the file is
+        read, never mapped: the plan and constants at once, delegate data when a
+        method loads (then freed, so weights a delegate packs are not held twice).
+        Change the file only after loading the methods you need, or pass its
+        bytes to hold the whole program in memory.
 
         :param verification: :class:`Verification` (or a same-named member of
             executorch's ``Verification``); ``InternalConsistency`` checks the
