@@ -22,6 +22,15 @@ transposed; a buffer the program owns is not visible to the caller, and its byte
 same), written by ``update_cache`` and read by ``custom_sdpa``. Anything else is left for
 :mod:`writeback_passes.bounded_attention`. Nothing is done when the executorch wheel does not
 ship the kernels (:func:`writeback_core.llm_runner.load_runner_kernels`).
+
+A program that already calls ``custom_sdpa`` on a ``[1, kv_heads, positions, dim]`` cache
+through ``transpose(1, 2)`` (optimum-executorch's ``--use_custom_sdpa`` on transformers'
+``StaticCache``) makes the kernel read a transposed copy of every whole cache on every call.
+Where the key and the value are each a buffer the program owns, written by one ``index_copy_``
+along its positions (at any rows) and read by nothing but that transpose (then ``.to`` its own
+dtype, a no-op), the buffer is stored ``[1, positions, kv_heads, dim]`` instead, written by
+``index_copy_`` along dim 1 at the same rows with the new rows transposed, and handed to the
+kernel as it is: the same values at every position, so the same result.
 """
 
 from __future__ import annotations
@@ -40,6 +49,15 @@ __all__ = ["RunnerAttentionReport", "attention_to_runner_kernels", "runner_atten
 
 _aten = torch.ops.aten
 _SDPA = _aten.scaled_dot_product_attention.default
+_CUSTOM_SDPA_NAME = "llama.custom_sdpa.default"
+
+
+def _is_custom_sdpa(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls the runner's ``custom_sdpa`` (registered only once executorch's
+    custom ops library is loaded, so matched by name)."""
+    return isinstance(node.target, torch._ops.OpOverload) and str(node.target) == _CUSTOM_SDPA_NAME
+
+
 _SWAP = [0, 2, 1, 3]
 
 
@@ -80,6 +98,28 @@ def _same_element(a: Any, b: Any) -> bool:
     return first is not None and first == second
 
 
+def _owned_cache_write(program: ExportedProgram, node: Any, what: str) -> _Cache:
+    """``node``, checked to be ``index_copy_(buffer, 2, rows, new)`` of a ``[1, heads, positions,
+    dim]`` buffer the program owns, read by nothing but ``node`` and written only there, whose
+    result has one reader."""
+    if not isinstance(node, torch.fx.Node) or node.target is not _aten.index_copy_.default:
+        raise _Refused(f"the {what} is not a cache written by index_copy_")
+    buffer, dim = node.args[0], node.args[1]
+    if not isinstance(buffer, torch.fx.Node) or buffer.op != "placeholder" or dim not in (2, -2):
+        raise _Refused(f"the {what}'s index_copy_ does not write a buffer along its positions")
+    found = _input_of(program, buffer)
+    if found is None or found[0] != torch.export.graph_signature.InputKind.BUFFER or found[2] is None:
+        raise _Refused(f"the {what}'s cache {buffer.name!r} is not a buffer the program owns")
+    if found[2].dim() != 4 or found[2].shape[0] != 1:
+        raise _Refused(f"the {what}'s cache {buffer.name!r} is not [1, heads, positions, dim]")
+    if len(buffer.users) != 1 or len(node.users) != 1:
+        raise _Refused(f"the {what}'s cache {buffer.name!r} is read by more than this attention")
+    new = node.args[3]
+    if not isinstance(new, torch.fx.Node):
+        raise _Refused(f"the {what}'s new rows are not a tensor of the graph")
+    return _Cache(buffer, node, new, [])
+
+
 def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: str) -> _Cache:
     between = []
     seen = node
@@ -88,19 +128,10 @@ def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: s
             raise _Refused(f"the {what} is repeated other than over its heads")
         between.append(seen)
         seen = seen.args[0]
-    if not isinstance(seen, torch.fx.Node) or seen.target is not _aten.index_copy_.default:
-        raise _Refused(f"the {what} is not a cache written by index_copy_")
-    write = seen
-    buffer, dim, index, new = write.args
-    if not isinstance(buffer, torch.fx.Node) or buffer.op != "placeholder" or dim not in (2, -2):
-        raise _Refused(f"the {what}'s index_copy_ does not write a buffer along its positions")
-    found = _input_of(program, buffer)
-    if found is None or found[0] != torch.export.graph_signature.InputKind.BUFFER or found[2] is None:
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is not a buffer the program owns")
-    if found[2].dim() != 4 or found[2].shape[0] != 1:
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is not [1, heads, positions, dim]")
-    if len(buffer.users) != 1 or len(write.users) != 1 or (between and write.users.keys() != {between[0]}):
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is read by more than this attention")
+    cache = _owned_cache_write(program, seen, what)
+    index = cache.write.args[2]
+    if between and cache.write.users.keys() != {between[0]}:
+        raise _Refused(f"the {what}'s cache {cache.buffer.name!r} is read by more than this attention")
     if (
         not isinstance(index, torch.fx.Node)
         or index.target is not _aten.add.Tensor
@@ -110,9 +141,8 @@ def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: s
         or not _same_element(index.args[1], start)
     ):
         raise _Refused(f"the {what}'s rows are not written at arange(n) + start of the mask's start")
-    if not isinstance(new, torch.fx.Node):
-        raise _Refused(f"the {what}'s new rows are not a tensor of the graph")
-    return _Cache(buffer, write, new, between)
+    cache.between = between
+    return cache
 
 
 def _swaps_heads_and_positions(node: Any) -> bool:
@@ -149,11 +179,78 @@ def _relayout(program: ExportedProgram, buffer: torch.fx.Node) -> None:
     """Store the buffer ``[1, heads, positions, dim]`` as ``[1, positions, heads, dim]``."""
     for spec in program.graph_signature.input_specs:
         if getattr(spec.arg, "name", None) == buffer.name and spec.target is not None:
-            value = program.state_dict[spec.target]
-            program.state_dict[spec.target] = value.transpose(1, 2).contiguous()
+            # A persistent buffer is in the state dict, a non-persistent one among the constants.
+            table: dict[str, Any] = program.state_dict if spec.target in program.state_dict else program.constants
+            table[spec.target] = table[spec.target].transpose(1, 2).contiguous()
             fake = buffer.meta["val"]
-            buffer.meta["val"] = fake.fake_mode.from_tensor(program.state_dict[spec.target], static_shapes=True)
+            buffer.meta["val"] = fake.fake_mode.from_tensor(table[spec.target], static_shapes=True)
             return
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of ``node`` but the metadata assertions export adds beside ``.to`` calls."""
+    return [user for user in node.users if user.target is not _aten._assert_tensor_metadata.default]
+
+
+def _same_dtype_conversion(node: Any) -> bool:
+    """Whether ``node`` is ``x.to(dtype)`` of an ``x`` already of that dtype (a no-op)."""
+    if not isinstance(node, torch.fx.Node) or node.target is not _aten.to.dtype or len(_readers(node)) != 1:
+        return False
+    source = node.args[0]
+    return isinstance(source, torch.fx.Node) and source.meta["val"].dtype == node.meta["val"].dtype
+
+
+def _transposed_cache(program: ExportedProgram, node: Any, what: str) -> tuple[list[torch.fx.Node], _Cache]:
+    """For a ``custom_sdpa`` key or value ``node`` that is a cache written by ``index_copy_``
+    along its positions, then transposed (1, 2) (then converted to its own dtype): the nodes
+    from the attention back to the write, and the write."""
+    chain = []
+    seen = node
+    while _same_dtype_conversion(seen):
+        chain.append(seen)
+        seen = seen.args[0]
+    if not _swaps_heads_and_positions(seen) or len(_readers(seen)) != 1:
+        raise _Refused(f"the {what} is not a cache transposed (1, 2) for this attention alone")
+    chain.append(seen)
+    return chain, _owned_cache_write(program, seen.args[0], what)
+
+
+def _reads_transposed(node: Any) -> bool:
+    while _same_dtype_conversion(node):
+        node = node.args[0]
+    return _swaps_heads_and_positions(node)
+
+
+def _untranspose_caches(program: ExportedProgram, report: RunnerAttentionReport) -> None:
+    """Give every ``llama::custom_sdpa`` that reads a ``[1, heads, positions, dim]`` cache
+    through a transpose (optimum-executorch's ``--use_custom_sdpa``) the cache itself, stored
+    ``[1, positions, heads, dim]`` and written by ``index_copy_`` along dim 1 at the same rows:
+    the same values at every position, without the whole-cache transpose per call."""
+    graph = program.graph_module.graph
+    for node in [n for n in graph.nodes if _is_custom_sdpa(n)]:
+        if not (_reads_transposed(node.args[1]) or _reads_transposed(node.args[2])):
+            continue  # reads its caches as the kernel lays them out
+        try:
+            key = _transposed_cache(program, node.args[1], "key")
+            value = _transposed_cache(program, node.args[2], "value")
+        except _Refused as why:
+            report.refused[node.name] = str(why)
+            continue
+        fake = node.meta["val"]
+        for chain, cache in (key, value):
+            _relayout(program, cache.buffer)
+            with graph.inserting_before(cache.write):
+                # The rows transposed (a copy of ``n`` rows): never a view of what the model
+                # made them from, which may share storage the write-back analysis cannot see.
+                rows = _insert(graph, _aten.permute.default, (cache.new, _SWAP), fake)
+                written = _insert(graph, _aten.index_copy_.default, (cache.buffer, 1, cache.write.args[2], rows), fake)
+            node.replace_input_with(chain[0], written)
+            for done in chain:
+                for check in list(done.users):  # a dtype assertion on a value that is gone
+                    graph.erase_node(check)
+                graph.erase_node(done)
+            graph.erase_node(cache.write)
+        report.rewritten.append(node.name)
 
 
 def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionReport:
@@ -163,8 +260,11 @@ def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionRepo
 
     report = RunnerAttentionReport()
     graph = program.graph_module.graph
+    if any(_is_custom_sdpa(n) for n in graph.nodes):
+        _untranspose_caches(program, report)
     attentions = [n for n in graph.nodes if n.op == "call_function" and n.target is _SDPA]
     if not attentions or not load_runner_kernels():
+        _finish(program, report)
         return report
     for node in attentions:
         try:
@@ -219,11 +319,16 @@ def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionRepo
                 graph.erase_node(done)
             graph.erase_node(cache.write)
         report.rewritten.append(node.name)
+    _finish(program, report)
+    return report
+
+
+def _finish(program: ExportedProgram, report: RunnerAttentionReport) -> None:
     if report.rewritten:
+        graph = program.graph_module.graph
         graph.eliminate_dead_code()
         graph.lint()
         program.graph_module.recompile()
-    return report
 
 
 def runner_attention_pass() -> ProgramPass:
