@@ -111,3 +111,26 @@ def test_run_unknown_backend_is_a_usage_error_listing_installed_backends() -> No
     result = CliRunner().invoke(main, ["run", "--backend", "nope", "--steps", "1"])
     assert result.exit_code == 2
     assert "no backend named 'nope'" in result.output and "mlx" in result.output
+
+
+def test_a_session_opened_from_the_written_file_loads_that_file(tmp_path: Path) -> None:
+    """``Session.open(..., path=)`` (what `writeback run` does once the `.pte` is written) hands
+    the runtime the file, not the bytes: the file's program runs as eager does, and a path with
+    no file is an error naming it, nothing loaded."""
+    from writeback_pybind_runtime import ProgramError
+
+    cfg = DecoderConfig(max_seq=8, layers=1)
+    case = decoder_case(cfg, caller_cache=True)
+    pipeline = assemble(load_registry())
+    lowered = lower(case, pipeline)
+    pte = tmp_path / "decoder.pte"
+    pte.write_bytes(lowered.pte)
+    session = Session.open(pipeline, lowered, path=pte)
+    model = CallerCacheDecoder(cfg).eval()
+    eager_caches = [torch.zeros(cfg.cache_shape) for _ in range(2)]
+    with torch.no_grad():
+        expected = model(*case.step_inputs(0), *eager_caches)
+    torch.testing.assert_close(session.step(0).outputs[0], expected, rtol=1e-4, atol=1e-5)
+    missing = tmp_path / "missing.pte"
+    with pytest.raises(ProgramError, match=f"cannot open program file '{missing}'"):
+        Session.open(pipeline, lowered, path=missing)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -315,13 +316,19 @@ class Session:
     _signature: InputSignature | None = None
 
     @classmethod
-    def open(cls, pipeline: Pipeline, lowered: Lowered, case: ModelCase | None = None) -> Session:
+    def open(
+        cls, pipeline: Pipeline, lowered: Lowered, case: ModelCase | None = None, path: Path | None = None
+    ) -> Session:
         """Load the ``.pte`` in the pipeline's runtime and allocate the state of ``case``
-        (default: the case ``lowered`` was made from)."""
+        (default: the case ``lowered`` was made from).
+
+        :param path: where ``lowered.pte`` was written: the runtime loads that file, so it
+            need not copy the bytes (writeback's runtime reads a delegate's data when the
+            method loads and frees it once the delegate has taken it)."""
         case = case if case is not None else lowered.case
         if case is None:
             raise ValueError("this program was lowered without a ModelCase: pass case= to Session.open")
-        program = pipeline.runtime.load_program(lowered.pte, pipeline.delegates)
+        program = pipeline.runtime.load_program(lowered.pte if path is None else path, pipeline.delegates)
         method = program.load_method("forward")
         state = tuple(pipeline.allocate(t) for t in case.make_state())
         return cls(pipeline, lowered, method, state, case)

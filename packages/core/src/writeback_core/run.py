@@ -92,7 +92,7 @@ def run_model(
     process that has the old file mapped keeps it and a failure leaves it as it was."""
     lowered = lower(case, pipeline)
     write_bytes(output, lowered.pte)
-    session = Session.open(pipeline, lowered)
+    session = Session.open(pipeline, lowered, path=output)
     eager = Eager(case)
     done: list[tuple[StepResult, StepCheck]] = []
     progress = Progress(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -234,8 +235,9 @@ class RuntimeSpec:
 
     ``load_program(data, delegates)`` registers ``delegates`` (Python runtime
     delegates keyed by backend id, as ``Registry.runtime_delegates()`` returns
-    them) as ExecuTorch backends and loads the program in ``data`` (the
-    ``.pte`` bytes). The pipeline passes the same delegate objects to every
+    them) as ExecuTorch backends and loads the program in ``data``: the
+    ``.pte`` bytes, or the path of a ``.pte`` file (a runtime may then read
+    only what each method needs, when it loads). The pipeline passes the same delegate objects to every
     load of one session and reads, from any delegate that has one, the
     optional attribute ``copied_input_bytes_total: int`` (bytes the delegate
     has copied to bind inputs, over all calls) to report copies it made, and
@@ -244,5 +246,5 @@ class RuntimeSpec:
     """
 
     name: str
-    load_program: Callable[[bytes, Mapping[str, RuntimeDelegate]], RuntimeProgram]
+    load_program: Callable[[bytes | os.PathLike[str], Mapping[str, RuntimeDelegate]], RuntimeProgram]
     description: str = ""

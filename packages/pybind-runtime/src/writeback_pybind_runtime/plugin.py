@@ -6,6 +6,7 @@ so loading the plugin never builds or loads the extension.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ class _Delegates:
         return self._delegates
 
 
-def _load_program(data: bytes, delegates: Mapping[str, RuntimeDelegate]) -> Any:
+def _load_program(data: bytes | os.PathLike[str], delegates: Mapping[str, RuntimeDelegate]) -> Any:
     from writeback_core.registry import load_registry
 
     from writeback_pybind_runtime import Runtime
