@@ -134,3 +134,32 @@ def test_a_session_opened_from_the_written_file_loads_that_file(tmp_path: Path) 
     missing = tmp_path / "missing.pte"
     with pytest.raises(ProgramError, match=f"cannot open program file '{missing}'"):
         Session.open(pipeline, lowered, path=missing)
+
+
+def test_run_no_check_builds_no_eager_model_and_says_nothing_was_compared(tmp_path: Path) -> None:
+    """`run --no-check`: the model is built once (for export), never a second time for an eager
+    reference; the table and the last line say the steps were not compared."""
+    import dataclasses
+
+    from writeback_core.run import run_model
+
+    case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=True)
+    builds: list[int] = []
+
+    def build() -> torch.nn.Module:
+        builds.append(1)
+        return case.build()
+
+    counted = dataclasses.replace(case, build=build)
+    pipeline = assemble(load_registry())
+    report = run_model(pipeline, counted, 2, tmp_path / "a.pte", check=False)
+    assert len(builds) == 1 and not report.checked and report.failures == []
+    assert [check for _, check in report.steps] == [None, None]
+    checked = run_model(pipeline, counted, 2, tmp_path / "b.pte")
+    assert len(builds) == 3 and checked.checked and checked.failures == []
+
+    result = CliRunner().invoke(main, ["run", "--no-check", "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 steps not compared with eager (--no-check)" in result.output
+    assert "2 steps ran; not compared with eager PyTorch (--no-check): outputs and state are unchecked" in result.output
+    assert "match eager" not in result.output
