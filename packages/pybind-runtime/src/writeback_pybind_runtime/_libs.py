@@ -16,7 +16,14 @@ from types import ModuleType
 
 __all__ = ["NATIVE_PATH_ENV", "executorch_lib_dir", "native"]
 
-_LIBRARIES = ("libexecutorch.so", "libexecutorch_kernels_optimized.so")
+# The XNNPACK backend registers itself when its library loads: the same library file
+# executorch's own bindings link, so either side loading first registers it once.
+_LIBRARIES = (
+    "libexecutorch.so",
+    "libexecutorch_kernels_optimized.so",
+    "libexecutorch_threadpool.so",
+    "libexecutorch_backend_xnnpack.so",
+)
 
 
 def executorch_lib_dir() -> str:
