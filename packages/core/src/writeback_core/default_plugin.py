@@ -33,6 +33,7 @@ def writeback_cli_commands(group: click.Group) -> None:
     group.add_command(cli.explain_command)
     from writeback_core.bench import bench_command
     from writeback_core.bench_generate import bench_generate_command
+    from writeback_core.bench_scale import bench_scale_command
     from writeback_core.export import export_command
     from writeback_core.generate import generate_command
     from writeback_core.run import run_command
@@ -40,5 +41,6 @@ def writeback_cli_commands(group: click.Group) -> None:
     group.add_command(run_command)
     group.add_command(bench_command)
     group.add_command(bench_generate_command)
+    group.add_command(bench_scale_command)
     group.add_command(export_command)
     group.add_command(generate_command)

@@ -1,0 +1,47 @@
+"""`writeback bench-scale` at a mid size (a 4-layer Llama, hidden 256, vocab 32,000: 78 MB of
+fp32 weights), stock ExecuTorch + XNNPACK beside writeback + XNNPACK, every phase in a process
+of its own. Times are printed, never asserted; memory is deterministic enough to bound:
+
+- writeback's lowering peaks no higher than stock's lowering of the same program (+10%);
+- once the method is loaded, writeback's runtime holds no more than the `.pte` (+10%): the
+  delegate's blob is read from the file and freed once XNNPACK has packed it;
+- loading and decoding peak below 3.5x the weights above a bare child's baseline.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+from writeback_core.cli import main
+
+pytestmark = pytest.mark.slow
+
+SHAPE = ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--intermediate", "768"]
+
+
+def test_bench_scale_bounds_writeback_memory_by_stock_and_the_weights() -> None:
+    result = CliRunner().invoke(main, ["bench-scale", *SHAPE, "--vocab", "32000", "--positions", "512", "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "0.078 GB of fp32 weights" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("stock+", "writeback+"))}
+    assert set(rows) == {"stock+xnnpack", "stock+xnnpack:", "writeback+xnnpack", "writeback+xnnpack:"}, out
+    assert any(line.split()[:3] == ["contender", "export", "s"] for line in out.splitlines()), out
+    stock, ours = (float(rows[name][2]) for name in ("stock+xnnpack", "writeback+xnnpack"))  # lower peak GB
+    peaks = {}
+    for line in out.splitlines():
+        found = re.match(
+            r"(\S+): peaks above a bare child's ([\d.]+) GB, in weights \(([\d.]+) GB\): lowering ([\d.]+)x, "
+            r"run ([\d.]+)x; after load ([\d.]+)x the \.pte",
+            line,
+        )
+        if found:
+            peaks[found[1]] = [float(v) for v in found.groups()[1:]]
+    base, weights, _, run, after_load = peaks["writeback+xnnpack"]
+    stock_base = peaks["stock+xnnpack"][0]
+    assert ours - base <= 1.1 * (stock - stock_base), out
+    assert after_load <= 1.1, out
+    assert run <= 3.5, out
+    assert weights == pytest.approx(0.078, abs=0.001)
