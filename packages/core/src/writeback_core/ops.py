@@ -15,7 +15,6 @@ import torch.fx
 __all__ = [
     "aten_op",
     "decomposed_from",
-    "is_aten",
     "normalize_dim",
     "normalize_index",
     "op_name",
@@ -87,12 +86,6 @@ def schema_of(target: Any) -> torch.FunctionSchema | None:
         return schema
     schema = getattr(target, "_schema", None)
     return schema if isinstance(schema, torch.FunctionSchema) else None
-
-
-def is_aten(target: Any) -> bool:
-    """True when the op's schema is in the ``aten::`` namespace (the only one we trust)."""
-    schema = schema_of(target)
-    return schema is not None and schema.name.startswith("aten::")
 
 
 def packet_name(target: Any) -> str | None:

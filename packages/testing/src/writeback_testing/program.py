@@ -569,8 +569,3 @@ def build(spec: ProgramSpec, name: str = "writeback_fuzz_program") -> Built:
         step_inputs=module.__dict__["step_inputs"],
         make_state=module.__dict__["make_state"],
     )
-
-
-def write_count(statements: Sequence[Statement]) -> int:
-    """How many statements write state directly (used to bias generation and reports)."""
-    return sum(isinstance(s, Write) for s in statements)
