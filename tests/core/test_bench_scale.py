@@ -5,7 +5,8 @@ of its own. Times are printed, never asserted; memory is deterministic enough to
 - writeback's lowering peaks no higher than stock's lowering of the same program (+10%);
 - once the method is loaded, writeback's runtime holds no more than the `.pte` (+10%): the
   delegate's blob is read from the file and freed once XNNPACK has packed it;
-- loading and decoding peak below 3.5x the weights above a bare child's baseline.
+- loading and decoding peak no higher than stock's (+15%), and below 6x the weights above a
+  bare child's baseline.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def test_bench_scale_bounds_writeback_memory_by_stock_and_the_weights() -> None:
         if found:
             peaks[found[1]] = [float(v) for v in found.groups()[1:]]
     base, weights, _, run, after_load = peaks["writeback+xnnpack"]
-    stock_base = peaks["stock+xnnpack"][0]
+    stock_base, _, _, stock_run, _ = peaks["stock+xnnpack"]
     assert ours - base <= 1.1 * (stock - stock_base), out
     assert after_load <= 1.1, out
-    assert run <= 3.5, out
+    # Seen from 2.8x to 4.4x of the weights from one machine to another, stock's alike.
+    assert run <= 1.15 * stock_run and run <= 6.0, out
     assert weights == pytest.approx(0.078, abs=0.001)
