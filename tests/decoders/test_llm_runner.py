@@ -132,6 +132,40 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
     assert stats[-1].num_prompt_tokens == 3
 
 
+def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_exported_8da4w(
+    folder: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """`export --quantize 8da4w`: each token TextLLMRunner generates is the top choice of
+    transformers' eager model with the same torchao-quantized weights fed the same sequence,
+    within the integer kernels' rounding (0.05 of a logit); the caches still written in place."""
+    from transformers import AutoModelForCausalLM
+    from writeback_decoders.quantize import quantize
+
+    model, _ = folder
+    output = _export(model, "xnnpack", tmp_path, "--quantize", "8da4w")
+    assert "4-bit weights in groups of 32" in " ".join(output.split())
+    for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
+        assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
+    pieces, _ = runner_generates(tmp_path / "model.pte", tmp_path / "tokenizer.json")
+    tokenizer = _tokenizer(tmp_path)  # the same training text: the same vocabulary
+    ids = {tokenizer.decode([i]): i for i in range(tokenizer.get_vocab_size())}
+    prompt = tokenizer.encode(PROMPT).ids
+    generated = [ids[piece] for piece in pieces]
+    assert len(generated) == NEW_TOKENS
+    plain = AutoModelForCausalLM.from_pretrained(model).eval()
+    weights = sum(p.numel() * 4 for p in plain.parameters())
+    linear = sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    # 4-bit weights and a scale per 32 keep about a sixth of the linear layers' fp32 bytes.
+    size = (tmp_path / "model.pte").stat().st_size
+    assert size < weights - 0.7 * linear, (size, weights, linear)
+    quantized = quantize(plain, "8da4w")
+    with torch.no_grad():
+        logits = quantized(torch.tensor([prompt + generated])).logits[0]
+    for step, token in enumerate(generated):
+        row = logits[len(prompt) - 1 + step]
+        assert row[token] >= row.max() - 0.05, (step, token, int(row.argmax()), float(row.max() - row[token]))
+
+
 def test_generate_streams_the_runners_text_and_prints_its_statistics(
     folder: tuple[Path, list[str]], tmp_path: Path
 ) -> None:

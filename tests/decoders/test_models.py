@@ -87,6 +87,25 @@ def test_greedy_tokens_refuse_a_negative_step() -> None:
         greedy.token(-1)
 
 
+def test_greedy_tokens_take_observed_logits_and_build_no_eager_copy() -> None:
+    """Handed each step's logits, the next token is their argmax and the model is never built;
+    a step observed out of order is ignored (its token is not the next one)."""
+    builds: list[int] = []
+
+    def build() -> torch.nn.Module:
+        builds.append(1)
+        return torch.nn.Identity()
+
+    greedy = GreedyTokens(build, lambda m, t, p: torch.zeros(1, 4), max_seq=8, prompt=3)
+    greedy.observe(0, torch.tensor([[[0.0, 0.5, 2.0, 1.0]]]))  # argmax 2, worked out by hand
+    greedy.observe(2, torch.tensor([[[9.0, 0.0, 0.0, 0.0]]]))  # step 2's token is not known yet: ignored
+    greedy.observe(1, torch.tensor([[[0.0, 0.0, 0.0, 0.1]], [[0.0, 7.0, 0.0, 0.0]]]))  # the last row counts
+    assert [greedy.token(s) for s in range(3)] == [3, 2, 1]
+    greedy.observe(0, torch.tensor([[[5.0, 0.0, 0.0, 0.0]]]))  # step 1's token is known: kept
+    assert greedy.token(1) == 2
+    assert builds == []
+
+
 @pytest.mark.parametrize(
     ("name", "mib", "positions"),
     [

@@ -28,12 +28,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from writeback_core.zoo import ModelCase
 
 __all__ = ["STOCK", "ScaleRow", "bench_scale_command", "llama_folder", "run_contender"]
 
 STOCK = "stock+xnnpack"
+NO_QUANTIZATION = "none"
 WRITEBACK_PREFIX = "writeback+"
 
 
@@ -89,7 +94,19 @@ def llama_folder(
     return nbytes
 
 
-def _lower(contender: str, folder: str, pte: str) -> dict[str, float]:
+def _folder_case(registry: Any, folder: str, quantize: str) -> ModelCase:
+    """The case the plugins read from ``folder``, quantized by ``quantize`` (``"none"``: as saved)."""
+    case: ModelCase | None = registry.model_from_path(folder)
+    if case is None:
+        raise click.UsageError(f"no plugin reads the model folder {folder!r}")
+    if quantize == NO_QUANTIZATION:
+        return case
+    if case.quantized is None or quantize not in case.quantizations:
+        raise click.UsageError(f"the model read from {folder!r} offers no {quantize} quantization")
+    return case.quantized(quantize)
+
+
+def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, float]:
     import executorch.exir  # noqa: F401  (imported before the baseline: every contender imports it)
 
     from writeback_core.lowering import export_case
@@ -99,9 +116,7 @@ def _lower(contender: str, folder: str, pte: str) -> dict[str, float]:
     registry = load_registry()
     base = _resident_gb()
     start = time.perf_counter()
-    case = registry.model_from_path(folder)
-    if case is None:
-        raise click.UsageError(f"no plugin reads the model folder {folder!r}")
+    case = _folder_case(registry, folder, quantize)
     exported = export_case(case)
     exported_at = time.perf_counter()
     if contender == STOCK:
@@ -131,7 +146,7 @@ def _lower(contender: str, folder: str, pte: str) -> dict[str, float]:
     }
 
 
-def _run(contender: str, folder: str, pte: str, steps: int) -> dict[str, float]:
+def _run(contender: str, folder: str, pte: str, steps: int, quantize: str) -> dict[str, float]:
     import torch.utils._pytree as pytree
 
     from writeback_core.llm_runner import load_runner_kernels
@@ -141,9 +156,7 @@ def _run(contender: str, folder: str, pte: str, steps: int) -> dict[str, float]:
 
     registry = load_registry()
     load_runner_kernels()
-    case = registry.model_from_path(folder)
-    if case is None:
-        raise click.UsageError(f"no plugin reads the model folder {folder!r}")
+    case = _folder_case(registry, folder, quantize)
     state = case.make_state()
     with known_warnings_ignored():
         from executorch.runtime import Runtime
@@ -163,8 +176,10 @@ def _run(contender: str, folder: str, pte: str, steps: int) -> dict[str, float]:
         # Flattened as torch.export flattens them (no second export here to read its spec).
         inputs = pytree.tree_leaves(((*case.step_inputs(step), *state), case.example_kwargs(step)))
         begin = time.perf_counter()
-        method.execute(inputs)
+        outputs = method.execute(inputs)
         times.append(time.perf_counter() - begin)
+        if case.observe is not None:  # the next token from the program's logits: no eager model
+            case.observe(step, outputs)
     return {
         "base_gb": base,
         "load_s": loaded - start,
@@ -183,9 +198,10 @@ class ScaleRow:
     error: str | None = None
 
 
-def _child(phase: str, contender: str, folder: Path, pte: Path, steps: int) -> dict[str, float]:
+def _child(phase: str, contender: str, folder: Path, pte: Path, steps: int, quantize: str) -> dict[str, float]:
     """Run one phase of one contender in a fresh interpreter; its figures, or raise with its stderr."""
-    command = [sys.executable, "-m", "writeback_core.bench_scale", phase, contender, str(folder), str(pte), str(steps)]
+    module = "writeback_core.bench_scale"
+    command = [sys.executable, "-m", module, phase, contender, str(folder), str(pte), str(steps), quantize]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -195,14 +211,16 @@ def _child(phase: str, contender: str, folder: Path, pte: Path, steps: int) -> d
     return figures
 
 
-def run_contender(name: str, folder: Path, scratch: Path, steps: int) -> ScaleRow:
-    """Lower ``name`` in one child process, then load and decode it in another."""
+def run_contender(name: str, folder: Path, scratch: Path, steps: int, quantize: str | None = None) -> ScaleRow:
+    """Lower ``name`` in one child process, then load and decode it in another; ``quantize``:
+    a scheme the folder's case offers (``ModelCase.quantized``), applied in both."""
+    scheme = quantize or NO_QUANTIZATION
     row = ScaleRow(name)
     pte = scratch / f"{name.replace('+', '-')}.pte"
     try:
-        row.figures.update(_child("lower", name, folder, pte, steps))
+        row.figures.update(_child("lower", name, folder, pte, steps, scheme))
         lowered_base = row.figures.pop("base_gb")
-        row.figures.update(_child("run", name, folder, pte, steps))
+        row.figures.update(_child("run", name, folder, pte, steps, scheme))
         row.figures["base_gb"] = min(lowered_base, row.figures["base_gb"])
     except RuntimeError as error:
         row.error = str(error)
@@ -272,6 +290,13 @@ def table(rows: Sequence[ScaleRow], weights: int) -> list[str]:
     show_default=True,
     help="writeback backends to run beside stock (repeatable).",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(["8da4w"]),
+    default=None,
+    help="Quantize the linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before export, "
+    "for stock and writeback alike.",
+)
 def bench_scale_command(
     layers: int,
     hidden: int,
@@ -282,6 +307,7 @@ def bench_scale_command(
     positions: int,
     steps: int,
     backends: tuple[str, ...],
+    quantize: str | None,
 ) -> None:
     """Export, lower, load and decode a Llama of the given shape (random fp32 weights), stock
     ExecuTorch + XNNPACK and writeback with each --backend, every phase in its own process;
@@ -295,11 +321,13 @@ def bench_scale_command(
         weights = llama_folder(folder, layers, hidden, heads, kv_heads, intermediate, vocab, positions)
         click.echo(
             f"Llama: {layers} layers, hidden {hidden}, {heads} heads ({kv_heads} KV), intermediate {intermediate}, "
-            f"vocab {vocab}, {positions} positions; {weights / 1e9:.3f} GB of fp32 weights; "
+            f"vocab {vocab}, {positions} positions; {weights / 1e9:.3f} GB of fp32 weights"
+            + (f", linear layers quantized {quantize} before export" if quantize else "")
+            + "; "
             f"{steps} decode steps, median of the last {steps - 1}; 1 process per phase"
         )
         rows = [
-            run_contender(name, folder, Path(scratch), steps)
+            run_contender(name, folder, Path(scratch), steps, quantize)
             for name in (STOCK, *(WRITEBACK_PREFIX + b for b in backends))
         ]
     for line in table(rows, weights):
@@ -309,15 +337,15 @@ def bench_scale_command(
 
 
 def _main(argv: Sequence[str]) -> int:
-    """A child's entry: ``PHASE CONTENDER FOLDER PTE STEPS``; prints one JSON line."""
+    """A child's entry: ``PHASE CONTENDER FOLDER PTE STEPS QUANTIZE``; prints one JSON line."""
     import torch
 
     torch.set_num_threads(1)
-    phase, contender, folder, pte, steps = argv
+    phase, contender, folder, pte, steps, quantize = argv
     if phase == "lower":
-        figures = _lower(contender, folder, pte)
+        figures = _lower(contender, folder, pte, quantize)
     elif phase == "run":
-        figures = _run(contender, folder, pte, int(steps))
+        figures = _run(contender, folder, pte, int(steps), quantize)
     else:
         raise SystemExit(f"unknown phase {phase!r}")
     print(json.dumps(figures))

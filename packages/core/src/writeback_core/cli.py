@@ -88,6 +88,33 @@ def resolve_model_option(registry: Registry, model: str) -> ModelCase:
         raise click.UsageError(str(error)) from error
 
 
+def quantized_case(case: ModelCase, scheme: str | None) -> ModelCase:
+    """``case`` with its weights quantized by ``scheme`` (``--quantize``), or as it is for ``None``.
+
+    :raises click.UsageError: the case quantizes nothing, or not by that scheme (exit 2, with
+        the schemes it takes).
+    """
+    if scheme is None:
+        return case
+    if case.quantized is None or scheme not in case.quantizations:
+        offered = ", ".join(case.quantizations) if case.quantized is not None else "none"
+        raise click.UsageError(
+            f"--quantize {scheme}: model {case.name!r} does not offer it (schemes it takes: {offered}); "
+            "the Hugging Face models and model folders take 8da4w"
+        )
+    try:
+        return case.quantized(scheme)
+    except ValueError as error:  # the scheme finds nothing to quantize in this model
+        raise click.UsageError(f"--quantize {scheme}: model {case.name!r}: {error}") from error
+
+
+QUANTIZE_HELP = (
+    "Quantize the model's weights before export: 8da4w = linear layers with 8-bit dynamic activations and 4-bit "
+    "weights in groups of 32, as ExecuTorch's Llama export does (XNNPACK runs them). Steps are then compared "
+    "with eager PyTorch running the same quantized model, at the scheme's tolerance."
+)
+
+
 def _model_from_path(registry: Registry, path: str) -> ModelCase:
     """The model a plugin reads from ``path`` (``writeback_model_from_path``); exit 2 when none
     does or the plugin finds the path unreadable."""

@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 
 from writeback_core._files import WriteFailed, write_bytes
-from writeback_core.cli import resolve_model_option, writable_file
+from writeback_core.cli import QUANTIZE_HELP, quantized_case, resolve_model_option, writable_file
 from writeback_core.explain import format_bytes
 from writeback_core.llm_runner import RUNNER_METADATA, RunnerContractError, check_runner_contract
 from writeback_core.lowering import Lowered, LoweringError, export_case, lower, state_places
@@ -129,8 +129,11 @@ def _tokenizer_of(model: str) -> Path | None:
     help="Export one token per call (the runner then prefills a prompt token by token) even where the model and "
     "backend take a dynamic token dimension.",
 )
+@click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=QUANTIZE_HELP)
 @click.pass_context
-def export_command(ctx: click.Context, model: str, backend: str | None, output: Path, token_by_token: bool) -> None:
+def export_command(
+    ctx: click.Context, model: str, backend: str | None, output: Path, token_by_token: bool, quantize: str | None
+) -> None:
     """Write MODEL as a .pte for ExecuTorch's LLM runner (TextLLMRunner, llama_main).
 
     MODEL: a decoder the plugins offer (et-llama, hf-llama, ...) or a local Hugging Face
@@ -147,7 +150,7 @@ def export_command(ctx: click.Context, model: str, backend: str | None, output: 
         pipeline = assemble(registry, backend or _default_backend(registry))
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
-    case = resolve_model_option(registry, model)
+    case = quantized_case(resolve_model_option(registry, model), quantize)
     dynamic = pipeline.backend is None or pipeline.backend.dynamic_shapes
     if dynamic and not token_by_token and case.dynamic_prefill is not None:
         case = case.dynamic_prefill()

@@ -396,18 +396,24 @@ def _max_error(actual: Any, expected: Any) -> float:
     return float((actual.double() - expected.double()).abs().max())
 
 
-def _close(actual: Any, expected: Any) -> bool:
+def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
         return bool(actual == expected)
     if actual.shape != expected.shape:
         return False
-    return bool(torch.allclose(actual.to(expected.dtype), expected, rtol=RTOL, atol=ATOL))
+    return bool(torch.allclose(actual.to(expected.dtype), expected, rtol=rtol, atol=atol))
 
 
 def compare(
-    result: StepResult, eager_outputs: Sequence[Any], state: Sequence[torch.Tensor], eager_state: Sequence[torch.Tensor]
+    result: StepResult,
+    eager_outputs: Sequence[Any],
+    state: Sequence[torch.Tensor],
+    eager_state: Sequence[torch.Tensor],
+    rtol: float = RTOL,
+    atol: float = ATOL,
 ) -> StepCheck:
-    """Compare one step's outputs and state with eager's (``rtol``/``atol`` = :data:`RTOL`/:data:`ATOL`)."""
+    """Compare one step's outputs and state with eager's (``torch.allclose`` at ``rtol``/``atol``;
+    a case's own are :attr:`ModelCase.rtol <writeback_core.zoo.ModelCase.rtol>` and ``atol``)."""
     problems: list[str] = []
     if len(result.outputs) != len(eager_outputs):
         problems.append(f"the program returned {len(result.outputs)} outputs, eager {len(eager_outputs)}")
@@ -415,14 +421,14 @@ def compare(
     for index, (mine, theirs) in enumerate(zip(result.outputs, eager_outputs, strict=False)):
         error = _max_error(mine, theirs)
         out_error = max(out_error, error)
-        if not _close(mine, theirs):
+        if not _close(mine, theirs, rtol, atol):
             shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
             problems.append(f"output {index} {shape} differs from eager by {error:.3g}")
     state_error: float | None = None
     for index, (mine, theirs) in enumerate(zip(state, eager_state, strict=True)):
         error = _max_error(mine, theirs)
         state_error = max(state_error or 0.0, error)
-        if not _close(mine, theirs):
+        if not _close(mine, theirs, rtol, atol):
             problems.append(f"state {index} {tuple(mine.shape)} differs from eager by {error:.3g}")
     return StepCheck(out_error, state_error, tuple(problems))
 

@@ -22,12 +22,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from writeback_core._files import WriteFailed, write_bytes
-from writeback_core.cli import CacheMiB, UserCodeError, progress_bar, resolve_model_option, writable_file
+from writeback_core.cli import (
+    QUANTIZE_HELP,
+    CacheMiB,
+    UserCodeError,
+    progress_bar,
+    quantized_case,
+    resolve_model_option,
+    writable_file,
+)
 from writeback_core.explain import format_bytes
 from writeback_core.lowering import StatePlace, state_places
 from writeback_core.pipeline import (
-    ATOL,
-    RTOL,
     Eager,
     Lowered,
     Pipeline,
@@ -134,9 +140,13 @@ def run_model(
                 raise _refusal(step, error, session, eager) from error
             if eager is None:
                 done.append((result, None))
+                observed = result.outputs
             else:
                 expected = eager.step(step)
-                done.append((result, compare(result, expected, session.state, eager.state)))
+                done.append((result, compare(result, expected, session.state, eager.state, case.rtol, case.atol)))
+                observed = expected
+            if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
+                case.observe(step, observed)
             progress.advance(task)
     return RunReport(pipeline, case, lowered, output, done)
 
@@ -326,6 +336,7 @@ def _execution_paths(pipeline: Pipeline) -> list[str]:
     help="Build no eager model beside the program (a second copy of the weights) and compare nothing: "
     "for models whose two copies do not fit in memory.",
 )
+@click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=QUANTIZE_HELP)
 @click.pass_context
 def run_command(
     ctx: click.Context,
@@ -336,6 +347,7 @@ def run_command(
     output: Path | None,
     cache_mib: float | None,
     no_check: bool,
+    quantize: str | None,
 ) -> None:
     """Lower MODEL through the installed backend and passes, run it STEPS times with its state
     bound in place, and check every step against eager PyTorch.
@@ -351,7 +363,7 @@ def run_command(
         pipeline = assemble(registry, backend, runtime_name)
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
-    case = _case(registry, model, cache_mib)
+    case = quantized_case(_case(registry, model, cache_mib), quantize)
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:
@@ -373,11 +385,12 @@ def run_command(
     )
     for line in _execution_paths(pipeline):
         console.print(line, markup=False)
+    tolerance = f"rtol={report.case.rtol:g}, atol={report.case.atol:g}"
     if report.failures:
         result, check = report.failures[0]
         raise click.ClickException(
             f"{len(report.failures)} of {len(report.steps)} steps differ from eager PyTorch "
-            f"(rtol={RTOL}, atol={ATOL}); first at step {result.step}: {'; '.join(check.problems)}"
+            f"({tolerance}); first at step {result.step}: {'; '.join(check.problems)}"
         )
     if not report.checked:
         console.print(
@@ -385,4 +398,4 @@ def run_command(
             "outputs and state are unchecked"
         )
         return
-    console.print(f"all {len(report.steps)} steps match eager PyTorch (rtol={RTOL}, atol={ATOL})")
+    console.print(f"all {len(report.steps)} steps match eager PyTorch ({tolerance})")

@@ -9,7 +9,7 @@ then the per-call keyword arguments.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -319,6 +319,19 @@ class ModelCase:
     dimension (a prompt prefilled in one call; its metadata says
     ``enable_dynamic_shape``); ``writeback export`` takes it for a backend whose
     ``BackendSpec.dynamic_shapes`` is set.
+
+    ``quantized``, when given, builds the same model with its weights quantized by the
+    named scheme (``--quantize`` of ``run`` and ``export``; ``quantizations`` lists the
+    schemes it takes); a case without it has nothing to quantize.
+
+    ``observe``, when given, is called with ``(step, outputs)`` after each call a run makes
+    (eager's outputs where the run compares, the program's where it does not): a case whose
+    next inputs follow from the outputs (greedy decoding) takes them from here instead of
+    running an eager copy of the model of its own.
+
+    ``rtol``/``atol``: how far a backend's outputs and state may stray from eager's
+    (``torch.allclose``). fp32 reductions in another order differ in the last bits;
+    a quantized model's integer kernels round activations their own way.
     """
 
     name: str
@@ -335,6 +348,11 @@ class ModelCase:
     sized: Callable[[float], ModelCase] | None = None
     constant_methods: Mapping[str, Any] = field(default_factory=dict)
     dynamic_prefill: Callable[[], ModelCase] | None = None
+    quantized: Callable[[str], ModelCase] | None = None
+    quantizations: tuple[str, ...] = ()
+    observe: Callable[[int, Sequence[Any]], None] | None = None
+    rtol: float = 1e-4
+    atol: float = 1e-4
 
     def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
         """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""

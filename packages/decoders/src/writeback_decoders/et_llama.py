@@ -234,6 +234,7 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
         build=lambda: _build(cfg),
         step_inputs=step_inputs,
         step_kwargs=step_kwargs,
+        observe=lambda step, outputs: greedy.observe(step, outputs[0]),
         strict=False,
         contenders={"et-custom-ops": lambda: _custom_ops_program(cfg)},
         # The example has no tokenizer: the runner takes BOS and the vocabulary from the

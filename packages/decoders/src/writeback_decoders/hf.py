@@ -28,6 +28,7 @@ from torch import nn
 from writeback_core.llm_runner import runner_metadata
 from writeback_core.zoo import ModelCase
 
+from writeback_decoders.quantize import QUANTIZATIONS, quantize, scheme
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
 
 if TYPE_CHECKING:
@@ -281,11 +282,16 @@ def _case(
     prompt_token: int,
     integration_export: bool,
     attention: str = "static",
+    quantization: str | None = None,
 ) -> ModelCase:
-    """The case; ``source()`` gives the folder or config (called only when a model is built)."""
+    """The case; ``source()`` gives the folder or config (called only when a model is built);
+    ``quantization``: a scheme of :mod:`writeback_decoders.quantize` applied to every build."""
 
     def model() -> Any:
-        return _load(source(), seed, dtype)
+        loaded = _load(source(), seed, dtype)
+        if quantization is None:
+            return loaded
+        return quantize(loaded, quantization)
 
     def build() -> nn.Module:
         if attention == "custom-ops":
@@ -316,10 +322,32 @@ def _case(
         build=build,
         step_inputs=lambda step: (),
         step_kwargs=lambda step: _kwargs(greedy.token(step), greedy.position(step)),
+        observe=lambda step, outputs: greedy.observe(step, outputs[0]),
         strict=strict,
         exported=exported,
         constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len)),
     )
+    if quantization is None:
+
+        def quantized(name: str) -> ModelCase:
+            chosen = scheme(name, getattr(_config_of(source()).get_text_config(), "hidden_size", None))
+            return _case(
+                source,
+                f"{case.name}-{name}",
+                f"{description}; {chosen.description}",
+                max_cache_len,
+                seed,
+                dtype,
+                prompt_token,
+                integration_export,
+                attention,
+                quantization=name,
+            )
+
+        case = replace(case, quantized=quantized, quantizations=tuple(QUANTIZATIONS))
+    else:
+        chosen = scheme(quantization)
+        case = replace(case, rtol=chosen.rtol, atol=chosen.atol)
 
     def static_build() -> nn.Module:
         return _wrap(model(), max_cache_len)

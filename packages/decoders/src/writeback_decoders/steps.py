@@ -28,6 +28,9 @@ class GreedyTokens:
     Once every cache slot is written, the position starts over at 0 and the
     model overwrites its oldest entries (both the program and eager do the same).
 
+    A caller that already runs the steps hands each step's logits to :meth:`observe`,
+    and the next token is their argmax: no eager copy is built.
+
     The eager copy, and the cache it holds, stays alive while the sequence may
     grow; :meth:`release` drops it (rebuilt and replayed from step 0 when a later
     step is asked for).
@@ -72,6 +75,14 @@ class GreedyTokens:
             next_token = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
             self._tokens.append(next_token)
         return self._tokens[step]
+
+    def observe(self, step: int, logits: torch.Tensor) -> None:
+        """Take the token of step ``step + 1`` from ``logits``, the logits of step ``step``
+        computed elsewhere (a run's eager reference, or the program when nothing checks it),
+        so no private eager copy is built. Ignored when that token is known already or an
+        earlier one is missing."""
+        if step + 1 == len(self._tokens) and step >= 0:
+            self._tokens.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
 
     def tokens(self, steps: int) -> list[int]:
         """The tokens fed at steps ``0 .. steps - 1``."""
