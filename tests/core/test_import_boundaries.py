@@ -15,6 +15,10 @@ from pathlib import Path
 
 _APPLICATION = (
     "writeback_core.bench",
+    "writeback_core.bench_cache",
+    "writeback_core.bench_common",
+    "writeback_core.bench_model",
+    "writeback_core.bench_plot",
     "writeback_core.cli",
     "writeback_core.default_plugin",
     "writeback_core.explain",

@@ -10,7 +10,8 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 from click.testing import CliRunner
 from rich.console import Console
-from writeback_core.bench import REINPLACE, STOCK, WRITEBACK, XNNPACK, _tables, run_bench
+from writeback_core.bench_cache import REINPLACE, WRITEBACK, run_bench, tables
+from writeback_core.bench_common import STOCK, XNNPACK
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
 
@@ -51,7 +52,7 @@ def test_bench_reports_a_pipeline_that_cannot_be_assembled_instead_of_dropping_i
     for stock in (STOCK, XNNPACK):
         assert size.error(stock, "step") is None and size.median(stock, "step") is not None
     console = Console(record=True, width=200)
-    for table in _tables(result):
+    for table in tables(result):
         console.print(table)
     rows = [line for line in console.export_text().splitlines() if line.startswith("│ ") and "MiB" in line]
     assert len(rows) == 2 and all("failed" in row for row in rows)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
-from writeback_core.bench import model_contenders, model_table, run_model_bench
+from writeback_core.bench_model import model_contenders, model_table, run_model_bench
 from writeback_core.cli import main
 from writeback_core.registry import load_registry
 from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case

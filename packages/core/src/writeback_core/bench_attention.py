@@ -38,11 +38,10 @@ class _WithoutPasses(Registry):
 
 def main(argv: list[str] | None = None) -> None:
     import torch
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
 
+    from writeback_core.bench_common import stock_program
     from writeback_core.cli import resolve_model_option
     from writeback_core.llm_runner import load_runner_kernels
     from writeback_core.lowering import export_case, lower
@@ -72,8 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             export_case(case), without, backend, "state", case
         ).pte
     for label, make in case.contenders.items():
-        edge = to_edge_transform_and_lower(make(), partitioner=[XnnpackPartitioner()])
-        ptes[f"stock+xnnpack ({label})"] = bytes(edge.to_executorch().buffer)
+        ptes[f"stock+xnnpack ({label})"] = bytes(stock_program(make(), xnnpack=True).buffer)
     runtime = Runtime.get()
     methods = {name: runtime.load_program(pte).load_method("forward") for name, pte in ptes.items()}
     vocab = int(case.constant_methods["get_vocab_size"])

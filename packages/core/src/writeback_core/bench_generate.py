@@ -32,6 +32,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from writeback_core.bench_common import stock_program
 from writeback_core.cli import resolve_model_option
 from writeback_core.registry import Registry
 from writeback_core.zoo import ModelCase
@@ -79,11 +80,7 @@ def _stdout_silenced() -> Iterator[None]:
 
 
 def _stock_pte(program: Any, methods: dict[str, Any]) -> bytes:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()], constant_methods=methods)
-    return bytes(edge.to_executorch().buffer)
+    return bytes(stock_program(program, xnnpack=True, constant_methods=methods).buffer)
 
 
 def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Callable[[], bytes]]]:
