@@ -163,3 +163,38 @@ def test_run_no_check_builds_no_eager_model_and_says_nothing_was_compared(tmp_pa
     assert "2 steps not compared with eager (--no-check)" in result.output
     assert "2 steps ran; not compared with eager PyTorch (--no-check): outputs and state are unchecked" in result.output
     assert "match eager" not in result.output
+
+
+def test_run_model_releases_the_export_before_its_steps_and_still_reports_every_place(tmp_path: Path) -> None:
+    """The steps run with the runtime's copy of the weights alone: the exported program is
+    gone once the program is loaded (a weak reference dies), the report's places, copies and
+    .pte size equal those of an independent lowering, and reading the released program says
+    what happened."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from writeback_core.lowering import ReleasedError, export_case, state_places
+    from writeback_core.run import run_model
+
+    case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
+    seen: list[weakref.ref[torch.export.ExportedProgram]] = []
+
+    def exported() -> torch.export.ExportedProgram:
+        program = export_case(case)
+        seen.append(weakref.ref(program))
+        return program
+
+    pipeline = assemble(load_registry(), "none")
+    pte = tmp_path / "a.pte"
+    report = run_model(pipeline, dataclasses.replace(case, exported=exported), 2, pte)
+    gc.collect()
+    assert len(seen) == 1 and seen[0]() is None
+    assert report.checked and report.failures == [] and report.lowered.released
+    independent = lower(case, pipeline)
+    assert report.lowered.pte_nbytes == pte.stat().st_size == len(independent.pte)
+    assert state_places(report.lowered) == state_places(independent)
+    assert report.lowered.copies_left == independent.copies_left and independent.copies_left
+    for read in (lambda: report.lowered.pte[:4], lambda: report.lowered.program.exported_program()):
+        with pytest.raises(ReleasedError, match=r"released once its \.pte was written and loaded .*lower again"):
+            read()

@@ -35,7 +35,7 @@ import click
 if TYPE_CHECKING:
     from writeback_core.zoo import ModelCase
 
-__all__ = ["STOCK", "ScaleRow", "bench_scale_command", "llama_folder", "run_contender"]
+__all__ = ["STOCK", "LlamaShape", "ScaleRow", "bench_scale_command", "llama_folder", "run_contender"]
 
 STOCK = "stock+xnnpack"
 NO_QUANTIZATION = "none"
@@ -57,17 +57,35 @@ def _resident_gb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def llama_folder(
-    path: Path,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    vocab: int,
-    positions: int,
-) -> int:
-    """Save a Llama of that shape (random fp32 weights, seed 0) to ``path``; returns its
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of the Llama ``bench-scale`` builds (``head_dim`` = hidden / heads)."""
+
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 1536
+    vocab: int = 32000
+    positions: int = 1024
+
+    def refusal(self) -> str | None:
+        """Why transformers cannot build this shape, or ``None``."""
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            return (
+                f"--hidden {self.hidden} must divide by --heads {self.heads}, and --heads by --kv-heads {self.kv_heads}"
+            )
+        return None
+
+    def words(self) -> str:
+        return (
+            f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads ({self.kv_heads} KV), intermediate "
+            f"{self.intermediate}, vocab {self.vocab}, {self.positions} positions"
+        )
+
+
+def llama_folder(path: Path, shape: LlamaShape) -> int:
+    """Save a Llama of ``shape`` (random fp32 weights, seed 0) to ``path``; returns its
     weights' bytes. Needs transformers (the decoders plugin's dependency)."""
     import torch
 
@@ -76,14 +94,14 @@ def llama_folder(
     except ImportError as error:  # the decoders plugin brings it
         raise click.UsageError(f"bench-scale builds a Hugging Face Llama and needs transformers: {error}") from error
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=positions,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads,
+        max_position_embeddings=shape.positions,
         bos_token_id=0,
         eos_token_id=1,
     )
@@ -120,14 +138,10 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     exported = export_case(case)
     exported_at = time.perf_counter()
     if contender == STOCK:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
+        from writeback_core.bench_common import stock_program
 
         with known_warnings_ignored():
-            edge = to_edge_transform_and_lower(
-                exported, partitioner=[XnnpackPartitioner()], constant_methods=dict(case.constant_methods)
-            )
-            data = edge.to_executorch().buffer
+            data = stock_program(exported, xnnpack=True, constant_methods=dict(case.constant_methods)).buffer
     else:
         from writeback_core.lowering import lower
         from writeback_core.pipeline import assemble
@@ -273,14 +287,19 @@ def table(rows: Sequence[ScaleRow], weights: int) -> list[str]:
     return lines
 
 
+_DEFAULT = LlamaShape()
+
+
 @click.command("bench-scale")
-@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--hidden", default=512, show_default=True, type=click.IntRange(min=8))
-@click.option("--heads", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--kv-heads", default=4, show_default=True, type=click.IntRange(min=1))
-@click.option("--intermediate", default=1536, show_default=True, type=click.IntRange(min=1))
-@click.option("--vocab", default=32000, show_default=True, type=click.IntRange(min=2))
-@click.option("--positions", default=1024, show_default=True, type=click.IntRange(min=2), help="Cache positions.")
+@click.option("--layers", default=_DEFAULT.layers, show_default=True, type=click.IntRange(min=1))
+@click.option("--hidden", default=_DEFAULT.hidden, show_default=True, type=click.IntRange(min=8))
+@click.option("--heads", default=_DEFAULT.heads, show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-heads", default=_DEFAULT.kv_heads, show_default=True, type=click.IntRange(min=1))
+@click.option("--intermediate", default=_DEFAULT.intermediate, show_default=True, type=click.IntRange(min=1))
+@click.option("--vocab", default=_DEFAULT.vocab, show_default=True, type=click.IntRange(min=2))
+@click.option(
+    "--positions", default=_DEFAULT.positions, show_default=True, type=click.IntRange(min=2), help="Cache positions."
+)
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(min=2), help="Decode steps timed.")
 @click.option(
     "--backend",
@@ -297,34 +316,21 @@ def table(rows: Sequence[ScaleRow], weights: int) -> list[str]:
     help="Quantize the linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before export, "
     "for stock and writeback alike.",
 )
-def bench_scale_command(
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    vocab: int,
-    positions: int,
-    steps: int,
-    backends: tuple[str, ...],
-    quantize: str | None,
-) -> None:
+def bench_scale_command(steps: int, backends: tuple[str, ...], quantize: str | None, **sizes: int) -> None:
     """Export, lower, load and decode a Llama of the given shape (random fp32 weights), stock
     ExecuTorch + XNNPACK and writeback with each --backend, every phase in its own process;
     prints seconds, peak memory and ratios to stock."""
-    if hidden % heads or heads % kv_heads:
-        raise click.UsageError(
-            f"--hidden {hidden} must divide by --heads {heads}, and --heads by --kv-heads {kv_heads}"
-        )
+    shape = LlamaShape(**sizes)
+    refusal = shape.refusal()
+    if refusal is not None:
+        raise click.UsageError(refusal)
     with tempfile.TemporaryDirectory(prefix="writeback-scale-") as scratch:
         folder = Path(scratch) / "model"
-        weights = llama_folder(folder, layers, hidden, heads, kv_heads, intermediate, vocab, positions)
+        weights = llama_folder(folder, shape)
         click.echo(
-            f"Llama: {layers} layers, hidden {hidden}, {heads} heads ({kv_heads} KV), intermediate {intermediate}, "
-            f"vocab {vocab}, {positions} positions; {weights / 1e9:.3f} GB of fp32 weights"
+            f"Llama: {shape.words()}; {weights / 1e9:.3f} GB of fp32 weights"
             + (f", linear layers quantized {quantize} before export" if quantize else "")
-            + "; "
-            f"{steps} decode steps, median of the last {steps - 1}; 1 process per phase"
+            + f"; {steps} decode steps, median of the last {steps - 1}; 1 process per phase"
         )
         rows = [
             run_contender(name, folder, Path(scratch), steps, quantize)

@@ -23,8 +23,8 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.fx
@@ -52,6 +52,8 @@ __all__ = [
     "MemoryPlan",
     "ModelBuildError",
     "Partitioned",
+    "Released",
+    "ReleasedError",
     "StatePlace",
     "as_exir_pass",
     "backend_config",
@@ -575,6 +577,41 @@ def write_back_bytes(program: ExportedProgram) -> dict[str, int]:
     return found
 
 
+class Released:
+    """What :meth:`Lowered.release` leaves in place of the exported program, the program
+    manager and the ``.pte`` bytes: any use says what happened and what to do."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def _refuse(self) -> ReleasedError:
+        return ReleasedError(
+            f"this lowering's {self._what} was released once its .pte was written and loaded "
+            "(Lowered.release(), as writeback run does before its steps); read the .pte file, or lower again"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self._refuse()
+
+    def __len__(self) -> int:
+        raise self._refuse()
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self._refuse()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    def __bytes__(self) -> bytes:
+        raise self._refuse()
+
+
+class ReleasedError(RuntimeError):
+    """A released :class:`Lowered`'s exported program, program manager or ``.pte`` bytes were read."""
+
+
 @dataclass
 class Lowered:
     """A program taken through :func:`lower`: its ``.pte`` and what became of its mutations.
@@ -582,6 +619,10 @@ class Lowered:
     ``write_back_bytes`` maps each state still written back whole by a ``copy_`` in the
     final program to the bytes that copy moves per call; ``passes`` names the registered
     program passes that ran (empty when lowered without a registry).
+
+    :meth:`release` drops ``exported``, ``program`` and ``pte`` (each holds the weights)
+    and keeps what a report reads: the mutations and decisions, ``pte_nbytes``,
+    :attr:`copies_left` and :func:`state_places`.
     """
 
     exported: ExportedProgram
@@ -596,6 +637,33 @@ class Lowered:
     passes: tuple[str, ...]
     seconds: float
     case: ModelCase | None = None
+    _kept: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` dropped the program."""
+        return bool(self._kept)
+
+    def release(self) -> None:
+        """Drop the exported program, the program manager and the ``.pte`` bytes, three
+        holders of the weights, once the ``.pte`` is written and loaded: a run's steps then
+        hold the runtime's copy alone. Reading any of the three afterwards raises
+        :class:`ReleasedError`; ``pte_nbytes``, :attr:`copies_left` and :func:`state_places`
+        keep answering (worked out before the release)."""
+        if self.released:
+            return
+        kept = {"pte_nbytes": len(self.pte), "copies_left": self.copies_left, "places": state_places(self)}
+        self.exported = cast("ExportedProgram", Released("exported program"))
+        self.program = cast("ExecutorchProgramManager", Released("program manager"))
+        self.pte = cast("bytes", Released(".pte bytes"))
+        self._kept = kept
+
+    @property
+    def pte_nbytes(self) -> int:
+        """The ``.pte``'s size in bytes (after :meth:`release` too)."""
+        if self.released:
+            return int(self._kept["pte_nbytes"])
+        return len(self.pte)
 
     @property
     def copied_per_call(self) -> int:
@@ -607,6 +675,8 @@ class Lowered:
         """Each whole-state copy :attr:`write_back_bytes` counts, with its cause and what to do."""
         from writeback_core.copies import copies_left
 
+        if self.released:
+            return list(self._kept["copies_left"])
         return copies_left(self.decisions, self.program.exported_program())
 
     @property
@@ -649,6 +719,8 @@ def state_places(lowered: Lowered) -> list[StatePlace]:
     """
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
+    if lowered.released:
+        return list(lowered._kept["places"])
     final = lowered.program.exported_program()
     signature = final.graph_signature
     delegates = get_lowered_submodules(final.graph_module)

@@ -331,7 +331,8 @@ class Session:
         program = pipeline.runtime.load_program(lowered.pte if path is None else path, pipeline.delegates)
         method = program.load_method("forward")
         state = tuple(pipeline.allocate(t) for t in case.make_state())
-        return cls(pipeline, lowered, method, state, case)
+        # Read now: the caller may release the lowering's exported program once loaded.
+        return cls(pipeline, lowered, method, state, case, _signature=InputSignature.of(lowered.exported))
 
     def step(self, step: int) -> StepResult:
         """Run decode step ``step``: the case's inputs for that step, the state, the step's

@@ -113,6 +113,9 @@ def run_model(
     lowered = lower(case, pipeline)
     write_bytes(output, lowered.pte)
     session = Session.open(pipeline, lowered, path=output)
+    # The steps need the runtime's copy of the weights alone: the exported program, the
+    # program manager and the .pte bytes go before eager builds its own.
+    lowered.release()
     eager = Eager(case) if check else None
     done: list[tuple[StepResult, StepCheck | None]] = []
     progress = Progress(
@@ -244,7 +247,7 @@ def _summary(report: RunReport) -> str:
     lines = [
         f"model {report.case.name}: {report.case.description}",
         f"backend {backend}, runtime {report.pipeline.runtime.name}, "
-        f"lowered in {lowered.seconds:.1f} s, {format_bytes(len(lowered.pte))} .pte at {report.pte_path}"
+        f"lowered in {lowered.seconds:.1f} s, {format_bytes(lowered.pte_nbytes)} .pte at {report.pte_path}"
         + ("" if report.kept else " (temporary: pass --output to keep it)"),
         f"{len(lowered.mutations)} mutated states: {format_bytes(caller)} caller-owned, "
         f"{format_bytes(owned)} in the program; whole-state copies left per call: "
