@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
 
     from writeback_core.copies import CopyLeft
+    from writeback_core.pipeline import InputSignature
     from writeback_core.zoo import ModelCase
 
 __all__ = [
@@ -649,14 +650,29 @@ class Lowered:
         holders of the weights, once the ``.pte`` is written and loaded: a run's steps then
         hold the runtime's copy alone. Reading any of the three afterwards raises
         :class:`ReleasedError`; ``pte_nbytes``, :attr:`copies_left` and :func:`state_places`
-        keep answering (worked out before the release)."""
+        and :attr:`input_signature` keep answering (worked out before the release)."""
         if self.released:
             return
-        kept = {"pte_nbytes": len(self.pte), "copies_left": self.copies_left, "places": state_places(self)}
+        kept = {
+            "pte_nbytes": len(self.pte),
+            "copies_left": self.copies_left,
+            "places": state_places(self),
+            "input_signature": self.input_signature,
+        }
         self.exported = cast("ExportedProgram", Released("exported program"))
         self.program = cast("ExecutorchProgramManager", Released("program manager"))
         self.pte = cast("bytes", Released(".pte bytes"))
         self._kept = kept
+
+    @property
+    def input_signature(self) -> InputSignature:
+        """What a runtime call's inputs must be, read from the exported program (after
+        :meth:`release` too)."""
+        from writeback_core.pipeline import InputSignature
+
+        if self.released:
+            return cast("InputSignature", self._kept["input_signature"])
+        return InputSignature.of(self.exported)
 
     @property
     def pte_nbytes(self) -> int:

@@ -331,8 +331,7 @@ class Session:
         program = pipeline.runtime.load_program(lowered.pte if path is None else path, pipeline.delegates)
         method = program.load_method("forward")
         state = tuple(pipeline.allocate(t) for t in case.make_state())
-        # Read now: the caller may release the lowering's exported program once loaded.
-        return cls(pipeline, lowered, method, state, case, _signature=InputSignature.of(lowered.exported))
+        return cls(pipeline, lowered, method, state, case, _signature=lowered.input_signature)
 
     def step(self, step: int) -> StepResult:
         """Run decode step ``step``: the case's inputs for that step, the state, the step's
@@ -341,7 +340,7 @@ class Session:
         :raises StepInputError: the step's inputs do not fit the exported program.
         """
         if self._signature is None:
-            self._signature = InputSignature.of(self.lowered.exported)
+            self._signature = self.lowered.input_signature
         inputs = flatten_step_inputs(self._signature, self.case, step, self.state)
         before = _delegate_copies(self.pipeline.delegates)
         start = time.perf_counter()

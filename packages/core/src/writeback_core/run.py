@@ -112,10 +112,10 @@ def run_model(
     process that has the old file mapped keeps it and a failure leaves it as it was."""
     lowered = lower(case, pipeline)
     write_bytes(output, lowered.pte)
-    session = Session.open(pipeline, lowered, path=output)
     # The steps need the runtime's copy of the weights alone: the exported program, the
-    # program manager and the .pte bytes go before eager builds its own.
+    # program manager and the .pte bytes go before the runtime and eager take theirs.
     lowered.release()
+    session = Session.open(pipeline, lowered, path=output)
     eager = Eager(case) if check else None
     done: list[tuple[StepResult, StepCheck | None]] = []
     progress = Progress(
