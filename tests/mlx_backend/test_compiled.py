@@ -16,7 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-import writeback_mlx_backend.fast as fast_module
+import writeback_mlx_backend.fast.attention as attention_module
+import writeback_mlx_backend.fast.rms_norm as rms_norm_module
+import writeback_mlx_backend.fast.rope as rope_module
 import writeback_mlx_backend.ops as ops_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback_core.zoo import DecoderConfig, TinyDecoder
@@ -24,8 +26,8 @@ from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import lower_mlx
 
-# The op handlers: ATen ops (ops.py) and the fused steps the runtime makes (fast.py).
-OPS_FILES = {str(Path(m.__file__).resolve()) for m in (ops_module, fast_module)}
+# The op handlers: ATen ops (ops.py) and the fused steps the runtime makes (fast/).
+OPS_FILES = {str(Path(m.__file__).resolve()) for m in (ops_module, rms_norm_module, attention_module, rope_module)}
 
 
 def _within(frame: FrameType | None, function: str) -> bool:

@@ -44,7 +44,7 @@ is). A bounded trace therefore records, in :attr:`Bounded.sources`, every value 
 whole (a state, a caller's tensor, a write into one, a constant): every removed column
 the proof reads comes from one of them. The runtime runs a call bounded only when it
 knows the removed rows of each source are finite, and over the whole axis otherwise, so
-every answer is the unbounded program's (``writeback_mlx_backend.runtime``).
+every answer is the unbounded program's (``writeback_mlx_backend.compiled``).
 
 Steps with keyword arguments the rules do not read (``add(x, mask, alpha=-1)`` turns a
 ``-inf`` mask into ``+inf``) are not followed: such a program has no window.
@@ -62,7 +62,7 @@ import numpy as np
 from writeback_core.ops import normalize_dim
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
-from writeback_mlx_backend.fast import SDPA
+from writeback_mlx_backend.fast.attention import SDPA
 
 __all__ = ["Bounded", "Unread", "WholeRead", "Window", "lengths", "plan"]
 
@@ -420,7 +420,7 @@ def _forward_matmul(an: _Analysis, step: Step) -> Any:
 
 
 def _forward_sdpa(an: _Analysis, step: Step) -> Any:
-    """The fused attention (``writeback_mlx_backend.fast``) reading a mask: its output has
+    """The fused attention (``writeback_mlx_backend.fast.attention``) reading a mask: its output has
     no bounded axis, and the masked keys weigh zero when the mask holds -inf there."""
     q, k, v, mask = step.args[:4]
     tag = an.tags.get(mask.name) if isinstance(mask, Ref) else None
