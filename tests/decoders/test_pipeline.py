@@ -14,7 +14,7 @@ from executorch.exir import memory
 from executorch.exir.delegate import executorch_call_delegate
 from writeback_core.lowering import export_case
 from writeback_core.mutations import find_mutations
-from writeback_core.pipeline import assemble
+from writeback_core.pipeline import assemble, lower
 from writeback_core.registry import load_registry
 from writeback_core.run import run_model
 from writeback_decoders import hf_case, hf_config
@@ -129,7 +129,8 @@ def test_more_hugging_face_architectures_run_every_step_like_eager(
         )
     assert not report.failures
     if backend == "mlx":  # every op in the delegate: LayerNorm and the chunked MLP included
-        graph = report.lowered.program.exported_program().graph
+        # run_model released its lowering before the steps: lower again to read the graph.
+        graph = lower(case, assemble(load_registry(), backend)).program.exported_program().graph
         outside = [
             str(n.target)
             for n in graph.nodes
