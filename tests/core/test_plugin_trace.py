@@ -24,7 +24,7 @@ _CALLS: dict[str, Callable[[Registry], Any]] = {
     "writeback_state_allocators": lambda r: r.state_allocators(),
     "writeback_models": lambda r: r.models(),
     "writeback_model_from_path": lambda r: r.model_from_path("no/such/model/folder"),
-    "writeback_program_passes": lambda r: r.program_passes("before_memory_planning"),
+    "writeback_program_passes": lambda r: r.program_passes("before_memory_planning", None),
     "writeback_accepts_in_place": lambda r: _decide(r),
 }
 

@@ -151,30 +151,3 @@ def test_duplicate_backend_name_raises_naming_both_plugins() -> None:
     registry = load_registry(entry_points=False, plugins=[offer("first"), offer("second")])
     with pytest.raises(ValueError, match=r"'same'.*first.*second"):
         registry.backends()
-
-
-def test_program_passes_are_ordered_by_order_then_name_whatever_the_registration() -> None:
-    from writeback_core import ProgramPass
-
-    def contributing(label: str, passes: list[ProgramPass]) -> object:
-        class Contrib:
-            writeback_name = label
-
-            @hookimpl
-            def writeback_program_passes(self, stage: str) -> list[ProgramPass]:
-                return [p for p in passes if p.stage == stage]
-
-        return Contrib()
-
-    a = ProgramPass("b-late", "before_memory_planning", run=lambda gm: None, order=10)
-    b = ProgramPass("a-late", "before_memory_planning", run=lambda gm: None, order=10)
-    c = ProgramPass("early", "before_memory_planning", run=lambda gm: None, order=1)
-    e = ProgramPass("edge-only", "edge", run=lambda ep: None)
-    for plugins in (
-        [contributing("x", [a, e]), contributing("y", [b, c])],
-        [contributing("y", [b, c]), contributing("x", [a, e])],
-    ):
-        registry = load_registry(entry_points=False, plugins=plugins)
-        names = [p.name for p in registry.program_passes("before_memory_planning")]
-        assert names[:3] == ["early", "a-late", "b-late"]
-        assert "edge-only" not in names

@@ -19,6 +19,8 @@ from writeback_core.registry import DuplicateNameError, load_registry
 from writeback_core.types import RuntimeDelegate, RuntimeProgram, RuntimeSpec, StateAllocator
 from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 
+from tests.passes.lowering import PASSES_IN_ORDER
+
 CFG = DecoderConfig(max_seq=8)
 CACHE_BYTES = 1 * 2 * 8 * 16 * 4  # [1, heads=2, max_seq=8, head_dim=16] fp32
 
@@ -41,17 +43,7 @@ def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     pipeline = assemble(registry)
     lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
-    assert lowered.passes == (
-        "runner_attention",
-        "bound_attention",
-        "functional_copies_as_views",
-        "scale_smaller_operand",
-        "reinplace_delegate_input_mutations",
-        "reinplace_state_writes",
-        "copies_as_views",
-        "insert_write_back_early",
-        "check_indices_first",
-    )
+    assert lowered.passes == PASSES_IN_ORDER
     assert lowered.write_back_bytes == {}
     # Only the token and the position (8 B each) are copied, into the delegate.
     _check_against_eager(Session.open(pipeline, lowered), steps=3, expect_copied=16)

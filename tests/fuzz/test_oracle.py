@@ -54,7 +54,7 @@ class DropWriteBacks:
     def writeback_program_passes(self, stage: str) -> Sequence[ProgramPass]:
         if stage != "before_memory_planning":
             return ()
-        return (ProgramPass("drop_write_backs", "before_memory_planning", self._run, order=200),)
+        return (ProgramPass("drop_write_backs", "before_memory_planning", self._run, after=("check_indices_first",)),)
 
 
 def test_oracle_passes_the_pipeline_on_a_program_it_can_check(fuzz_registry: Registry) -> None:

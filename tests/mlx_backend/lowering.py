@@ -111,7 +111,7 @@ def lower_mlx(
         spec = dataclasses.replace(spec, partitioner=lambda r: factory(r, own_buffers=False))
     partitioned = lowering.partition(export_module(module, args), reg, spec)
     manager = lowering.to_executorch(
-        partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state"
+        partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state", backend=spec.name
     )
     return Lowered(manager, list(partitioned.decisions.values()), reg)
 

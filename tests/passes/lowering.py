@@ -18,6 +18,20 @@ from executorch.exir import (
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
+# The passes of writeback-passes, in the order every backend's lowering runs them (what
+# `writeback run` printed before passes said their order by name).
+PASSES_IN_ORDER = (
+    "runner_attention",
+    "bound_attention",
+    "functional_copies_as_views",
+    "scale_smaller_operand",
+    "reinplace_delegate_input_mutations",
+    "reinplace_state_writes",
+    "copies_as_views",
+    "insert_write_back_early",
+    "check_indices_first",
+)
+
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:
     """torch.export as the project does: eval, no grad, non-strict."""

@@ -99,7 +99,7 @@ def test_value_aliasing_other_buffer_falls_back_to_end_in_original_order() -> No
 
         @hookimpl
         def writeback_program_passes(self, stage):  # type: ignore[no-untyped-def]
-            return [ProgramPass("spy", stage, spy, 100)] if stage == "before_memory_planning" else []
+            return [ProgramPass("spy", stage, spy)] if stage == "before_memory_planning" else []
 
     program = writeback_passes.to_executorch(
         edge,

@@ -160,12 +160,12 @@ def test_alias_passed_twice_to_the_delegate_keeps_the_copy() -> None:
     assert [d.placeholder for d in report.dropped] == ["vc"]
 
 
-@pytest.mark.parametrize("stage", ["before_memory_planning"])
-def test_pass_is_registered_through_writeback_program_passes(stage: str) -> None:
+@pytest.mark.parametrize("backend", ["mlx", "example", None])
+def test_pass_is_registered_through_writeback_program_passes(backend: str | None) -> None:
     import writeback_passes.plugin as passes_plugin
 
     registry = load_registry(entry_points=False, plugins=[passes_plugin])
-    names = [p.name for p in registry.program_passes(stage)]
+    names = [p.name for p in registry.program_passes("before_memory_planning", backend)]
     assert names.index("reinplace_delegate_input_mutations") < names.index("insert_write_back_early")
 
 

@@ -14,6 +14,9 @@ from typing import Any
 
 __all__ = ["RECIPES", "export_with_writeback_xnnpack", "register"]
 
+# The backend the recipe partitions for, and whose program passes run.
+_BACKEND = "xnnpack"
+
 
 def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
     """The ``writeback-xnnpack`` recipe: ``model`` is optimum's exportable module; returns
@@ -25,7 +28,7 @@ def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
     programs = model.export()
     if len(programs) == 1:
         programs = {"forward": next(iter(programs.values()))}
-    arguments = to_edge_arguments("xnnpack")
+    arguments = to_edge_arguments(_BACKEND)
     # optimum's own pass (an embedding's padding_idx dropped), then writeback's.
     from optimum.executorch.passes.remove_padding_idx_embedding_pass import (  # type: ignore[import-not-found]  # optimum-executorch is installed beside this package, untyped
         RemovePaddingIdxEmbeddingPass,
@@ -38,7 +41,7 @@ def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         constant_methods=model.metadata,
     )
-    return {"model": to_executorch(edge)}
+    return {"model": to_executorch(edge, backend=_BACKEND)}
 
 
 RECIPES = {"writeback-xnnpack": export_with_writeback_xnnpack}

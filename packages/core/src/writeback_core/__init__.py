@@ -23,6 +23,7 @@ from writeback_core.mutations import (
     classify_write,
     find_mutations,
 )
+from writeback_core.pass_order import PassOrderError
 from writeback_core.registry import (
     InPlaceConflictError,
     InPlaceDecision,
@@ -31,7 +32,7 @@ from writeback_core.registry import (
     in_place_decisions,
     load_registry,
 )
-from writeback_core.types import BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
+from writeback_core.types import NO_BACKEND, BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
 
 if TYPE_CHECKING:
     from writeback_core.partition import (
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NAME",
+    "NO_BACKEND",
     "AliasAnalysis",
     "AnnotatingPartitioner",
     "BackendSpec",
@@ -57,6 +59,7 @@ __all__ = [
     "Mutation",
     "MutationKind",
     "PartitionView",
+    "PassOrderError",
     "ProgramPass",
     "Registry",
     "RuntimeDelegate",

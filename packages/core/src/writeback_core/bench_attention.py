@@ -16,9 +16,9 @@ import argparse
 import random
 import statistics
 import time
-from typing import Any
 
 from writeback_core.registry import Registry, load_registry
+from writeback_core.types import ProgramPass, Stage
 
 __all__ = ["main"]
 
@@ -32,8 +32,8 @@ class _WithoutPasses(Registry):
         self.__dict__.update(base.__dict__)
         self._left_out = names
 
-    def program_passes(self, stage: Any) -> list[Any]:
-        return [p for p in super().program_passes(stage) if p.name not in self._left_out]
+    def program_passes(self, stage: Stage, backend: str | None) -> list[ProgramPass]:
+        return [p for p in super().program_passes(stage, backend) if p.name not in self._left_out]
 
 
 def main(argv: list[str] | None = None) -> None:

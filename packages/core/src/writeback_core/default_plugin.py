@@ -13,6 +13,7 @@ import click
 from writeback_core.registry import hookimpl
 
 if TYPE_CHECKING:
+    from writeback_core.registry import Registry
     from writeback_core.zoo import ModelCase
 
 writeback_name = "writeback-core"
@@ -23,6 +24,15 @@ def writeback_models() -> dict[str, ModelCase]:
     from writeback_core.zoo import builtin_models
 
     return builtin_models()
+
+
+@hookimpl(trylast=True)
+def writeback_explain_notes(registry: Registry) -> list[str]:
+    """The program passes a lowering for each installed backend (and for none) runs, by
+    stage and in order, with the plugin and the reasons of each; after every plugin's notes."""
+    from writeback_core.explain import pass_lines
+
+    return pass_lines(registry)
 
 
 @hookimpl

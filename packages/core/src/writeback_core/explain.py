@@ -1,16 +1,23 @@
-"""``writeback explain``: the mutations of a model, where their write-backs sit, what they cost."""
+"""``writeback explain``: the mutations of a model, where their write-backs sit, what they cost,
+and the program passes a lowering for each backend runs."""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 from torch.export import ExportedProgram
 
 from writeback_core.lowering import export_case, write_back_positions
 from writeback_core.mutations import Mutation, find_mutations
+from writeback_core.pass_order import PassOrderError
 from writeback_core.quiet import known_warnings_ignored
+from writeback_core.registry import Registry
+from writeback_core.types import NO_BACKEND, ProgramPass, Stage
 
-__all__ = ["ExplainRow", "explain_rows", "export_case", "write_back_positions"]
+__all__ = ["ExplainRow", "explain_rows", "export_case", "pass_lines", "write_back_positions"]
 
 
 @dataclass
@@ -66,3 +73,75 @@ def explain_rows(program: ExportedProgram) -> list[ExplainRow]:
             )
         )
     return rows
+
+
+def pass_lines(registry: Registry) -> list[str]:
+    """The program passes a lowering runs, for each installed backend and for none, in lines
+    of at most 100 characters (a longer reason wraps, indented).
+
+    Backends whose lowerings run the same passes share one list. Per stage, in the order
+    they run, each pass with the plugin that offers it and why it is there: the backends it
+    is for (``every backend`` when it names none) and the passes it runs after and before.
+    Relations that cannot be ordered give the reason instead.
+    """
+    backends: list[str | None] = [*sorted(registry.backends()), None]
+    shared: dict[tuple[tuple[str, str, str], ...], list[str | None]] = {}
+    found: dict[tuple[tuple[str, str, str], ...], list[tuple[Stage, str, ProgramPass]]] = {}
+    try:
+        for backend in backends:
+            offers = [
+                (stage, plugin, program_pass)
+                for stage in get_args(Stage)
+                for plugin, program_pass in registry.program_pass_offers(stage, backend)
+            ]
+            key = tuple((stage, plugin, p.name) for stage, plugin, p in offers)
+            shared.setdefault(key, []).append(backend)
+            found[key] = offers
+    except PassOrderError as error:
+        return _wrapped(f"program passes: {error}", "  ")
+    lines = ["program passes in the order they run, with the plugin that offers each and why it runs there:"]
+    for key, group in shared.items():
+        lines += _pass_list(group, found[key])
+    return lines
+
+
+# Notes are printed as they are: the pass lines wrap to fit a 100-column terminal.
+_WIDTH = 100
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, _WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def _pass_list(backends: Sequence[str | None], offers: Sequence[tuple[Stage, str, ProgramPass]]) -> list[str]:
+    """``for backends mlx and none (no backend):``, then each stage's passes."""
+    names = [b if b is not None else f"{NO_BACKEND} (no backend)" for b in backends]
+    head = f"for backend{'s' if len(names) > 1 else ''} {_listed(names)}:"
+    if not offers:
+        return _wrapped(f"{head} none", "    ")
+    lines = _wrapped(head, "    ")
+    width = max(len(p.name) for _, _, p in offers)
+    for stage in get_args(Stage):
+        here = [(plugin, p) for at, plugin, p in offers if at == stage]
+        if here:
+            lines.append(f"  {stage}:")
+        for plugin, program_pass in here:
+            line = f"    {program_pass.name:<{width}}  {'; '.join(_why(plugin, program_pass))}"
+            lines += _wrapped(line, " " * (width + 6))
+    return lines
+
+
+def _why(plugin: str, program_pass: ProgramPass) -> list[str]:
+    """What makes ``program_pass`` run where it does: its plugin, backends and relations."""
+    backends = program_pass.backends
+    reasons = [f"plugin {plugin}", "every backend" if backends is None else f"for {_listed(sorted(backends))}"]
+    if program_pass.after:
+        reasons.append(f"after {_listed(program_pass.after)}")
+    if program_pass.before:
+        reasons.append(f"before {_listed(program_pass.before)}")
+    return reasons
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a``; ``a and b``; ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

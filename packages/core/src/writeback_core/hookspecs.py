@@ -73,9 +73,14 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     """Called when the pipeline assembles the passes of one stage of its lowering.
 
+    Core keeps the passes whose ``backends`` admit the backend being lowered for and orders
+    them by their ``after``/``before`` relations, ties broken by name
+    (``Registry.program_passes``); a cycle, or two passes of one name, is an error naming
+    the passes and their plugins.
+
     :param stage: ``"exported"``, ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
         ``writeback_core.types.Stage``).
-    :return: the passes this plugin runs at that stage; empty for none.
+    :return: the passes this plugin runs at that stage, for any backend; empty for none.
     """
     raise NotImplementedError
 

@@ -8,7 +8,8 @@ the fuzzer certifies is byte for byte what users get.
    partitioner (none: plain ``to_edge``). The partitioner asks the registry per
    mutation (``writeback_accepts_in_place``) and core records the decision.
 3. :func:`to_executorch`: every pass any plugin registers through
-   ``writeback_program_passes`` (core runs them; no plugin has to own the step),
+   ``writeback_program_passes`` for the backend (core orders and runs them; no plugin
+   has to own the step),
    mutated buffers that start non-zero keep their initial value
    (``InitializedMutableBufferPass``; the runtimes zero-fill the others), mutable
    buffers keep their names, and graph inputs/outputs are memory planned as the
@@ -24,7 +25,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 import torch.fx
@@ -37,13 +38,14 @@ from writeback_core.mutations import Mutation, MutationKind, find_mutations
 from writeback_core.ops import op_name, schema_of, write_back_copies
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions
-from writeback_core.types import BackendSpec, ProgramPass
+from writeback_core.types import BackendSpec, ProgramPass, Stage
 
 if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
 
     from writeback_core.copies import CopyLeft
     from writeback_core.pipeline import InputSignature
+    from writeback_core.types import EdgePassRun, ExportedPassRun, GraphPassRun
     from writeback_core.zoo import ModelCase
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "lower",
     "partition",
     "pass_names",
+    "run_exported_passes",
     "run_program_passes",
     "state_places",
     "to_executorch",
@@ -291,8 +294,9 @@ def partition(
 ) -> Partitioned:
     """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
     delegate) inside a :class:`~writeback_core.partition.LoweringPartitioner`, which runs the
-    registry's ``"exported"`` passes on a copy of the program and its ``"before_partition"``
-    passes on the edge program, and records core's decision per mutation a partition touches.
+    registry's ``"exported"`` passes for the backend on a copy of the program and its
+    ``"before_partition"`` passes on the edge program, and records core's decision per
+    mutation a partition touches.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
     ``forward``.
 
@@ -313,11 +317,11 @@ def partition(
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner | None = arguments["partitioner"][0]
         else:
-            # No delegate: the same passes, at the same points, without a partitioner.
-            own = own_tables(program)
-            transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")] if registry else []
-            for program_pass in registry.program_passes("exported") if registry else []:
-                program_pass.run(own)
+            # No delegate: the passes for no backend, at the same points, without a partitioner.
+            own = run_exported_passes(program, registry, None) if registry else own_tables(program)
+            transforms = (
+                [as_exir_pass(p) for p in registry.program_passes("before_partition", None)] if registry else []
+            )
             with known_warnings_ignored():
                 edge = to_edge_transform_and_lower(
                     own, transform_passes=transforms or None, partitioner=[], constant_methods=methods
@@ -381,12 +385,22 @@ def own_tables(program: ExportedProgram) -> ExportedProgram:
     )
 
 
+def run_exported_passes(program: ExportedProgram, registry: Registry, backend: str | None) -> ExportedProgram:
+    """A copy of ``program`` (:func:`own_tables`; ``program`` is not changed) with the
+    registry's ``"exported"`` passes for ``backend`` run on it, in order."""
+    own = own_tables(program)
+    for program_pass in registry.program_passes("exported", backend):
+        cast("ExportedPassRun", program_pass.run)(own)
+    return own
+
+
 def as_exir_pass(program_pass: ProgramPass) -> Callable[[torch.fx.GraphModule], PassResult]:
-    """Adapt a ``"before_partition"`` or ``"before_memory_planning"`` pass to exir's contract
-    (always a ``PassResult``)."""
+    """Adapt a ``"before_partition"`` or ``"before_memory_planning"`` pass (its ``run`` a
+    :data:`~writeback_core.types.GraphPassRun`) to exir's contract (always a ``PassResult``)."""
+    run_pass = cast("GraphPassRun", program_pass.run)
 
     def run(gm: torch.fx.GraphModule) -> PassResult:
-        result = program_pass.run(gm)
+        result = run_pass(gm)
         if result is None:
             return PassResult(gm, True)
         out = getattr(result, "graph_module", None)
@@ -406,7 +420,7 @@ def _run_edge_passes(edge: EdgeProgramManager, passes: Sequence[ProgramPass]) ->
     for method in edge.methods:
         program = edge.exported_program(method)
         for program_pass in passes:
-            result = program_pass.run(program)
+            result = cast("EdgePassRun", program_pass.run)(program)
             if result is not None and result is not program:
                 raise TypeError(
                     f"'edge' pass {program_pass.name!r} returned a new program for method "
@@ -427,20 +441,22 @@ def _mark_user_inputs(edge: EdgeProgramManager) -> None:
 
 
 def run_program_passes(
-    edge: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry
+    edge: EdgeProgramManager, config: ExecutorchBackendConfig, registry: Registry, backend: str | None
 ) -> ExecutorchProgramManager:
-    """``edge.to_executorch(config)`` with every pass the registry offers, at its stage.
+    """``edge.to_executorch(config)`` with every pass the registry offers for ``backend`` (the
+    one ``edge`` was partitioned for; ``None``: no backend), at its stage.
 
     ``"edge"`` passes run first, in place on each method's edge program;
     ``"before_memory_planning"`` passes run inside exir after its write-back copies
-    exist, after ``config.passes``, sorted by ``(order, name)``. ``config`` is not
+    exist, after ``config.passes``, in the registry's order
+    (:meth:`~writeback_core.registry.Registry.program_passes`). ``config`` is not
     changed; ``edge`` is consumed (exir edits its signature).
 
     :raises TypeError: a registered pass returned something exir cannot use.
     """
-    _run_edge_passes(edge, registry.program_passes("edge"))
+    _run_edge_passes(edge, registry.program_passes("edge", backend))
     _mark_user_inputs(edge)
-    added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning")]
+    added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning", backend)]
     return edge.to_executorch(dataclasses.replace(config, passes=[*config.passes, *added]))
 
 
@@ -527,10 +543,12 @@ def _has_out_variant(name: str) -> bool:
 
 
 def to_executorch(
-    edge: EdgeProgramManager, registry: Registry | None, plan: MemoryPlan = "state"
+    edge: EdgeProgramManager, registry: Registry | None, plan: MemoryPlan = "state", *, backend: str | None
 ) -> ExecutorchProgramManager:
     """``to_executorch`` as writeback does it (:func:`backend_config`), running the registry's
-    passes (``registry`` None: exir alone, the baseline a failure is triaged against).
+    passes for ``backend`` (the ``BackendSpec.name`` ``edge`` was partitioned for; ``None``:
+    no backend), or none (``registry`` None: exir alone, the baseline a failure is triaged
+    against).
 
     ``edge`` is consumed. :raises LoweringError: naming the plan and whether passes ran.
     """
@@ -540,7 +558,7 @@ def to_executorch(
         with known_warnings_ignored():
             if registry is None:
                 return edge.to_executorch(config)
-            return run_program_passes(edge, config, registry)
+            return run_program_passes(edge, config, registry, backend)
     except Exception as error:
         raise LoweringError(
             f"to_executorch (memory plan {plan!r}, passes {'on' if registry else 'off'}) failed: "
@@ -800,7 +818,8 @@ def lower(
     if constant_methods is None and case is not None:
         constant_methods = case.constant_methods
     partitioned = partition(exported, registry, backend, constant_methods)
-    program = to_executorch(partitioned.edge, registry, plan)
+    name = backend.name if backend is not None else None
+    program = to_executorch(partitioned.edge, registry, plan, backend=name)
     final = program.exported_program()
     signature = final.graph_signature
     return Lowered(
@@ -811,20 +830,17 @@ def lower(
         pte=bytes(program.buffer),
         write_back_bytes=write_back_bytes(final),
         user_input_mutations=sum(1 for s in signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION),
-        backend=backend.name if backend is not None else None,
+        backend=name,
         plan=plan,
-        passes=pass_names(registry),
+        passes=pass_names(registry, name),
         seconds=time.perf_counter() - start,
         case=case,
     )
 
 
-def pass_names(registry: Registry | None) -> tuple[str, ...]:
-    """Names of the program passes :func:`to_executorch` runs with ``registry``, in order."""
+def pass_names(registry: Registry | None, backend: str | None) -> tuple[str, ...]:
+    """Names of the program passes a lowering for ``backend`` (a ``BackendSpec.name``;
+    ``None``: no backend) runs with ``registry``, stage by stage, in order."""
     if registry is None:
         return ()
-    return tuple(
-        p.name
-        for stage in ("exported", "before_partition", "edge", "before_memory_planning")
-        for p in registry.program_passes(stage)
-    )
+    return tuple(p.name for stage in get_args(Stage) for p in registry.program_passes(stage, backend))

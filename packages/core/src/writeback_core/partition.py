@@ -192,17 +192,15 @@ def annotating(partitioner: Any, backend: str, registry: Registry) -> Annotating
 
 class LoweringPartitioner(AnnotatingPartitioner):
     """An :class:`AnnotatingPartitioner` whose ``transform_for_pre_decomposition`` also runs
-    the registry's ``"exported"`` passes, on a copy of the program that owns its tables
-    (the caller's program is not changed), before the backend's own transform. exir calls
-    it first in ``to_edge_transform_and_lower``, on the ATen program."""
+    the registry's ``"exported"`` passes for its backend, on a copy of the program that owns
+    its tables (the caller's program is not changed), before the backend's own transform.
+    exir calls it first in ``to_edge_transform_and_lower``, on the ATen program."""
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         """A copy of ``exported_program`` with the ``"exported"`` passes run, then the backend's transform."""
-        from writeback_core.lowering import own_tables
+        from writeback_core.lowering import run_exported_passes
 
-        own = own_tables(exported_program)
-        for program_pass in self.registry.program_passes("exported"):
-            program_pass.run(own)
+        own = run_exported_passes(exported_program, self.registry, self.backend)
         return super().transform_for_pre_decomposition(own)
 
 
@@ -218,7 +216,8 @@ def to_edge_arguments(backend: str, partitioner: Any = None, registry: Registry 
     :param backend: an installed backend's name (``BackendSpec.name``: ``xnnpack``, ``mlx``, ...).
     :param partitioner: the backend's exir ``Partitioner`` to use (for ``xnnpack``, ExecuTorch's
         own ``XnnpackPartitioner()``); default: the one the backend's plugin makes.
-    :param registry: whose plugins decide and whose passes run (default: :func:`load_registry`).
+    :param registry: whose plugins decide and whose passes (those for ``backend``) run
+        (default: :func:`load_registry`).
     :raises ValueError: ``backend`` is not installed; the message lists those that are.
     :raises TypeError: ``partitioner`` is not an exir ``Partitioner``.
     """
@@ -236,7 +235,8 @@ def to_edge_arguments(backend: str, partitioner: Any = None, registry: Registry 
 
 
 def edge_arguments(backend: str, inner: Any, registry: Registry) -> dict[str, Any]:
-    """:func:`to_edge_arguments` for ``inner``, backend ``backend``'s partitioner, already made."""
+    """:func:`to_edge_arguments` for ``inner``, backend ``backend``'s partitioner, already made
+    (the ``"before_partition"`` passes are those for ``backend``)."""
     from writeback_core.lowering import as_exir_pass
 
     if isinstance(inner, AnnotatingPartitioner):
@@ -245,5 +245,5 @@ def edge_arguments(backend: str, inner: Any, registry: Registry) -> dict[str, An
         raise TypeError(
             f"to_edge_arguments() wraps an executorch.exir.backend.partitioner.Partitioner, got {type(inner).__name__}"
         )
-    transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition")]
+    transforms = [as_exir_pass(p) for p in registry.program_passes("before_partition", backend)]
     return {"partitioner": [LoweringPartitioner(inner, backend, registry)], "transform_passes": transforms or None}

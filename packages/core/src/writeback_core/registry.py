@@ -37,6 +37,7 @@ from torch.export import ExportedProgram
 from writeback_core import hookspecs, meta
 from writeback_core._name import NAME
 from writeback_core.mutations import Mutation
+from writeback_core.pass_order import PassOrderError, order_passes
 from writeback_core.types import (
     AliasingEngine,
     BackendSpec,
@@ -55,6 +56,7 @@ __all__ = [
     "TRACE_ENV",
     "InPlaceConflictError",
     "InPlaceDecision",
+    "PassOrderError",
     "PluginNameError",
     "Registry",
     "hookimpl",
@@ -218,10 +220,25 @@ class Registry:
         """Every model offered (built-in zoo included), keyed by name."""
         return {n: m for n, (_, m) in self._unique("writeback_models", "name", "model").items()}
 
-    def program_passes(self, stage: Stage) -> list[ProgramPass]:
-        """Every pass for ``stage``, ordered by ``(order, name)``."""
-        passes = [p for _, ps in self._per_plugin("writeback_program_passes", stage=stage) for p in ps or ()]
-        return sorted((p for p in passes if p.stage == stage), key=lambda p: (p.order, p.name))
+    def program_passes(self, stage: Stage, backend: str | None) -> list[ProgramPass]:
+        """The passes of ``stage`` a lowering for ``backend`` runs, in the order they run.
+
+        :param backend: a ``BackendSpec.name``; ``None`` for a lowering with no backend.
+        :raises PassOrderError: see :meth:`program_pass_offers`.
+        """
+        return [p for _, p in self.program_pass_offers(stage, backend)]
+
+    def program_pass_offers(self, stage: Stage, backend: str | None) -> list[tuple[str, ProgramPass]]:
+        """:meth:`program_passes` with the name of the plugin that offers each:
+        every pass the plugins offer for ``stage`` whose ``backends`` admit ``backend``,
+        ordered by their ``after``/``before`` relations, ties broken by name
+        (:func:`~writeback_core.pass_order.order_passes`).
+
+        :raises PassOrderError: the stage's relations form a cycle, or two plugins offer
+            a pass of one name (the message names the passes and their plugins).
+        """
+        offers = self._per_plugin("writeback_program_passes", stage=stage)
+        return order_passes(stage, [(plugin, p) for plugin, ps in offers for p in ps or ()], backend)
 
     def decide_in_place(self, backend: str, partition: PartitionView, mutation: Mutation) -> InPlaceDecision:
         """Ask every plugin whether ``backend`` writes ``mutation`` in place, and decide.

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch.fx
+from torch.export import ExportedProgram
 
 if TYPE_CHECKING:
     from writeback_core.mutations import Dynamic, WriteShape
 
 __all__ = [
+    "NO_BACKEND",
     "AliasingEngine",
     "BackendSpec",
+    "EdgePassRun",
     "EngineWrite",
+    "ExportedPassRun",
+    "GraphPassResult",
+    "GraphPassRun",
     "PartitionView",
+    "PassRun",
     "ProgramPass",
     "RuntimeDelegate",
     "RuntimeMethod",
@@ -26,21 +33,47 @@ __all__ = [
     "StateAllocator",
 ]
 
-# Where a program pass runs:
+# Where a program pass runs, and what its ``run`` is handed there:
 #   "exported": on the ATen ``ExportedProgram`` from ``torch.export``, before ``to_edge``
-#           (a copy the lowering owns; edited in place: a function
-#           ``ExportedProgram -> Any``, its result ignored); the graph still has its
-#           in-place ops and ``scaled_dot_product_attention`` undecomposed;
+#           (a copy the lowering owns, edited in place: an :data:`ExportedPassRun`, its
+#           result ignored); the graph still has its in-place ops and
+#           ``scaled_dot_product_attention`` undecomposed;
 #   "before_partition": on the edge ``GraphModule`` after ``to_edge``, before the
 #           backend's partitioner tags it (``to_edge_transform_and_lower``'s
-#           ``transform_passes``; a function ``GraphModule -> PassResult | None``);
-#           the graph is functional: no write-back exists yet;
-#   "edge": on the edge ``ExportedProgram`` before ``to_executorch`` starts
-#           (a function ``ExportedProgram -> ExportedProgram | None``);
+#           ``transform_passes``; a :data:`GraphPassRun`); the graph is functional:
+#           no write-back exists yet;
+#   "edge": on each method's edge ``ExportedProgram`` before ``to_executorch`` starts
+#           (an :data:`EdgePassRun`, edited in place);
 #   "before_memory_planning": on the ``GraphModule`` after exir inserted its
 #           write-backs and before memory planning (``ExecutorchBackendConfig.passes``;
-#           a function ``GraphModule -> PassResult | None``).
+#           a :data:`GraphPassRun`).
 Stage = Literal["exported", "before_partition", "edge", "before_memory_planning"]
+
+# The backend name a :class:`ProgramPass` lists in ``backends`` to run when a program is
+# lowered with no backend at all (no partitioner, ``lower(..., backend=None)``).
+NO_BACKEND = "none"
+
+
+class GraphPassResult(Protocol):
+    """What a :data:`GraphPassRun` may return: torch.fx's ``PassResult``, or any report with the
+    ``graph_module`` to go on with. An optional ``modified: bool`` says whether the pass changed
+    it (read with a default of True)."""
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The graph module the lowering goes on with (usually the one the pass was given)."""
+
+
+# A pass of stage "exported": edits the ATen program it is given; what it returns is ignored.
+ExportedPassRun = Callable[[ExportedProgram], object]
+# A pass of stage "edge": edits one method's edge program in place and returns it or None
+# (a new program is refused: exir keeps the one it has).
+EdgePassRun = Callable[[ExportedProgram], ExportedProgram | None]
+# A pass of stage "before_partition" or "before_memory_planning", run by exir on a method's
+# GraphModule: edits it and returns None or a GraphPassResult.
+GraphPassRun = Callable[[torch.fx.GraphModule], GraphPassResult | None]
+# What ``ProgramPass.run`` holds; which member applies is the pass's ``stage``'s.
+PassRun = ExportedPassRun | EdgePassRun | GraphPassRun
 
 
 @dataclass(frozen=True)
@@ -95,14 +128,62 @@ class PartitionView:
 class ProgramPass:
     """A pass a plugin contributes to the pipeline at one :data:`Stage`.
 
-    Passes of one stage run in ascending ``order``, ties broken by ``name``, so
-    registration order never changes the result.
+    ``run`` is the function the stage hands its program (see :data:`Stage`: an
+    :data:`ExportedPassRun`, an :data:`EdgePassRun` or a :data:`GraphPassRun`).
+
+    Where and when it runs is said by name, as pytest's ``tryfirst``/``trylast`` are:
+
+    - ``backends``: the names of the backends (``BackendSpec.name``) whose lowerings run
+      it, :data:`NO_BACKEND` (``"none"``) for a lowering with no backend; ``None`` (the
+      default) runs it for every backend and for none.
+    - ``after`` / ``before``: names of passes of the same stage that must run before /
+      after it. A name no installed pass has is ignored (its plugin may not be
+      installed); a relation through a pass another backend's lowering leaves out still
+      holds (``a`` before ``b`` before ``c`` keeps ``a`` before ``c`` without ``b``).
+
+    Core orders the passes of a stage by these relations, ties broken by name, so
+    registration order never changes the result; relations that form a cycle are
+    refused (``writeback_core.pass_order.PassOrderError``).
+
+    :raises TypeError: ``backends``, ``after`` or ``before`` is a single string (write a
+        tuple of names), or ``stage`` is no :data:`Stage`.
     """
 
     name: str
     stage: Stage
-    run: Callable[[Any], Any]
-    order: int = 0
+    run: PassRun
+    _: KW_ONLY
+    backends: frozenset[str] | None = None
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stage not in get_args(Stage):
+            raise TypeError(
+                f"pass {self.name!r}: stage {self.stage!r} is none of {', '.join(map(repr, get_args(Stage)))}"
+            )
+        if self.backends is not None:
+            object.__setattr__(self, "backends", frozenset(_name_tuple(self.name, "backends", self.backends)))
+        object.__setattr__(self, "after", _name_tuple(self.name, "after", self.after))
+        object.__setattr__(self, "before", _name_tuple(self.name, "before", self.before))
+
+    def runs_for(self, backend: str | None) -> bool:
+        """Whether a lowering for ``backend`` (a ``BackendSpec.name``; ``None``: no backend) runs it."""
+        return self.backends is None or (backend if backend is not None else NO_BACKEND) in self.backends
+
+
+def _name_tuple(program_pass: str, what: str, names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as a tuple of strings, refusing one string (``after="x"`` would be read as ``x``'s letters)."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"pass {program_pass!r}: {what}= takes a tuple of names, not the string {names!r}: "
+            f"write {what}=({names!r},)"
+        )
+    found = tuple(names)
+    odd = [n for n in found if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"pass {program_pass!r}: {what}= takes names (strings), got {odd[0]!r}")
+    return found
 
 
 @runtime_checkable

@@ -22,10 +22,9 @@ if TYPE_CHECKING:
         WriteBackLifetime,
         memory_plan_report,
     )
-    from writeback_passes.pipeline import EARLY_WRITE_BACK_ORDER, early_write_back_pass, to_executorch
+    from writeback_passes.pipeline import early_write_back_pass, to_executorch
     from writeback_passes.reinplace_delegate import (
         IN_PLACE_OUTPUTS_SPEC,
-        REINPLACE_DELEGATE_ORDER,
         DroppedWriteBack,
         KeptWriteBack,
         ReinplaceReport,
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     )
     from writeback_passes.reinplace_state_writes import (
         IN_PLACE_KERNEL,
-        STATE_WRITES_ORDER,
         KeptStateWrite,
         ReinplacedStateWrite,
         StateWriteReport,
@@ -44,11 +42,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "EARLY_WRITE_BACK_ORDER",
     "IN_PLACE_KERNEL",
     "IN_PLACE_OUTPUTS_SPEC",
-    "REINPLACE_DELEGATE_ORDER",
-    "STATE_WRITES_ORDER",
     "DroppedWriteBack",
     "EarlyWriteBack",
     "KeptStateWrite",
@@ -79,18 +74,15 @@ _LAZY = {
     "MethodPlan": "writeback_passes.memory_report",
     "WriteBackLifetime": "writeback_passes.memory_report",
     "memory_plan_report": "writeback_passes.memory_report",
-    "EARLY_WRITE_BACK_ORDER": "writeback_passes.pipeline",
     "early_write_back_pass": "writeback_passes.pipeline",
     "to_executorch": "writeback_passes.pipeline",
     "IN_PLACE_OUTPUTS_SPEC": "writeback_passes.reinplace_delegate",
-    "REINPLACE_DELEGATE_ORDER": "writeback_passes.reinplace_delegate",
     "DroppedWriteBack": "writeback_passes.reinplace_delegate",
     "KeptWriteBack": "writeback_passes.reinplace_delegate",
     "ReinplaceReport": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_input_mutations": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_pass": "writeback_passes.reinplace_delegate",
     "IN_PLACE_KERNEL": "writeback_passes.reinplace_state_writes",
-    "STATE_WRITES_ORDER": "writeback_passes.reinplace_state_writes",
     "KeptStateWrite": "writeback_passes.reinplace_state_writes",
     "ReinplacedStateWrite": "writeback_passes.reinplace_state_writes",
     "StateWriteReport": "writeback_passes.reinplace_state_writes",

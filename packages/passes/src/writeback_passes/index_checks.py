@@ -46,16 +46,12 @@ from writeback_core import ProgramPass
 from writeback_core.ops import aten_op, packet_name
 
 __all__ = [
-    "INDEX_CHECKS_ORDER",
     "IndexCheckReport",
     "UncheckedIndex",
     "UncheckedIndexWarning",
     "check_indices_first",
     "index_checks_pass",
 ]
-
-# After early write-back (100): the writes are where they will run.
-INDEX_CHECKS_ORDER = 110
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -392,10 +388,11 @@ def _replace(use: _Use, check: torch.fx.Node) -> None:
 
 
 def index_checks_pass() -> ProgramPass:
-    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`."""
+    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
+    early write-back: the writes are then where they will run."""
     return ProgramPass(
         name="check_indices_first",
         stage="before_memory_planning",
         run=check_indices_first,
-        order=INDEX_CHECKS_ORDER,
+        after=("insert_write_back_early",),
     )

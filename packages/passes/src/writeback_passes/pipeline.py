@@ -14,55 +14,70 @@ patched.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
-from writeback_core import ProgramPass, Registry, in_place_decisions, load_registry
+from writeback_core import InPlaceDecision, ProgramPass, Registry, in_place_decisions, load_registry
 from writeback_core.lowering import as_exir_pass, run_program_passes
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from executorch.exir import (
         EdgeProgramManager,
         ExecutorchBackendConfig,
         ExecutorchProgramManager,
     )
 
-__all__ = ["EARLY_WRITE_BACK_ORDER", "as_exir_pass", "early_write_back_pass", "to_executorch"]
-
-# The early write-back pass must see the graph's final readers and writers, so
-# it runs after every pass that may add or drop one: in particular after the
-# MLX backend's ``reinplace_delegate_input_mutations`` (which drops write-backs
-# a delegate performs in place). Passes that edit the graph must use a lower
-# order than this.
-EARLY_WRITE_BACK_ORDER = 100
+__all__ = ["as_exir_pass", "early_write_back_pass", "to_executorch"]
 
 
 def early_write_back_pass() -> ProgramPass:
-    """The early write-back pass as a ``"before_memory_planning"`` :class:`ProgramPass`."""
+    """The early write-back pass as a ``"before_memory_planning"`` :class:`ProgramPass`.
+
+    It must see the graph's final readers and writers, so it runs after every pass of
+    this package that adds or drops one (write-backs a delegate takes in place, state
+    written in place by the kernels, copies made views). A plugin's pass that edits the
+    graph says ``before=("insert_write_back_early",)``.
+    """
     from writeback_passes.early_write_back import insert_write_back_early
 
     return ProgramPass(
         name="insert_write_back_early",
         stage="before_memory_planning",
         run=insert_write_back_early,
-        order=EARLY_WRITE_BACK_ORDER,
+        after=("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views"),
     )
+
+
+class _Backend(enum.Enum):
+    """The default of :func:`to_executorch`'s ``backend``."""
+
+    FROM_PROGRAM = "the backend the program was partitioned for"
 
 
 def to_executorch(
     edge_manager: EdgeProgramManager,
     config: ExecutorchBackendConfig | None = None,
     registry: Registry | None = None,
+    *,
+    backend: str | _Backend | None = _Backend.FROM_PROGRAM,
 ) -> ExecutorchProgramManager:
-    """``edge_manager.to_executorch(config)`` with every registered program pass added.
+    """``edge_manager.to_executorch(config)`` with every registered program pass for the
+    backend added.
 
     Passes come from the ``writeback_program_passes`` hook of ``registry``
-    (default: ``load_registry()``). ``"edge"`` passes run first, in place on
+    (default: ``load_registry()``), those for ``backend``: the ``BackendSpec.name``
+    ``edge_manager`` was partitioned for (``None``: no backend). By default it is read
+    from ``edge_manager``: the backend core's in-place decisions name, else the installed
+    backend whose delegates it calls (with no delegate: the one installed backend that
+    has none, ``portable``), else ``None``. ``"edge"`` passes run first, in place on
     each method's edge program. ``"before_memory_planning"`` passes run inside
     exir after its write-back copies exist: after ``config.passes`` (the
-    user's own, in their order), sorted by ``(order, name)``. With the
+    user's own, in their order), in the registry's order. With the
     writeback-passes plugin installed that includes the early write-back
-    pass (order :data:`EARLY_WRITE_BACK_ORDER`), so the resulting ``.pte``
-    has its write-backs early. ``config`` itself is not changed; without one,
+    pass (after every pass of the package that edits the graph), so the resulting
+    ``.pte`` has its write-backs early. ``config`` itself is not changed; without one,
     the config :func:`writeback_core.lowering.lower` uses (named mutable buffers,
     the ``"state"`` memory plan), so that after
     ``to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments(backend))``
@@ -85,22 +100,28 @@ def to_executorch(
     if config is None:
         lowering.load_quantized_kernels(edge_manager)
         config = lowering.backend_config(edge_manager)
+    if isinstance(backend, _Backend):
+        backend = _backend_of(edge_manager, registry, decisions)
     with known_warnings_ignored():  # exir's notes that are harmless here, as lower() silences them
-        program = run_program_passes(edge_manager, config, registry)
-    backend = _backend_of(program, registry)
+        program = run_program_passes(edge_manager, config, registry, backend)
     for method in program.methods:
         warn_copies_left(copies_left(decisions, program.exported_program(method), backend), method)
     return program
 
 
-def _backend_of(program: ExecutorchProgramManager, registry: Registry) -> str | None:
-    """The installed backend whose delegate ``program`` calls (``portable`` without one)."""
+def _backend_of(
+    edge_manager: EdgeProgramManager, registry: Registry, decisions: Mapping[str, InPlaceDecision]
+) -> str | None:
+    """The backend ``edge_manager`` was partitioned for, as :func:`to_executorch` reads it."""
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
+    named = {decision.backend for decision in decisions.values()}
+    if len(named) == 1:
+        return named.pop()
     ids = {
         module.backend_id
-        for method in program.methods
-        for _, module, _ in get_lowered_submodules(program.exported_program(method).graph_module)
+        for method in edge_manager.methods
+        for _, module, _ in get_lowered_submodules(edge_manager.exported_program(method).graph_module)
     }
     names = [
         spec.name

@@ -77,14 +77,16 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """At ``"exported"``: a static cache's causal attention moved onto the LLM runner's
-    kernels (order -10), then attention bounded to the keys its mask opens (0). At
-    ``"before_partition"``: reshape-only copies made views (order 0), then each scalar
-    multiply of a ``bmm`` operand moved to the smaller one (10). At
-    ``"before_memory_planning"``: dropping write-backs a delegate takes in place (order 50),
-    writing state in place with the stock runtime's kernels (60), making reshape-only copies
-    views (65), early write-back (100: after graph-editing passes), then every run-time index
-    checked before the first state write (110: a refused call changes nothing)."""
+    """Every pass for every backend; each says by name what it runs after or before.
+
+    At ``"exported"``: a static cache's causal attention moved onto the LLM runner's
+    kernels, then attention bounded to the keys its mask opens. At
+    ``"before_partition"``: reshape-only copies made views, then each scalar multiply of a
+    ``bmm`` operand moved to the smaller one. At ``"before_memory_planning"``: dropping
+    write-backs a delegate takes in place, then writing state in place with the stock
+    runtime's kernels, then making reshape-only copies views, then early write-back (after
+    those graph edits), then every run-time index checked before the first state write
+    (a refused call changes nothing)."""
     if stage == "exported":
         from writeback_passes.bounded_attention import bound_attention_pass
         from writeback_passes.runner_attention import runner_attention_pass

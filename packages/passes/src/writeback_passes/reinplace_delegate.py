@@ -30,7 +30,6 @@ from writeback_passes.early_write_back import _user_input_test
 
 __all__ = [
     "IN_PLACE_OUTPUTS_SPEC",
-    "REINPLACE_DELEGATE_ORDER",
     "DroppedWriteBack",
     "KeptWriteBack",
     "ReinplaceReport",
@@ -359,12 +358,10 @@ def reinplace_delegate_input_mutations(
     return report
 
 
-# Before early write-back (order 100), which must see the write-backs that remain.
-REINPLACE_DELEGATE_ORDER = 50
-
-
 def reinplace_delegate_pass() -> ProgramPass:
-    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`."""
+    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`. The
+    passes that need the write-backs that remain (``reinplace_state_writes``,
+    ``insert_write_back_early``) say they run after it."""
 
     def run(gm: torch.fx.GraphModule) -> None:
         reinplace_delegate_input_mutations(gm)
@@ -373,5 +370,4 @@ def reinplace_delegate_pass() -> ProgramPass:
         name="reinplace_delegate_input_mutations",
         stage="before_memory_planning",
         run=run,
-        order=REINPLACE_DELEGATE_ORDER,
     )

@@ -48,7 +48,6 @@ from writeback_passes.early_write_back import _Storage
 
 __all__ = [
     "IN_PLACE_KERNEL",
-    "STATE_WRITES_ORDER",
     "KeptStateWrite",
     "ReinplacedStateWrite",
     "StateWriteReport",
@@ -791,16 +790,13 @@ def _accepted(copy: torch.fx.Node) -> bool:
     return decision is not None and decision.accepted
 
 
-# After dropping write-backs a delegate takes (50), before early write-back (100),
-# which must see the write-backs that remain.
-STATE_WRITES_ORDER = 60
-
-
 def state_writes_pass() -> ProgramPass:
-    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`."""
+    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
+    the write-backs a delegate takes are dropped; early write-back, which must see the
+    write-backs that remain, runs after it."""
     return ProgramPass(
         name="reinplace_state_writes",
         stage="before_memory_planning",
         run=reinplace_state_writes,
-        order=STATE_WRITES_ORDER,
+        after=("reinplace_delegate_input_mutations",),
     )

@@ -332,6 +332,9 @@ def _finish(program: ExportedProgram, report: RunnerAttentionReport) -> None:
 
 
 def runner_attention_pass() -> ProgramPass:
-    """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass` (before
-    ``bound_attention``)."""
-    return ProgramPass(name="runner_attention", stage="exported", run=attention_to_runner_kernels, order=-10)
+    """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`, before
+    ``bound_attention``: an attention that pass bounded no longer matches here, and what
+    this pass leaves is for that one."""
+    return ProgramPass(
+        name="runner_attention", stage="exported", run=attention_to_runner_kernels, before=("bound_attention",)
+    )

@@ -248,15 +248,13 @@ def _view_copy_like(target: Any) -> Any:
     return exir_ops.edge.aten.view_copy.default
 
 
-# After the in-place state writes (60), which decide on the functional graph; before early
-# write-back (100), which must see every read.
-VIEW_COPIES_ORDER = 65
-
-
 def copies_as_views_pass() -> ProgramPass:
-    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`."""
+    """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
+    ``reinplace_state_writes`` (which decides on the functional graph; the reads this pass
+    makes views of are checked against the in-place writes it placed); early write-back,
+    which must see every read, runs after this one."""
     return ProgramPass(
-        name="copies_as_views", stage="before_memory_planning", run=copies_as_views, order=VIEW_COPIES_ORDER
+        name="copies_as_views", stage="before_memory_planning", run=copies_as_views, after=("reinplace_state_writes",)
     )
 
 

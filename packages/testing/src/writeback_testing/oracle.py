@@ -215,6 +215,11 @@ class Lowerings:
     derived: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def backend_name(self) -> str | None:
+        """The name of the backend partitioned for (None: no backend), whose passes run."""
+        return self.backend.name if self.backend is not None else None
+
+    @property
     def passes_registry(self) -> Registry | None:
         """The registry whose passes run (None: exir alone)."""
         return self.registry if self.with_passes else None
@@ -246,7 +251,9 @@ class Lowerings:
             edge = self.edge()  # timed on its own
             start = time.perf_counter()
             try:
-                program = lowering.to_executorch(_copy_edge(edge), self.passes_registry, plan)
+                program = lowering.to_executorch(
+                    _copy_edge(edge), self.passes_registry, plan, backend=self.backend_name
+                )
             except LoweringError as error:
                 raise LoweringError(
                     f"{error}\n--- program ---\n{self.built.source}", upstream=self._fails_bare(plan)
@@ -262,9 +269,9 @@ class Lowerings:
                 user_input_mutations=sum(
                     1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION
                 ),
-                backend=self.backend.name if self.backend is not None else None,
+                backend=self.backend_name,
                 plan=plan,
-                passes=lowering.pass_names(self.passes_registry),
+                passes=lowering.pass_names(self.passes_registry, self.backend_name),
                 seconds=time.perf_counter() - start,
             )
             self._layout[plan] = _layout(final, self.built.spec)
@@ -280,7 +287,7 @@ class Lowerings:
         if self.passes_registry is None:
             return True
         try:
-            lowering.to_executorch(_copy_edge(self.edge()), None, plan)
+            lowering.to_executorch(_copy_edge(self.edge()), None, plan, backend=self.backend_name)
         except LoweringError:
             return True
         return False
