@@ -62,4 +62,4 @@ def test_bench_scale_bounds_writeback_memory_by_stock_and_the_weights(quantize: 
         assert "linear layers quantized 8da4w before export" in out
         assert pte < weights - 0.7 * LINEAR_GB, out
     else:
-        assert pte > weights, out
+        assert pte >= weights, out  # every weight, fp32
