@@ -117,11 +117,9 @@ def _folder_case(registry: Any, folder: str, quantize: str) -> ModelCase:
     case: ModelCase | None = registry.model_from_path(folder)
     if case is None:
         raise click.UsageError(f"no plugin reads the model folder {folder!r}")
-    if quantize == NO_QUANTIZATION:
-        return case
-    if case.quantized is None or quantize not in case.quantizations:
-        raise click.UsageError(f"the model read from {folder!r} offers no {quantize} quantization")
-    return case.quantized(quantize)
+    from writeback_core.cli import quantized_case
+
+    return quantized_case(case, None if quantize == NO_QUANTIZATION else quantize)
 
 
 def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, float]:
