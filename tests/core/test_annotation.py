@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
+from writeback.lowering import export_case
 from writeback_core import (
     PartitionView,
     annotating,
@@ -15,7 +16,6 @@ from writeback_core import (
     in_place_decisions,
     load_registry,
 )
-from writeback_core.lowering import export_case
 
 
 def test_decision_recorded_before_to_edge_survives_to_edge_and_to_executorch() -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 
 def test_plugins_lists_every_plugin_and_its_hooks() -> None:
     result = CliRunner().invoke(main, ["plugins"])
     assert result.exit_code == 0, result.output
-    assert "writeback-core" in result.output
+    assert "writeback" in result.output
     assert "example-backend" in result.output
     assert "writeback_accepts_in_place" in result.output
     assert "writeback_cli_commands" in result.output
@@ -69,7 +69,7 @@ def test_plugin_contributed_subcommand_appears(monkeypatch) -> None:  # type: ig
 
     real = registry.load_registry
     monkeypatch.setattr(
-        "writeback_core.cli.load_registry",
+        "writeback.cli.load_registry",
         lambda: real(plugins=[Adds()]),
     )
     group = type(main)(name="writeback", callback=main.callback)
@@ -126,7 +126,7 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
             return [f"a note on a program of {len(program.graph.nodes)} nodes"]
 
     real = registry.load_registry
-    monkeypatch.setattr("writeback_core.cli.load_registry", lambda: real(plugins=[Offers()]))
+    monkeypatch.setattr("writeback.cli.load_registry", lambda: real(plugins=[Offers()]))
     group = type(main)(name="writeback", callback=main.callback)
     result = CliRunner().invoke(group, ["explain", "tick"])
     assert result.exit_code == 0, result.output

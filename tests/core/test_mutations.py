@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from writeback.lowering import export_case
 from writeback_core import (
     Dynamic,
     MutationKind,
@@ -11,7 +12,6 @@ from writeback_core import (
     builtin_models,
     find_mutations,
 )
-from writeback_core.lowering import export_case
 
 
 def _by_target(program):  # type: ignore[no-untyped-def]

@@ -130,7 +130,7 @@ def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
 def test_cache_mib_of_run_and_bench_sizes_a_plugins_model() -> None:
     # `writeback run et-llama --cache-mib 2` and `bench --model et-llama --cache-mib 2` resolve
     # the model through run's resolution, which asks the offered case to size itself.
-    from writeback_core.run import _case
+    from writeback.run import _case
 
     case = _case(load_registry(), "et-llama", 2)
     assert cache_bytes(case.build()) == 2 * (1 << 20)
@@ -139,7 +139,7 @@ def test_cache_mib_of_run_and_bench_sizes_a_plugins_model() -> None:
 
 def test_cache_mib_for_a_model_without_a_cache_is_a_clear_error_naming_the_sized_models() -> None:
     import click
-    from writeback_core.run import _case
+    from writeback.run import _case
 
     with pytest.raises(click.UsageError, match=r"model 'ema' has no cache size to set; .*decoder, .*et-llama"):
         _case(load_registry(), "ema", 2)

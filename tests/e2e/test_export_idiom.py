@@ -13,9 +13,10 @@ import pytest
 import torch
 import writeback_passes
 from executorch.exir import to_edge_transform_and_lower
+from writeback.lowering import export_case, lower
+from writeback.zoo import builtin_models
 from writeback_core import CopyLeftWarning, Mutation, PartitionView, hookimpl, load_registry, to_edge_arguments
-from writeback_core.lowering import export_case, lower
-from writeback_core.zoo import ModelCase, builtin_models
+from writeback_core.types import ModelCase
 
 
 def _idiom_bytes(case: ModelCase, backend: str, partitioner: Any = None) -> bytes:
@@ -176,7 +177,7 @@ def test_run_says_which_runtime_loads_an_mlx_pte_and_that_runtime_does_in_a_fres
     import sys
 
     from click.testing import CliRunner
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     pte = tmp_path / "decoder.pte"
     result = CliRunner().invoke(main, ["run", "decoder", "--backend", "mlx", "--steps", "1", "--output", str(pte)])
@@ -225,7 +226,7 @@ def test_a_plugins_refusal_is_named_in_the_copy_warning() -> None:
 def test_run_names_the_cause_of_each_copy_left() -> None:
     """`writeback run --backend none`: no backend decided, and the line says so."""
     from click.testing import CliRunner
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     result = CliRunner().invoke(main, ["run", "decoder", "--backend", "none", "--steps", "1"])
     assert result.exit_code == 0, result.output

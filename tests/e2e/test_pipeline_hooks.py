@@ -13,11 +13,11 @@ import torch
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
+from writeback.pipeline import PipelineError, Session, assemble, lower
+from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core import hookimpl
-from writeback_core.pipeline import PipelineError, Session, assemble, lower
 from writeback_core.registry import DuplicateNameError, load_registry
 from writeback_core.types import RuntimeDelegate, RuntimeProgram, RuntimeSpec, StateAllocator
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 
 from tests.passes.lowering import PASSES_IN_ORDER
 

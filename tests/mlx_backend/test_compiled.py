@@ -21,7 +21,7 @@ import writeback_mlx_backend.fast.rms_norm as rms_norm_module
 import writeback_mlx_backend.fast.rope as rope_module
 import writeback_mlx_backend.ops as ops_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
-from writeback_core.zoo import DecoderConfig, TinyDecoder
+from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import lower_mlx
@@ -260,9 +260,9 @@ def test_index_computed_from_state_and_input_is_checked_before_the_graph_and_a_b
 def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attention_and_matches_eager(
     name: str, tmp_path: Path
 ) -> None:
-    from writeback_core.pipeline import assemble
+    from writeback.pipeline import assemble
+    from writeback.run import run_model
     from writeback_core.registry import load_registry
-    from writeback_core.run import run_model
     from writeback_decoders import hf_case, hf_config
 
     registry = load_registry()

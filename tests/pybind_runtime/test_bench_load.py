@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from writeback_pybind_runtime import bench_load
+from writeback_bench import pybind_load as bench_load
 
 # Slow tier: runs with --slow (CI does); see tests/conftest.py.
 pytestmark = pytest.mark.slow
