@@ -103,14 +103,14 @@ def test_one_core_pins_every_thread_of_the_process_and_restores_each() -> None:
     """The idle rows "one core" run with the caller and MLX's stream thread on one CPU; after
     the block each thread may use the CPUs it had before."""
     import mlx.core as mx
-    from writeback_bench.mlx import _one_core
+    from writeback_bench.mlx import one_core
 
     mx.eval(mx.ones(4) + 1)  # MLX's stream thread exists
     threads = [int(t) for t in os.listdir("/proc/self/task")]
     assert len(threads) >= 2
     before = {t: os.sched_getaffinity(t) for t in threads}
     cpu = min(os.sched_getaffinity(0))
-    with _one_core():
+    with one_core():
         assert {t: os.sched_getaffinity(t) for t in threads} == {t: {cpu} for t in threads}
         assert np.asarray(mx.ones(4) + 1).tolist() == [2.0] * 4  # MLX still computes
     assert {t: os.sched_getaffinity(t) for t in threads} == before

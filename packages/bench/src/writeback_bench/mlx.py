@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
     from writeback_bench.mlx_handwritten import Attend
 
-__all__ = ["WindowDecodeStep", "main", "run_vs_mlx"]
+__all__ = ["WindowDecodeStep", "main", "one_core", "run_vs_mlx"]
 
 
 class WindowDecodeStep(nn.Module):
@@ -402,7 +402,7 @@ def _idle_case() -> ModelCase:
 
 
 @contextmanager
-def _one_core() -> Iterator[None]:
+def one_core() -> Iterator[None]:
     """Every thread of this process (the caller, MLX's stream thread, torch's) on one CPU,
     the lowest this process may use, for the block; each thread's CPUs are restored after.
 
@@ -451,8 +451,8 @@ def _idle_contenders(registry: Any) -> list[_Contender]:
     except Exception as error:  # reported in its cell; the other rows go on
         rows[0].error = f"failed to lower or load: {_short(error)}"
     pinned = [
-        _Contender("idle", _DELEGATE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=_one_core),
-        _Contender("idle", _MLX_IDLE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=_one_core),
+        _Contender("idle", _DELEGATE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=one_core),
+        _Contender("idle", _MLX_IDLE + _ONE_CORE, calls_per_round=_IDLE_CALLS_PER_ROUND, around=one_core),
     ]
     if not _can_pin():
         for row in pinned:
@@ -658,7 +658,7 @@ def run_vs_mlx(cache_mib: float, steps: int, start: int) -> int:
     of static shapes does); and the model lowered by writeback's one lowering path
     with ``--backend mlx`` and run by writeback's runtime (the time of its execute).
     Then the idle call: ``x + 1`` through the delegate, in MLX, in eager PyTorch, and the
-    first two again with every thread of the process on one core (:func:`_one_core`).
+    first two again with every thread of the process on one core (:func:`one_core`).
 
     Every row runs ``2`` warm-up steps from ``start``, checked against eager
     PyTorch (``allclose``, ``rtol = atol = 1e-4``); a row that fails or differs

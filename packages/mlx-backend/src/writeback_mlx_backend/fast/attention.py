@@ -24,7 +24,7 @@ from writeback_mlx_backend.fast._chains import (
     replace_chains,
     shape_of,
 )
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
 
 SDPA = "mlx.fast.scaled_dot_product_attention"
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
 from writeback_mlx_backend.fast._chains import never, ref
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
 
 RMS_NORM = "mlx.fast.rms_norm"
 
