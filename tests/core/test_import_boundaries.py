@@ -177,3 +177,33 @@ def test_the_walk_sees_an_application_import_from_a_plugin(tmp_path: Path, monke
     assert len(problems) == 2, problems
     assert problems[0].startswith("writeback-other imports writeback-plugin (writeback_plugin) without declaring it")
     assert problems[1].startswith("writeback-plugin imports the application (writeback)")
+
+
+def _module_paths_outside_core() -> set[str]:
+    """Every importable module path of the workspace's other packages (``writeback.zoo``,
+    ``writeback_mlx_backend.runtime``, ...), their top-level packages but the project's
+    name itself (``writeback``, also the entry-point group) included."""
+    paths = set()
+    for name, (folder, modules, _) in _packages().items():
+        if name == "writeback-core":
+            continue
+        for module in modules:
+            for path in (folder / "src" / module).rglob("*.py"):
+                parts = path.relative_to(folder / "src").with_suffix("").parts
+                dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                if dotted != "writeback":
+                    paths.add(dotted)
+    return paths
+
+
+def test_the_contract_names_no_application_or_plugin_module_even_to_import_it_lazily() -> None:
+    """A lazy import (``importlib.import_module("writeback.zoo")``) escapes the import walk; a
+    string in core's source that is exactly another package's module path is one."""
+    outside = _module_paths_outside_core()
+    assert {"writeback.zoo", "writeback_mlx_backend.runtime"} <= outside
+    found = []
+    for path in sorted((_ROOT / "packages" / "core" / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in outside:
+                found.append(f"{path.relative_to(_ROOT)}:{node.lineno}: {node.value!r}")
+    assert found == []

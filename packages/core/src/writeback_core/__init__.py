@@ -43,7 +43,6 @@ if TYPE_CHECKING:
         record_in_place_decisions,
         to_edge_arguments,
     )
-    from writeback_core.types import ModelCase
 
 __all__ = [
     "NAME",
@@ -86,9 +85,6 @@ _LAZY = {
     "annotating": "writeback_core.partition",
     "record_in_place_decisions": "writeback_core.partition",
     "to_edge_arguments": "writeback_core.partition",
-    # The zoo is the application's: the contract (registry, hookspecs) never imports it.
-    "ModelCase": "writeback.zoo",
-    "builtin_models": "writeback.zoo",
 }
 
 
