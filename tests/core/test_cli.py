@@ -19,6 +19,10 @@ def test_plugins_lists_every_plugin_and_its_hooks() -> None:
     assert "example-backend" in result.output
     assert "writeback_accepts_in_place" in result.output
     assert "writeback_cli_commands" in result.output
+    # The example backend's row: its three hooks, as its README says.
+    (example,) = [line for line in result.output.splitlines() if "example-backend" in line]
+    hooks = example.split("example-backend", 1)[1].strip(" │|").split(", ")
+    assert hooks == ["writeback_accepts_in_place", "writeback_backends", "writeback_runtime_delegates"]
 
 
 def test_explain_decoder_shows_each_cache_with_its_write_and_stock_cost() -> None:

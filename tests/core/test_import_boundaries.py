@@ -51,7 +51,14 @@ _ON_THE_APPLICATION = {
     "writeback-bench": "a harness measures the backends it names through the application's lowering",
 }
 
-_HEAVY = ("executorch.exir", "torchao", "mlx", "writeback_pybind_runtime._native")
+_HEAVY = (
+    "executorch.exir",
+    "executorch.examples",
+    "torchao",
+    "mlx",
+    "transformers",
+    "writeback_pybind_runtime._native",
+)
 
 
 def _modules_after(code: str) -> set[str]:

@@ -157,3 +157,16 @@ def test_backend_id_of_a_compiled_backend_is_refused() -> None:
         pytest.skip("this executorch build registers no XnnpackBackend")
     with pytest.raises(ValueError, match=r"XnnpackBackend.*compiled"):
         runtime.register_delegates()
+
+
+def test_registering_a_backend_id_again_replaces_its_python_object_process_wide(doubled_pte: bytes) -> None:
+    """ExecuTorch cannot unregister a backend: the id stays, the object behind it is the last
+    registered, for every runtime of the process."""
+    first, second = DoublerDelegate(), DoublerDelegate()
+    early = _runtime_with(first)
+    early.register_delegates()
+    _runtime_with(second).register_delegates()
+    x = torch.arange(6.0).view(2, 3)
+    (out,) = early.load_program(doubled_pte).load_method("forward")([x])
+    torch.testing.assert_close(out, 2 * x + 1)
+    assert first.calls == [] and len(second.calls) == 1
