@@ -149,26 +149,6 @@ def test_the_copy_warning_is_silenced_by_the_standard_filter() -> None:
     assert not [w for w in caught if issubclass(w.category, CopyLeftWarning)]
 
 
-def test_the_readme_quotes_what_the_export_script_prints() -> None:
-    """The README's block for docs/examples/export_script.py is that script's output at HEAD."""
-    import re
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
-    quoted = re.search(r"\$ python docs/examples/export_script.py xnnpack(?: 2>/dev/null)?\n(.*?)\n```", readme, re.S)
-    assert quoted is not None, "README has no output block for docs/examples/export_script.py"
-    printed = subprocess.run(
-        [sys.executable, str(root / "docs/examples/export_script.py"), "xnnpack"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=root,
-    ).stdout
-    assert printed.rstrip("\n") == quoted.group(1)
-
-
 @pytest.mark.slow
 def test_run_says_which_runtime_loads_an_mlx_pte_and_that_runtime_does_in_a_fresh_process(tmp_path: Path) -> None:
     """`writeback run --backend mlx --output` names the runtime that loads the file; in a fresh

@@ -6,17 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from writeback_core.blob import Ref, resolve
 from writeback_core.ops import normalize_dim
 
 from writeback_mlx_backend.op_handler import OpHandler
 from writeback_mlx_backend.op_indexing import INDEX_COPY, INDEX_PUT
-
-
-@dataclass(frozen=True)
-class Ref:
-    """An argument that names a value: an input, a constant, a state buffer or a step."""
-
-    name: str
 
 
 @dataclass(frozen=True)
@@ -40,15 +34,6 @@ def refs(value: Any) -> list[str]:
     if isinstance(value, dict):
         return [n for v in value.values() for n in refs(v)]
     return []
-
-
-def resolve(value: Any, env: Mapping[str, Any]) -> Any:
-    """``value`` with each reference replaced by its value in ``env``."""
-    if isinstance(value, Ref):
-        return env[value.name]
-    if isinstance(value, list):
-        return [resolve(v, env) for v in value]
-    return value
 
 
 def resolve_kwargs(kwargs: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.blob import Ref, resolve
 from writeback_core.ops import normalize_index
 
-from writeback_mlx_backend._steps import Ref, refs, resolve, resolve_kwargs
+from writeback_mlx_backend._steps import refs, resolve_kwargs
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, snapshot, span, tensor_span
 from writeback_mlx_backend.compiling import TRIAL_STATE_BYTES, inside, trace_bounded, written_rows
 from writeback_mlx_backend.handle import Compiled, Handle, ShapeOnly

@@ -24,8 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, index_write_axes, refs, resolve, resolve_kwargs
+from writeback_mlx_backend._steps import Step, index_write_axes, refs, resolve_kwargs
 from writeback_mlx_backend.handle import CallerWrite, Compiled, Handle, Written
 from writeback_mlx_backend.op_handler import OpHandler
 from writeback_mlx_backend.op_indexing import INDEX_COPY, INDEX_PUT, INDEX_WRITES

@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from writeback_mlx_backend._steps import Ref, Step
+from writeback_core.blob import Ref
+
+from writeback_mlx_backend._steps import Step
 from writeback_mlx_backend.op_handler import OpHandler
 from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 from writeback_mlx_backend.window import Window

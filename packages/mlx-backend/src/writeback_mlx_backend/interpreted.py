@@ -15,8 +15,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, call_resolved, refs, resolve, resolve_kwargs
+from writeback_mlx_backend._steps import Step, call_resolved, refs, resolve_kwargs
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, same_memory, snapshot, span, tensor_span
 from writeback_mlx_backend.handle import Handle
 from writeback_mlx_backend.op_handler import UNKNOWN, Region

@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from writeback_core.blob import BlobError
+from writeback_core.blob import BlobError, resolve
 from writeback_core.ops import normalize_dim, normalize_index
 
-from writeback_mlx_backend._steps import Step, call, resolve, resolve_kwargs
+from writeback_mlx_backend._steps import Step, call, resolve_kwargs
 from writeback_mlx_backend.op_handler import MAX_MLX_INT, mlx_dtype
 from writeback_mlx_backend.program import DELEGATE
 

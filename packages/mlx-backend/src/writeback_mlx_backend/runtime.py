@@ -39,11 +39,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from writeback_core.blob import BlobError, Kind, check_call, in_place_outputs
+from writeback_core.blob import BlobError, Kind, Ref, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
-from writeback_mlx_backend._steps import Ref, Step, call_resolved, refs
+from writeback_mlx_backend._steps import Step, call_resolved, refs
 from writeback_mlx_backend.calls import COPY_HISTORY, same_memory
 from writeback_mlx_backend.compiled import CompiledPath
 from writeback_mlx_backend.compiling import compile_step

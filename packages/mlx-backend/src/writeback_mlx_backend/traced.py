@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import resolve
 
-from writeback_mlx_backend._steps import Step, call, call_resolved, refs, resolve, resolve_kwargs
+from writeback_mlx_backend._steps import Step, call, call_resolved, refs, resolve_kwargs
 from writeback_mlx_backend.handle import Handle, ShapeOnly
 from writeback_mlx_backend.op_handler import OpHandler, mlx_dtype
 from writeback_mlx_backend.program import DelegateProgram

@@ -62,8 +62,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from writeback_core.blob import Ref
 
-from writeback_mlx_backend._steps import Ref, Step, call_resolved, refs, step_axis
+from writeback_mlx_backend._steps import Step, call_resolved, refs, step_axis
 from writeback_mlx_backend.fast.attention import SDPA
 from writeback_mlx_backend.op_math import SOFTMAXES
 from writeback_mlx_backend.window_proof import EXIT, FORWARD, NEG_INF, Analysis, Tag, dim_arg

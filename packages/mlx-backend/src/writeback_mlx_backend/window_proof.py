@@ -22,8 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from writeback_core.blob import Ref
 
-from writeback_mlx_backend._steps import Ref, Step, refs, step_axis
+from writeback_mlx_backend._steps import Step, refs, step_axis
 from writeback_mlx_backend.fast.attention import SDPA
 from writeback_mlx_backend.op_math import MATMULS, SOFTMAXES
 from writeback_mlx_backend.op_shapes import CASTS, PERMUTES, VIEWS

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, call, index_write_axes, refs, resolve, resolve_kwargs, step_axis
+from writeback_mlx_backend._steps import Step, call, index_write_axes, refs, resolve_kwargs, step_axis
 from writeback_mlx_backend.fast.attention import SDPA
 from writeback_mlx_backend.op_math import MATMULS, SOFTMAXES
 from writeback_mlx_backend.op_shapes import CASTS, PERMUTES, VIEWS

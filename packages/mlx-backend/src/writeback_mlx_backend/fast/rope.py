@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref
 
-from writeback_mlx_backend._steps import Ref, Step, refs
+from writeback_mlx_backend._steps import Step, refs
 from writeback_mlx_backend.fast._chains import (
     RESHAPES,
     Info,
