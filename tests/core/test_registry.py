@@ -9,15 +9,8 @@ import pluggy
 import pytest
 import torch
 from writeback.lowering import export_case
-from writeback_core import (
-    InPlaceConflictError,
-    Mutation,
-    PartitionView,
-    builtin_models,
-    find_mutations,
-    hookimpl,
-    load_registry,
-)
+from writeback.zoo import builtin_models
+from writeback_core import InPlaceConflictError, Mutation, PartitionView, find_mutations, hookimpl, load_registry
 
 
 def _decoder_mutation() -> tuple[Mutation, torch.fx.Graph]:
