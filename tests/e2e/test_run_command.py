@@ -198,3 +198,27 @@ def test_run_model_releases_the_export_before_its_steps_and_still_reports_every_
     for read in (lambda: report.lowered.pte[:4], lambda: report.lowered.program.exported_program()):
         with pytest.raises(ReleasedError, match=r"released once its \.pte was written and loaded .*lower again"):
             read()
+
+
+def test_write_pte_streams_exirs_bytes_without_joining_them_and_refuses_once_released(tmp_path: Path) -> None:
+    """``Lowered.write_pte`` writes exir's serialized program to the file byte for byte (the
+    same bytes as exir's own ``ExecutorchProgramManager.buffer``) without first joining them
+    into ``Lowered.pte``; after a read of ``pte`` it writes those bytes; a released lowering
+    refuses to write and leaves the existing file as it was."""
+    from writeback.lowering import ReleasedError
+
+    case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
+    lowered = lower(case, assemble(load_registry(), "none"))
+    streamed = tmp_path / "streamed.pte"
+    lowered.write_pte(streamed)
+    assert lowered._pte is None  # nothing joined
+    assert lowered.pte_nbytes == streamed.stat().st_size
+    assert streamed.read_bytes() == bytes(lowered.program.buffer)
+    joined = tmp_path / "joined.pte"
+    assert lowered.pte[:8] == streamed.read_bytes()[:8]
+    lowered.write_pte(joined)
+    assert joined.read_bytes() == streamed.read_bytes()
+    lowered.release()
+    with pytest.raises(ReleasedError, match=r"\.pte bytes was released"):
+        lowered.write_pte(streamed)
+    assert streamed.read_bytes() == joined.read_bytes()

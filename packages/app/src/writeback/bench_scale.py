@@ -135,20 +135,23 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     case = _folder_case(registry, folder, quantize)
     exported = export_case(case)
     exported_at = time.perf_counter()
+    # Each .pte is streamed to its file from exir's serialized pieces (exir's write_to_file, as
+    # ExecuTorch's export scripts save it), never joined into one bytes object first.
     if contender == STOCK:
         from writeback.bench_common import stock_program
 
         with known_warnings_ignored():
-            data = stock_program(exported, xnnpack=True, constant_methods=dict(case.constant_methods)).buffer
+            program = stock_program(exported, xnnpack=True, constant_methods=dict(case.constant_methods))
+            with open(pte, "wb") as handle:
+                program.write_to_file(handle)
     else:
         from writeback.lowering import lower
         from writeback.pipeline import assemble
 
         pipeline = assemble(registry, contender.removeprefix(WRITEBACK_PREFIX))
-        data = lower(exported, pipeline.registry, pipeline.backend, "state", case).pte
+        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
+        lowered.write_pte(Path(pte))
     lowered_at = time.perf_counter()
-    with open(pte, "wb") as handle:
-        handle.write(data)
     return {
         "base_gb": base,
         "export_s": exported_at - start,

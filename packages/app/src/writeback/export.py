@@ -21,7 +21,7 @@ from writeback_core.program import LoweringError
 from writeback_core.registry import Registry
 from writeback_core.units import format_bytes
 
-from writeback._files import WriteFailed, write_bytes
+from writeback._files import WriteFailed
 from writeback.cli import QUANTIZE_HELP, quantized_case, resolve_model_option, writable_file
 from writeback.lowering import Lowered, export_case, lower, state_places
 from writeback.pipeline import PipelineError, assemble
@@ -78,7 +78,7 @@ def _lines(report: ExportReport) -> list[str]:
     dynamic = bool(methods.get("enable_dynamic_shape", False))
     lines = [
         f"model {case.name}: {case.description}",
-        f"wrote {report.pte_path} ({format_bytes(len(lowered.pte))}, backend {backend}, "
+        f"wrote {report.pte_path} ({format_bytes(lowered.pte_nbytes)}, backend {backend}, "
         f"lowered in {lowered.seconds:.1f} s)",
         "runner metadata: " + ", ".join(f"{name}={methods[name]!r}" for name in RUNNER_METADATA if name in methods),
         "prefill: "
@@ -164,7 +164,7 @@ def export_command(
         exported = export_case(case)
         check_runner_contract(exported, case.constant_methods)
         lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
-        write_bytes(output, lowered.pte)
+        lowered.write_pte(output)
     except RunnerContractError as error:
         raise click.UsageError(f"model {case.name!r}: {error}") from error
     except (LoweringError, WriteFailed) as error:

@@ -20,9 +20,13 @@ the fuzzer certifies is byte for byte what users get.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
@@ -263,13 +267,16 @@ class Lowered:
     :meth:`release` drops ``exported``, ``program`` and ``pte`` (each holds the weights)
     and keeps what a report reads: the mutations and decisions, ``pte_nbytes``,
     :attr:`copies_left` and :func:`state_places`.
+
+    The ``.pte`` stays in exir's serialized pieces until :attr:`pte` is read:
+    :meth:`write_pte` writes the file from them, without the contiguous copy of the
+    weights that joining them into ``bytes`` makes.
     """
 
     exported: ExportedProgram
     mutations: list[Mutation]
     decisions: dict[str, InPlaceDecision]
     program: ExecutorchProgramManager
-    pte: bytes
     write_back_bytes: dict[str, int]
     user_input_mutations: int
     backend: str | None
@@ -278,6 +285,37 @@ class Lowered:
     seconds: float
     case: ModelCase | None = None
     _kept: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _pte: bytes | None = field(default=None, repr=False, compare=False)
+    _written_nbytes: int | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def pte(self) -> bytes:
+        """The ``.pte`` as bytes, joined from the serialized program on the first read (a
+        copy of the weights: :meth:`write_pte` writes the file without it)."""
+        if self.released:
+            raise Released(".pte bytes")._refuse()
+        if self._pte is None:
+            with known_warnings_ignored():
+                self._pte = bytes(self.program.buffer)
+        return self._pte
+
+    def write_pte(self, path: Path) -> None:
+        """Write the ``.pte`` to ``path``, whole or not at all (a temporary file renamed into
+        place), streaming exir's serialized pieces unless :attr:`pte` was already read.
+
+        :raises writeback._files.WriteFailed: naming ``path``.
+        """
+        from writeback._files import replacing
+
+        if self.released:
+            raise Released(".pte bytes")._refuse()
+        with replacing(path) as temporary:
+            if self._pte is not None:
+                temporary.write_bytes(self._pte)
+            else:
+                with open(temporary, "wb") as handle, known_warnings_ignored():
+                    self.program.write_to_file(handle)
+            self._written_nbytes = temporary.stat().st_size
 
     @property
     def released(self) -> bool:
@@ -293,14 +331,14 @@ class Lowered:
         if self.released:
             return
         kept = {
-            "pte_nbytes": len(self.pte),
+            "pte_nbytes": self.pte_nbytes,
             "copies_left": self.copies_left,
             "places": state_places(self),
             "input_signature": self.input_signature,
         }
         self.exported = cast("ExportedProgram", Released("exported program"))
         self.program = cast("ExecutorchProgramManager", Released("program manager"))
-        self.pte = cast("bytes", Released(".pte bytes"))
+        self._pte = None
         self._kept = kept
 
     @property
@@ -318,6 +356,8 @@ class Lowered:
         """The ``.pte``'s size in bytes (after :meth:`release` too)."""
         if self.released:
             return int(self._kept["pte_nbytes"])
+        if self._pte is None and self._written_nbytes is not None:
+            return self._written_nbytes
         return len(self.pte)
 
     @property
@@ -415,6 +455,20 @@ def state_places(lowered: Lowered) -> list[StatePlace]:
     return places
 
 
+def return_freed_memory() -> None:
+    """Collect cyclic garbage now and, with glibc, hand the freed heap back to the system
+    (``malloc_trim``): a program's graph copies are cycles the collector may otherwise keep
+    until the next large allocation, and glibc keeps freed pages for reuse in fragments."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return
+    trim(0)
+
+
 _NO_BACKEND = "no backend was chosen, so no plugin decided (the portable backend runs the same kernels in place)"
 
 
@@ -436,9 +490,13 @@ def lower(
     start = time.perf_counter()
     with known_warnings_ignored():
         mutations = find_mutations(exported.run_decompositions())
+    # The decomposed copy and the partitioner's working copies are cyclic garbage: freed here,
+    # before serialization copies the weights, they do not add to the lowering's peak.
+    return_freed_memory()
     if constant_methods is None and case is not None:
         constant_methods = case.constant_methods
     partitioned = partition(exported, registry, backend, constant_methods)
+    return_freed_memory()
     name = backend.name if backend is not None else None
     program = to_executorch(partitioned.edge, registry, plan, backend=name)
     final = program.exported_program()
@@ -448,7 +506,6 @@ def lower(
         mutations=mutations,
         decisions=partitioned.decisions,
         program=program,
-        pte=bytes(program.buffer),
         write_back_bytes=write_back_bytes(final),
         user_input_mutations=sum(1 for s in signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION),
         backend=name,

@@ -24,7 +24,7 @@ from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 from writeback_core.units import format_bytes
 
-from writeback._files import WriteFailed, write_bytes
+from writeback._files import WriteFailed
 from writeback.cli import (
     QUANTIZE_HELP,
     CacheMiB,
@@ -111,7 +111,7 @@ def run_model(
     ``output`` is replaced whole or not at all (a new file renamed into place), so a
     process that has the old file mapped keeps it and a failure leaves it as it was."""
     lowered = lower(case, pipeline)
-    write_bytes(output, lowered.pte)
+    lowered.write_pte(output)
     # The steps need the runtime's copy of the weights alone: the exported program, the
     # program manager and the .pte bytes go before the runtime and eager take theirs.
     lowered.release()

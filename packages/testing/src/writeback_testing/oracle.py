@@ -264,7 +264,6 @@ class Lowerings:
                 mutations=find_mutations(edge.exported_program()),
                 decisions=dict(self._decisions) or in_place_decisions(edge.exported_program()),
                 program=program,
-                pte=bytes(program.buffer),
                 write_back_bytes=write_back_bytes(final),
                 user_input_mutations=sum(
                     1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION
