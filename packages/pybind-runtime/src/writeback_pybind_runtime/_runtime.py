@@ -292,10 +292,22 @@ class Runtime:
 
             registry = load_registry()
         delegates = registry.runtime_delegates()
-        for backend_id in sorted(delegates):
-            native().register_delegate(backend_id, delegates[backend_id])
-        self._registered = True
+        self.use_delegates(delegates)
         return delegates
+
+    def use_delegates(self, delegates: Mapping[str, RuntimeDelegate]) -> None:
+        """Register each of ``delegates`` (keyed by backend id, as a registry's
+        ``runtime_delegates()`` returns them) that is not already the delegate
+        registered under its id: a pipeline that loads program after program hands
+        over the same delegates each time, and they are registered once.
+
+        :raises ValueError: a backend id is taken by a compiled ExecuTorch backend.
+        """
+        registered = native().registered_delegates()
+        for backend_id in sorted(delegates):
+            if registered.get(backend_id) is not delegates[backend_id]:
+                native().register_delegate(backend_id, delegates[backend_id])
+        self._registered = True
 
     @property
     def backend_ids(self) -> list[str]:
