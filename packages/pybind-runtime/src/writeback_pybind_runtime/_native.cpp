@@ -226,21 +226,42 @@ PyObject* g_program_error = nullptr;
 struct Block {
   void* data = nullptr;
   size_t nbytes = 0;
-  explicit Block(size_t n) : nbytes(n) {
+  size_t padded = 0;
+  bool mapped = false;  // straight from the kernel (munmap), else aligned_alloc (free)
+  explicit Block(size_t n) : nbytes(n), padded(((std::max<size_t>(n, 1) + 63) / 64) * 64) {
+    // Zeroed, as the stock bindings' arenas are: a mutated buffer that exir
+    // serialized without its initial value (only shape and dtype) starts at
+    // zeros, which is what programs read before their first write. A large block
+    // is anonymous memory, zero already: its pages are touched when first
+    // written, not all of them at load.
+    if (padded >= kMappedBlockBytes) {
+      data = ::mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (data == MAP_FAILED) {
+        data = nullptr;
+        throw std::bad_alloc();
+      }
+      mapped = true;
+      return;
+    }
     // 64-byte alignment: ExecuTorch kernels and delegates may vectorize.
-    size_t padded = ((std::max<size_t>(n, 1) + 63) / 64) * 64;
     data = std::aligned_alloc(64, padded);
     if (data == nullptr) {
       throw std::bad_alloc();
     }
-    // Zeroed once at load, as the stock bindings' arenas are: a mutated buffer
-    // that exir serialized without its initial value (only shape and dtype)
-    // starts at zeros, which is what programs read before their first write.
     std::memset(data, 0, padded);
   }
-  ~Block() { std::free(data); }
+  ~Block() {
+    if (mapped) {
+      ::munmap(data, padded);
+    } else {
+      std::free(data);
+    }
+  }
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
+
+ private:
+  static constexpr size_t kMappedBlockBytes = size_t{1} << 20;
 };
 
 // Holds a Python object from C++ code that may drop it without the GIL.
