@@ -228,13 +228,16 @@ struct Block {
   size_t nbytes = 0;
   size_t padded = 0;
   bool mapped = false;  // straight from the kernel (munmap), else aligned_alloc (free)
-  explicit Block(size_t n) : nbytes(n), padded(((std::max<size_t>(n, 1) + 63) / 64) * 64) {
-    // Zeroed, as the stock bindings' arenas are: a mutated buffer that exir
-    // serialized without its initial value (only shape and dtype) starts at
+  // `copied`: the caller fills all n bytes at once (a cloned output, every
+  // call): heap memory, reused call after call, not zeroed first.
+  explicit Block(size_t n, bool copied = false)
+      : nbytes(n), padded(((std::max<size_t>(n, 1) + 63) / 64) * 64) {
+    // Otherwise zeroed, as the stock bindings' arenas are: a mutated buffer that
+    // exir serialized without its initial value (only shape and dtype) starts at
     // zeros, which is what programs read before their first write. A large block
     // is anonymous memory, zero already: its pages are touched when first
     // written, not all of them at load.
-    if (padded >= kMappedBlockBytes) {
+    if (!copied && padded >= kMappedBlockBytes) {
       data = ::mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (data == MAP_FAILED) {
         data = nullptr;
@@ -248,7 +251,9 @@ struct Block {
     if (data == nullptr) {
       throw std::bad_alloc();
     }
-    std::memset(data, 0, padded);
+    if (!copied) {
+      std::memset(data, 0, padded);
+    }
   }
   ~Block() {
     if (mapped) {
@@ -366,7 +371,7 @@ py::object to_torch(void* data, ScalarType type, const Sizes& sizes, std::shared
 }
 
 py::object copy_to_torch(const void* data, size_t nbytes, ScalarType type, etr::ArrayRef<int32_t> sizes) {
-  auto block = std::make_shared<Block>(nbytes);
+  auto block = std::make_shared<Block>(nbytes, /*copied=*/true);
   std::memcpy(block->data, data, nbytes);
   void* ptr = block->data;
   return to_torch(ptr, type, sizes, std::move(block));
