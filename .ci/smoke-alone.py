@@ -1,9 +1,12 @@
-"""Smoke check of one package installed alone beside writeback-core (run by .ci/install-alone).
+"""Smoke check of one package installed alone beside writeback-core and the application
+(run by .ci/install-alone; writeback-core installs alone).
 
 At whatever versions the environment holds (there: the lowest its pyproject
-allows), the package imports without its siblings, its plugin registers, and
-it does its job once on a small model, all in one process (importing torch and
-exir is most of the cost): ``python .ci/smoke-alone.py MODULE``.
+allows), the package imports without the siblings it does not declare, its plugin
+registers, and it does its job once on a small model, all in one process (importing
+torch and exir is most of the cost): ``python .ci/smoke-alone.py MODULE``. writeback-core
+alone: every contract module imports without click, rich or the application, and finds
+a mutation.
 """
 
 from __future__ import annotations
@@ -28,9 +31,19 @@ SIBLINGS = [
     "writeback_example_backend",
     "writeback_testing",
     "writeback_decoders",
+    "writeback_bench",
 ]
+# What a package may find installed beside it: the workspace packages it declares.
+DECLARED = {
+    "writeback_bench": [
+        "writeback_mlx_backend",
+        "writeback_passes",
+        "writeback_pybind_runtime",
+        "writeback_trt_copyback",
+    ],
+}
 PLUGIN = {
-    "writeback_core": "writeback-core",
+    "writeback": "writeback",
     "writeback_passes": "passes",
     "writeback_mlx_backend": "mlx-backend",
     "writeback_trt_copyback": "trt-copyback",
@@ -38,12 +51,13 @@ PLUGIN = {
     "writeback_example_backend": "example-backend",
     "writeback_testing": "writeback-testing",
     "writeback_decoders": "decoders",
+    "writeback_bench": "mlx-backend",
 }
 
 
 def writeback(*args: str) -> str:
     """Run the ``writeback`` command in this process; its output, or exit naming it."""
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     out = io.StringIO()
     code: int | str | None = 0
@@ -68,7 +82,50 @@ def explain(*rows: str) -> None:
 
 
 def core() -> None:
+    import pathlib
+
+    import torch
+    import writeback_core
+
+    folder = pathlib.Path(writeback_core.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        if path.stem != "__init__":
+            importlib.import_module(f"writeback_core.{path.stem}")
+    # click may come with executorch's own dependencies; the contract must not import it.
+    if importlib.util.find_spec("writeback") is not None:
+        raise SystemExit("writeback-core installed alone brought the application")
+    imported = sorted(name for name in ("click", "rich", "writeback") if name in sys.modules)
+    if imported:
+        raise SystemExit(f"importing every contract module imported {imported}")
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count.add_(1)
+            return x + self.count
+
+    program = writeback_core.program.export_model(Counter(), (torch.ones(1),))
+    (mutation,) = writeback_core.find_mutations(program.run_decompositions())
+    assert mutation.target == "count", mutation
+    assert writeback_core.load_registry().plugin_names() == [], "no plugin is installed beside core"
+
+
+def application() -> None:
     explain()
+
+
+def bench() -> None:
+    for name in ("mlx", "mlx_handwritten", "passes_memory", "passes_scale", "pybind", "pybind_load", "trt"):
+        importlib.import_module(f"writeback_bench.{name}")
+    from writeback_bench import passes_memory
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        passes_memory.main(["--size", "16"])
+    expect(out.getvalue(), "ema")
 
 
 def testing() -> None:
@@ -147,6 +204,8 @@ def decoders() -> None:
 
 SMOKES: dict[str, Callable[[], None]] = {
     "writeback_core": core,
+    "writeback": application,
+    "writeback_bench": bench,
     "writeback_passes": passes,
     "writeback_mlx_backend": mlx_backend,
     "writeback_trt_copyback": trt_copyback,
@@ -159,10 +218,12 @@ SMOKES: dict[str, Callable[[], None]] = {
 
 def main(module: str) -> None:
     importlib.import_module(module)
-    present = [s for s in SIBLINGS if s != module and importlib.util.find_spec(s) is not None]
+    allowed = {module, *DECLARED.get(module, [])}
+    present = [s for s in SIBLINGS if s not in allowed and importlib.util.find_spec(s) is not None]
     if present:
         raise SystemExit(f"{module} pulled in siblings: {present}")
-    expect(writeback("plugins"), PLUGIN[module])
+    if module != "writeback_core":
+        expect(writeback("plugins"), PLUGIN[module])
     SMOKES[module]()
 
 

@@ -222,7 +222,7 @@ def _warnings_as_a_process_shows_them(stream: Callable[[], TextIO]) -> Iterator[
 
 def _in_process(argv: Sequence[str], stderr: bool) -> str:
     from click.testing import CliRunner
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     runner = CliRunner(env=_environment())
     with _warnings_as_a_process_shows_them(lambda: sys.stderr):

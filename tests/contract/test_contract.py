@@ -78,7 +78,7 @@ def test_contract_check_refuses_a_program_eager_itself_fails_on_before_lowering_
     example_registry: Registry,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import writeback_core.lowering as lowering
+    import writeback.lowering as lowering
 
     def no_lowering(*args: object) -> object:
         raise AssertionError("lowered a program eager PyTorch cannot run")

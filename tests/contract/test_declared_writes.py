@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, given, reject, seed, settings
-from writeback_core import lowering
+from writeback import lowering
+from writeback_core import program as core_program
 from writeback_core.blob import BlobError
 from writeback_core.registry import Registry, load_registry
 from writeback_testing.contract import ContractViolation, check_declared_writes
@@ -59,13 +60,13 @@ def _args() -> tuple[torch.Tensor, ...]:
 
 
 def _backend_program(registry: Registry, backend: str, module: torch.nn.Module, args: tuple[object, ...]) -> Any:
-    exported = lowering.export_model(module, args)
+    exported = core_program.export_model(module, args)
     return lowering.lower(exported, registry, registry.backends()[backend], "state").program
 
 
 def _engine_program(registry: Registry, module: torch.nn.Module, args: tuple[object, ...]) -> Any:
     engine = registry.engines()["kv-alias"]
-    exported = lowering.export_model(module, args)
+    exported = core_program.export_model(module, args)
     with warnings.catch_warnings():
         # Copy-back buffers read before written: the lowering path keeps their initial values.
         warnings.filterwarnings("ignore", "copy-back buffers .* are read before they are written", UserWarning)
@@ -156,7 +157,7 @@ def test_generated_programs_every_delegate_writes_only_declared_inputs(spec: obj
     try:
         engine = _engine_program(registry, built.new_module(), args)
         example = _backend_program(registry, "example", built.new_module(), args)
-    except (lowering.LoweringError, AssertionError):
+    except (core_program.LoweringError, AssertionError):
         reject()  # a program an engine or exir refuses: the oracle's business, not this rule's
     try:
         for program in (engine, example):

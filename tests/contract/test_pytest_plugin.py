@@ -45,3 +45,30 @@ def test_a_broken_setup_fails_the_plugins_tests(pytester: pytest.Pytester, monke
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*ContractViolation: backend 'example' accepted to write*"])
+
+
+_MODELS = ["decoder", "decoder-caller-cache", "recurrent", "ema", "no-input"]
+
+
+def _collected(result: pytest.RunResult) -> list[str]:
+    return sorted(
+        line.split("[", 1)[1].rstrip("]") for line in result.stdout.lines if "::test_writeback_contract[" in line
+    )
+
+
+def test_the_command_line_backend_overrides_the_ini_list_and_programs_add_generated_ones(
+    pytester: pytest.Pytester,
+) -> None:
+    _suite(pytester, "example")
+    args = ("--collect-only", "-q", "-p", "no:cacheprovider", "--writeback-backend", "portable")
+    result = pytester.runpytest_subprocess(*args, "--writeback-programs", "2")
+    assert _collected(result) == sorted(
+        [*(f"portable-{m}" for m in _MODELS), "portable-generated-0", "portable-generated-1"]
+    )
+
+
+def test_with_neither_option_nor_ini_every_installed_backend_is_checked(pytester: pytest.Pytester) -> None:
+    _suite(pytester, None)
+    result = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:cacheprovider")
+    backends = ["example", "mlx", "portable", "xnnpack"]
+    assert _collected(result) == sorted(f"{b}-{m}" for b in backends for m in _MODELS)

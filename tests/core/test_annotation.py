@@ -7,15 +7,9 @@ import json
 import pytest
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
-from writeback_core import (
-    PartitionView,
-    annotating,
-    builtin_models,
-    find_mutations,
-    in_place_decisions,
-    load_registry,
-)
-from writeback_core.lowering import export_case
+from writeback.lowering import export_case
+from writeback.zoo import builtin_models
+from writeback_core import PartitionView, annotating, find_mutations, in_place_decisions, load_registry
 
 
 def test_decision_recorded_before_to_edge_survives_to_edge_and_to_executorch() -> None:

@@ -18,7 +18,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 pytestmark = pytest.mark.slow
 

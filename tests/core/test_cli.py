@@ -9,16 +9,20 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 
 def test_plugins_lists_every_plugin_and_its_hooks() -> None:
     result = CliRunner().invoke(main, ["plugins"])
     assert result.exit_code == 0, result.output
-    assert "writeback-core" in result.output
+    assert "writeback" in result.output
     assert "example-backend" in result.output
     assert "writeback_accepts_in_place" in result.output
     assert "writeback_cli_commands" in result.output
+    # The example backend's row: its three hooks, as its README says.
+    (example,) = [line for line in result.output.splitlines() if "example-backend" in line]
+    hooks = example.split("example-backend", 1)[1].strip(" │|").split(", ")
+    assert hooks == ["writeback_accepts_in_place", "writeback_backends", "writeback_runtime_delegates"]
 
 
 def test_explain_decoder_shows_each_cache_with_its_write_and_stock_cost() -> None:
@@ -69,7 +73,7 @@ def test_plugin_contributed_subcommand_appears(monkeypatch) -> None:  # type: ig
 
     real = registry.load_registry
     monkeypatch.setattr(
-        "writeback_core.cli.load_registry",
+        "writeback.cli.load_registry",
         lambda: real(plugins=[Adds()]),
     )
     group = type(main)(name="writeback", callback=main.callback)
@@ -126,7 +130,7 @@ def test_plugin_models_and_explain_columns_reach_explain(monkeypatch) -> None:  
             return [f"a note on a program of {len(program.graph.nodes)} nodes"]
 
     real = registry.load_registry
-    monkeypatch.setattr("writeback_core.cli.load_registry", lambda: real(plugins=[Offers()]))
+    monkeypatch.setattr("writeback.cli.load_registry", lambda: real(plugins=[Offers()]))
     group = type(main)(name="writeback", callback=main.callback)
     result = CliRunner().invoke(group, ["explain", "tick"])
     assert result.exit_code == 0, result.output

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from writeback_core._files import WriteFailed, replacing, write_bytes
-from writeback_core.cli import main
+from writeback._files import WriteFailed, replacing, write_bytes
+from writeback.cli import main
 
 OLD = b"the old program, still mapped by a running process"
 

@@ -21,7 +21,7 @@ from typing import IO
 import click
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 INTERRUPTED = "writeback: interrupted"
 
@@ -50,7 +50,7 @@ def test_ctrl_c_in_a_command_prints_one_line_and_exits_130(monkeypatch: pytest.M
                 raise KeyboardInterrupt
 
     real = registry.load_registry
-    monkeypatch.setattr("writeback_core.cli.load_registry", lambda: real(plugins=[Slow()]))
+    monkeypatch.setattr("writeback.cli.load_registry", lambda: real(plugins=[Slow()]))
     group = type(main)(name="writeback", callback=main.callback)
     result = CliRunner().invoke(group, ["slow"])
     assert result.exit_code == 130

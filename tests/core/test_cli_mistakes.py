@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from writeback_core.cli import main
+from writeback.cli import main
 
 # A model file that leaves a marker when imported: a test that finds no marker knows the
 # command stopped before loading the model, let alone exporting or lowering it.
@@ -335,7 +335,7 @@ def test_plot_not_writable_refused_before_timing(tmp_path: Path, name: str, why:
 
 BUILD_RAISES = """import functools
 import torch
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 
 class Seq2Seq(torch.nn.Module):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from writeback_core.lowering import LoweringError, export_case, export_model
-from writeback_core.pipeline import InputSignature, StepInputError, flatten_step_inputs
-from writeback_core.zoo import ModelCase
+from writeback.lowering import export_case
+from writeback.pipeline import InputSignature, StepInputError, flatten_step_inputs
+from writeback_core.program import LoweringError, export_model
+from writeback_core.types import ModelCase
 
 
 class ListCache(nn.Module):
@@ -209,7 +210,7 @@ def test_a_step_with_more_positional_inputs_is_refused_naming_both_structures() 
 
 
 def test_a_factory_returning_another_shape_is_told_that_a_model_case_gives_per_step_inputs(tmp_path: Path) -> None:
-    from writeback_core.loading import resolve_model
+    from writeback.loading import resolve_model
 
     source = tmp_path / "model.py"
     source.write_text("import torch\n\ndef make():\n    return torch.nn.Identity(), [torch.ones(2)]\n")
@@ -222,7 +223,7 @@ def test_a_factory_returning_another_shape_is_told_that_a_model_case_gives_per_s
 
 
 def test_a_factory_tuple_with_keywords_gives_every_step_fresh_copies_of_the_same_inputs(tmp_path: Path) -> None:
-    from writeback_core.loading import resolve_model
+    from writeback.loading import resolve_model
 
     source = tmp_path / "model.py"
     source.write_text(

@@ -7,8 +7,9 @@ from typing import Any
 
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from writeback_core import BackendSpec, Mutation, PartitionView, builtin_models, hookimpl, load_registry
-from writeback_core.lowering import export_case, partition
+from writeback.lowering import export_case, partition
+from writeback.zoo import builtin_models
+from writeback_core import BackendSpec, Mutation, PartitionView, hookimpl, load_registry
 
 
 class _TagsNothing(Partitioner):  # type: ignore[misc]  # executorch is untyped

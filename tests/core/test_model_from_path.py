@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from writeback_core import builtin_models, hookimpl, load_registry
-from writeback_core.cli import main
+from writeback.cli import main
+from writeback.zoo import builtin_models
+from writeback_core import hookimpl, load_registry
 from writeback_core.registry import DuplicateNameError
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 
 class ReadsMarked:

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback_core import (
-    Dynamic,
-    MutationKind,
-    WriteKind,
-    builtin_models,
-    find_mutations,
-)
-from writeback_core.lowering import export_case
+from writeback.lowering import export_case
+from writeback.zoo import builtin_models
+from writeback_core import Dynamic, MutationKind, WriteKind, find_mutations
 
 
 def _by_target(program):  # type: ignore[no-untyped-def]

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-import writeback_core.default_plugin as default_plugin
+import writeback.default_plugin as default_plugin
+from writeback.explain import explain_notes
 from writeback_core import BackendSpec, PassOrderError, ProgramPass, Stage, hookimpl, load_registry
-from writeback_core.lowering import export_model
+from writeback_core.program import export_model
 
 
 def _nothing(gm: torch.fx.GraphModule) -> None:
@@ -153,8 +154,7 @@ class _Noted:
 def _notes(*plugins: object) -> list[str]:
     registry = load_registry(entry_points=False, plugins=[default_plugin, _Noted(), *plugins])
     program = export_model(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
-    found = registry.hook.writeback_explain_notes(program=program, registry=registry)
-    return [line for lines in found for line in lines or ()]
+    return explain_notes(program, registry)
 
 
 def test_explain_lists_the_passes_per_backend_with_their_plugin_and_reasons() -> None:

@@ -101,19 +101,19 @@ def test_installed_plugin_given_again_under_entry_points_is_refused() -> None:
 def test_load_list_loads_only_those_and_the_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WRITEBACK_LOAD_PLUGINS", "example-backend")
     registry = load_registry(plugins=[Silent()])
-    assert registry.plugin_names() == ["example-backend", "silent", "writeback-core"]
+    assert registry.plugin_names() == ["example-backend", "silent", "writeback"]
     assert set(registry.backends()) == {"example"}
 
 
 def test_empty_load_list_loads_the_builtin_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WRITEBACK_LOAD_PLUGINS", "")
-    assert load_registry().plugin_names() == ["writeback-core"]
+    assert load_registry().plugin_names() == ["writeback"]
 
 
 def test_block_list_wins_over_load_list(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WRITEBACK_LOAD_PLUGINS", "example-backend,passes")
     monkeypatch.setenv("WRITEBACK_BLOCK_PLUGINS", "example-backend")
-    assert load_registry().plugin_names() == ["passes", "writeback-core"]
+    assert load_registry().plugin_names() == ["passes", "writeback"]
 
 
 def test_load_list_naming_no_installed_plugin_is_an_error_listing_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,16 +8,9 @@ from __future__ import annotations
 import pluggy
 import pytest
 import torch
-from writeback_core import (
-    InPlaceConflictError,
-    Mutation,
-    PartitionView,
-    builtin_models,
-    find_mutations,
-    hookimpl,
-    load_registry,
-)
-from writeback_core.lowering import export_case
+from writeback.lowering import export_case
+from writeback.zoo import builtin_models
+from writeback_core import InPlaceConflictError, Mutation, PartitionView, find_mutations, hookimpl, load_registry
 
 
 def _decoder_mutation() -> tuple[Mutation, torch.fx.Graph]:
@@ -63,11 +56,11 @@ def test_no_entry_points_loads_only_the_given_plugins() -> None:
 
 
 def test_core_builtin_is_an_entry_point_and_can_be_given_explicitly() -> None:
-    from writeback_core import default_plugin
+    from writeback import default_plugin
 
-    assert "writeback-core" in load_registry().plugin_names()
+    assert "writeback" in load_registry().plugin_names()
     registry = load_registry(entry_points=False, plugins=[default_plugin])
-    assert registry.plugin_names() == ["writeback-core"]
+    assert registry.plugin_names() == ["writeback"]
     assert set(registry.models()) == set(builtin_models())
 
 

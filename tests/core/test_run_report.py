@@ -4,9 +4,9 @@ kind of place, and the grouped lines past eight states (a many-layer decoder).""
 from __future__ import annotations
 
 import torch
-from writeback_core.lowering import StatePlace
+from writeback.lowering import StatePlace
+from writeback.run import place_text, state_lines
 from writeback_core.mutations import Mutation, MutationKind, WriteKind, WriteShape
-from writeback_core.run import place_text, state_lines
 
 
 def _place(target: str, owner: str, **fields: object) -> StatePlace:

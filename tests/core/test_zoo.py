@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig
+from writeback.zoo import CallerCacheDecoder, DecoderConfig
 
 
 def _steps(cfg: DecoderConfig, count: int) -> list[torch.Tensor]:

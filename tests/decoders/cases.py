@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 
 def call(case: ModelCase, module: torch.nn.Module, step: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +197,7 @@ def test_export_refuses_a_model_breaking_the_runner_contract_writing_nothing(tmp
 MODEL_FILE = """
 import torch
 from writeback_core.llm_runner import runner_metadata
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 
 class TwoOutputs(torch.nn.Module):
@@ -236,9 +236,9 @@ def test_export_refuses_a_program_with_two_outputs_naming_it_and_writing_nothing
 def test_bench_generate_times_every_contender_in_the_runner_all_giving_the_static_cache_programs_text(
     folder: tuple[Path, list[str]],
 ) -> None:
+    from writeback.bench_generate import STOCK_SAME, WRITEBACK, bench_generation
+    from writeback.cli import resolve_model_option
     from writeback_core import load_registry
-    from writeback_core.bench_generate import STOCK_SAME, WRITEBACK, bench_generation
-    from writeback_core.cli import resolve_model_option
 
     model, expected = folder
     registry = load_registry()

@@ -122,6 +122,22 @@ def test_sized_cache_holds_the_mib_asked_for(name: str, mib: float, positions: i
     assert f"{positions} positions" in case.description
 
 
+def test_sized_positions_are_rounded_down() -> None:
+    # 2.05 MiB at 64 KiB per position is 32.8 positions: 32 are taken, 2 MiB.
+    case = sized_case("et-llama", 2.05)
+    assert "32 positions" in case.description
+    assert cache_bytes(case.build()) == 2 * (1 << 20)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_named_models_are_tiny(name: str) -> None:
+    """2 layers, hidden 64, 32 positions: K and V of 2 KV heads of 16 per layer, fp32."""
+    module = load_registry().models()[name].build()
+    embedding = next(m for m in module.modules() if isinstance(m, torch.nn.Embedding))
+    assert embedding.embedding_dim == 64
+    assert cache_bytes(module) == 2 * 2 * (2 * 16) * 32 * 4
+
+
 def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
     with pytest.raises(ValueError, match=r"no sized model 'decoder'; writeback-decoders sizes: et-llama, hf-gemma"):
         sized_case("decoder", 1)
@@ -130,7 +146,7 @@ def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
 def test_cache_mib_of_run_and_bench_sizes_a_plugins_model() -> None:
     # `writeback run et-llama --cache-mib 2` and `bench --model et-llama --cache-mib 2` resolve
     # the model through run's resolution, which asks the offered case to size itself.
-    from writeback_core.run import _case
+    from writeback.run import _case
 
     case = _case(load_registry(), "et-llama", 2)
     assert cache_bytes(case.build()) == 2 * (1 << 20)
@@ -139,7 +155,7 @@ def test_cache_mib_of_run_and_bench_sizes_a_plugins_model() -> None:
 
 def test_cache_mib_for_a_model_without_a_cache_is_a_clear_error_naming_the_sized_models() -> None:
     import click
-    from writeback_core.run import _case
+    from writeback.run import _case
 
     with pytest.raises(click.UsageError, match=r"model 'ema' has no cache size to set; .*decoder, .*et-llama"):
         _case(load_registry(), "ema", 2)

@@ -1,4 +1,4 @@
-"""Each real decoder, tiny, exported through writeback_core.lowering.export_case as its case says
+"""Each real decoder, tiny, exported through writeback.lowering.export_case as its case says
 (strict keyword inputs for the Hugging Face models), lowered and run for several greedy decode
 steps through the pipeline on backends none and mlx: every step's logits equal an eager copy's,
 every cache of every layer found as a mutated buffer. Slow: each lowering takes 20-60 s here."""
@@ -12,11 +12,11 @@ import pytest
 import torch
 from executorch.exir import memory
 from executorch.exir.delegate import executorch_call_delegate
-from writeback_core.lowering import export_case
+from writeback.lowering import export_case
+from writeback.pipeline import assemble, lower
+from writeback.run import run_model
 from writeback_core.mutations import find_mutations
-from writeback_core.pipeline import assemble, lower
 from writeback_core.registry import load_registry
-from writeback_core.run import run_model
 from writeback_decoders import hf_case, hf_config
 
 from tests.decoders.cases import call, fed

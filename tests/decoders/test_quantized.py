@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
-from writeback_core.cli import main
-from writeback_core.lowering import state_places
-from writeback_core.pipeline import assemble
+from writeback.cli import main
+from writeback.lowering import state_places
+from writeback.pipeline import assemble
+from writeback.run import run_model
 from writeback_core.registry import load_registry
-from writeback_core.run import run_model
 from writeback_decoders import hf_case, hf_config
 from writeback_decoders.quantize import QUANTIZATIONS, QuantizationError, quantize
 

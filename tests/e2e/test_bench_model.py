@@ -17,15 +17,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
-from writeback_core.bench_model import model_contenders, model_table, run_model_bench
-from writeback_core.cli import main
+from writeback.bench_model import model_contenders, model_table, run_model_bench
+from writeback.cli import main
+from writeback.zoo import DecoderConfig, decoder_case
 from writeback_core.registry import load_registry
-from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+from writeback_core.types import ModelCase
 
 MODEL_FILE = """
 import dataclasses
 
-from writeback_core.zoo import DecoderConfig, decoder_case
+from writeback.zoo import DecoderConfig, decoder_case
 
 
 def _no_such_export():

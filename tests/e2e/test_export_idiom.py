@@ -13,9 +13,10 @@ import pytest
 import torch
 import writeback_passes
 from executorch.exir import to_edge_transform_and_lower
+from writeback.lowering import export_case, lower
+from writeback.zoo import builtin_models
 from writeback_core import CopyLeftWarning, Mutation, PartitionView, hookimpl, load_registry, to_edge_arguments
-from writeback_core.lowering import export_case, lower
-from writeback_core.zoo import ModelCase, builtin_models
+from writeback_core.types import ModelCase
 
 
 def _idiom_bytes(case: ModelCase, backend: str, partitioner: Any = None) -> bytes:
@@ -148,26 +149,6 @@ def test_the_copy_warning_is_silenced_by_the_standard_filter() -> None:
     assert not [w for w in caught if issubclass(w.category, CopyLeftWarning)]
 
 
-def test_the_readme_quotes_what_the_export_script_prints() -> None:
-    """The README's block for docs/examples/export_script.py is that script's output at HEAD."""
-    import re
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
-    quoted = re.search(r"\$ python docs/examples/export_script.py xnnpack(?: 2>/dev/null)?\n(.*?)\n```", readme, re.S)
-    assert quoted is not None, "README has no output block for docs/examples/export_script.py"
-    printed = subprocess.run(
-        [sys.executable, str(root / "docs/examples/export_script.py"), "xnnpack"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=root,
-    ).stdout
-    assert printed.rstrip("\n") == quoted.group(1)
-
-
 @pytest.mark.slow
 def test_run_says_which_runtime_loads_an_mlx_pte_and_that_runtime_does_in_a_fresh_process(tmp_path: Path) -> None:
     """`writeback run --backend mlx --output` names the runtime that loads the file; in a fresh
@@ -176,7 +157,7 @@ def test_run_says_which_runtime_loads_an_mlx_pte_and_that_runtime_does_in_a_fres
     import sys
 
     from click.testing import CliRunner
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     pte = tmp_path / "decoder.pte"
     result = CliRunner().invoke(main, ["run", "decoder", "--backend", "mlx", "--steps", "1", "--output", str(pte)])
@@ -225,7 +206,7 @@ def test_a_plugins_refusal_is_named_in_the_copy_warning() -> None:
 def test_run_names_the_cause_of_each_copy_left() -> None:
     """`writeback run --backend none`: no backend decided, and the line says so."""
     from click.testing import CliRunner
-    from writeback_core.cli import main
+    from writeback.cli import main
 
     result = CliRunner().invoke(main, ["run", "decoder", "--backend", "none", "--steps", "1"])
     assert result.exit_code == 0, result.output

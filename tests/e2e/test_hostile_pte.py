@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from writeback_core.cli import main
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
+from writeback.cli import main
+from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_pybind_runtime import DelegateError, Runtime
 
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from executorch.runtime import Runtime
 from torch import nn
+from writeback.lowering import lower
 from writeback_core import load_registry
-from writeback_core.lowering import export_model, lower
+from writeback_core.program import export_model
 
 POSITIONS = 16
 WIDTH = 4

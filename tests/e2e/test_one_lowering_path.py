@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
+from writeback.zoo import builtin_models
 from writeback_core.registry import load_registry
-from writeback_core.zoo import builtin_models
 from writeback_testing.oracle import Lowerings, built_from_case
 
 

@@ -13,11 +13,11 @@ import torch
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
+from writeback.pipeline import PipelineError, Session, assemble, lower
+from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core import hookimpl
-from writeback_core.pipeline import PipelineError, Session, assemble, lower
 from writeback_core.registry import DuplicateNameError, load_registry
-from writeback_core.types import RuntimeDelegate, RuntimeProgram, RuntimeSpec, StateAllocator
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
+from writeback_core.types import BackendSpec, RuntimeDelegate, RuntimeProgram, RuntimeSpec, StateAllocator
 
 from tests.passes.lowering import PASSES_IN_ORDER
 
@@ -136,3 +136,49 @@ def test_writeback_runtimes_none_installed_is_a_clear_error() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin])
     with pytest.raises(PipelineError, match=r"no plugin offers a runtime.*writeback-pybind-runtime"):
         assemble(registry)
+
+
+class _Offers:
+    """A plugin offering backends and runtimes by name, some of them preferred."""
+
+    def __init__(self, name: str, backends: Mapping[str, bool], runtimes: Mapping[str, bool]) -> None:
+        self.writeback_name = name
+        self._backends = backends
+        self._runtimes = runtimes
+
+    @hookimpl
+    def writeback_backends(self) -> Sequence[BackendSpec]:
+        return [
+            BackendSpec(name=n, backend_id="", partitioner=lambda registry: None, preferred=p)
+            for n, p in self._backends.items()
+        ]
+
+    @hookimpl
+    def writeback_runtimes(self) -> Sequence[RuntimeSpec]:
+        return [RuntimeSpec(name=n, load_program=_never_loads, preferred=p) for n, p in self._runtimes.items()]
+
+
+def _never_loads(data: object, delegates: object) -> RuntimeProgram:
+    raise AssertionError("choosing a runtime loads nothing")
+
+
+def _defaults(backends: Mapping[str, bool], runtimes: Mapping[str, bool]) -> tuple[str | None, str]:
+    registry = load_registry(entry_points=False, plugins=[_Offers("offers", backends, runtimes)])
+    pipeline = assemble(registry)
+    return (pipeline.backend.name if pipeline.backend else None), pipeline.runtime.name
+
+
+def test_the_default_backend_and_runtime_are_the_preferred_ones_not_names_in_the_application() -> None:
+    # Names chosen so that the first by name is never the preferred one.
+    assert _defaults({"aaa": False, "zzz": True}, {"aaa": False, "zzz": True}) == ("zzz", "zzz")
+    # Of several preferred, the first by name; of none, the only backend / the first runtime by name.
+    assert _defaults({"b": True, "c": True, "a": False}, {"y": True, "x": True}) == ("b", "x")
+    assert _defaults({"only": False}, {"r2": False, "r1": False}) == ("only", "r1")
+    # Two backends, none preferred: no delegate rather than a guess.
+    assert _defaults({"a": False, "b": False}, {"r": False}) == (None, "r")
+
+
+def test_the_installed_defaults_are_mlx_and_pybind() -> None:
+    pipeline = assemble(load_registry())
+    assert pipeline.backend is not None and pipeline.backend.name == "mlx"
+    assert pipeline.runtime.name == "pybind"

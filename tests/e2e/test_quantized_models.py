@@ -14,8 +14,8 @@ from types import ModuleType
 import pytest
 import torch
 from click.testing import CliRunner
-from writeback_core.cli import main
-from writeback_core.pipeline import assemble
+from writeback.cli import main
+from writeback.pipeline import assemble
 from writeback_core.registry import load_registry
 
 # The projections are quantized one by one and the decoder holds them: re-exporting a whole
@@ -31,7 +31,7 @@ from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
     XNNPACKQuantizer,
     get_symmetric_quantization_config,
 )
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 DIM, SLOTS = 16, 6
 

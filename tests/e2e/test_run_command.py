@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from writeback_core.cli import main
-from writeback_core.pipeline import Session, assemble, lower
+from writeback.cli import main
+from writeback.pipeline import Session, assemble, lower
+from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core.registry import load_registry
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 
 
 def test_run_default_model_matches_eager_and_writes_the_pte(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_run_no_check_builds_no_eager_model_and_says_nothing_was_compared(tmp_pa
     reference; the table and the last line say the steps were not compared."""
     import dataclasses
 
-    from writeback_core.run import run_model
+    from writeback.run import run_model
 
     case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=True)
     builds: list[int] = []
@@ -174,8 +174,8 @@ def test_run_model_releases_the_export_before_its_steps_and_still_reports_every_
     import gc
     import weakref
 
-    from writeback_core.lowering import ReleasedError, export_case, state_places
-    from writeback_core.run import run_model
+    from writeback.lowering import ReleasedError, export_case, state_places
+    from writeback.run import run_model
 
     case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
     seen: list[weakref.ref[torch.export.ExportedProgram]] = []

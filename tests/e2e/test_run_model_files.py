@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from writeback_core.cli import main
-from writeback_core.pipeline import assemble
+from writeback.cli import main
+from writeback.pipeline import assemble
 from writeback_core.registry import load_registry
 
 # Cache tensors in a list attribute aliasing registered buffers, as Hugging Face's
@@ -22,7 +22,7 @@ from writeback_core.registry import load_registry
 MODEL_FILE = """
 import torch
 from torch import nn
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 SLOTS = 6
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 MODEL = """
 import torch
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 
 class Cache(torch.nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 
 
 def test_fuzz_command_is_added_through_writeback_cli_commands_and_reports() -> None:

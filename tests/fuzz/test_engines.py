@@ -4,7 +4,7 @@ a program an engine refuses is reported as skipped with its reason and counted, 
 from __future__ import annotations
 
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
 from writeback_testing.fuzz import FuzzConfig, run_fuzz, summary
 
 from .conftest import FUZZ_PLUGINS

@@ -30,7 +30,7 @@ def test_import_writeback_core_does_not_import_hypothesis() -> None:
     """Every `writeback` start loads writeback-testing's plugin and its command module: neither
     may import hypothesis (only `writeback fuzz` needs it)."""
     code = (
-        "import sys, writeback_core, writeback_core.cli, writeback_testing.plugin, writeback_testing.cli\n"
+        "import sys, writeback_core, writeback.cli, writeback_testing.plugin, writeback_testing.cli\n"
         "assert 'hypothesis' not in sys.modules, 'hypothesis imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from writeback_core.lowering import MemoryPlan
+from writeback_core.program import MemoryPlan
 from writeback_core.registry import Registry
 from writeback_testing.oracle import Lowerings, check_program, registry_runtime, runtime_targets
 from writeback_testing.program import ProgramSpec, Source, State, Write, build

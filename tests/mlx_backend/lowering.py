@@ -14,7 +14,8 @@ import writeback_passes.plugin as passes_plugin
 from executorch.exir import ExecutorchProgramManager
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
-from writeback_core import lowering
+from writeback import lowering
+from writeback_core import program
 from writeback_core.registry import InPlaceDecision, Registry, load_registry
 from writeback_mlx_backend import MLXDelegate
 from writeback_pybind_runtime import Method, Runtime
@@ -26,8 +27,8 @@ def registry(*extra: object) -> Registry:
 
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:
-    """torch.export as the project does (:func:`writeback_core.lowering.export_model`)."""
-    return lowering.export_model(module, args)
+    """torch.export as the project does (:func:`writeback_core.program.export_model`)."""
+    return program.export_model(module, args)
 
 
 @dataclass

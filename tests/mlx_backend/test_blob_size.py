@@ -14,10 +14,11 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
 from executorch.exir import to_edge
-from writeback_core import lowering
-from writeback_core.pipeline import Eager, Session, assemble, compare
+from writeback import lowering
+from writeback.pipeline import Eager, Session, assemble, compare
+from writeback.zoo import DecoderConfig, decoder_case
 from writeback_core.registry import Registry, load_registry
-from writeback_core.zoo import DecoderConfig, ModelCase, decoder_case
+from writeback_core.types import ModelCase
 from writeback_decoders import ETLlamaConfig, et_llama_case
 
 # What the writeback .pte may exceed stock's by: the delegate call and its blob header.

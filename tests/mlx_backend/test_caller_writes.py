@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig
+from writeback.zoo import CallerCacheDecoder, DecoderConfig
 from writeback_mlx_backend import empty
 from writeback_mlx_backend.window import lengths
 

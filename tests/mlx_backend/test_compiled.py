@@ -19,15 +19,30 @@ import torch
 import writeback_mlx_backend.fast.attention as attention_module
 import writeback_mlx_backend.fast.rms_norm as rms_norm_module
 import writeback_mlx_backend.fast.rope as rope_module
+import writeback_mlx_backend.op_indexing as op_indexing_module
+import writeback_mlx_backend.op_math as op_math_module
+import writeback_mlx_backend.op_shapes as op_shapes_module
 import writeback_mlx_backend.ops as ops_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
-from writeback_core.zoo import DecoderConfig, TinyDecoder
+from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import lower_mlx
 
-# The op handlers: ATen ops (ops.py) and the fused steps the runtime makes (fast/).
-OPS_FILES = {str(Path(m.__file__).resolve()) for m in (ops_module, rms_norm_module, attention_module, rope_module)}
+# The op handlers: ATen ops (op_math.py, op_shapes.py, op_indexing.py, the table in ops.py)
+# and the fused steps the runtime makes (fast/).
+OPS_FILES = {
+    str(Path(m.__file__).resolve())
+    for m in (
+        ops_module,
+        op_math_module,
+        op_shapes_module,
+        op_indexing_module,
+        rms_norm_module,
+        attention_module,
+        rope_module,
+    )
+}
 
 
 def _within(frame: FrameType | None, function: str) -> bool:
@@ -260,9 +275,9 @@ def test_index_computed_from_state_and_input_is_checked_before_the_graph_and_a_b
 def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attention_and_matches_eager(
     name: str, tmp_path: Path
 ) -> None:
-    from writeback_core.pipeline import assemble
+    from writeback.pipeline import assemble
+    from writeback.run import run_model
     from writeback_core.registry import load_registry
-    from writeback_core.run import run_model
     from writeback_decoders import hf_case, hf_config
 
     registry = load_registry()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback_core.zoo import DecoderConfig, decoder_case
+from writeback.zoo import DecoderConfig, decoder_case
 
 from tests.mlx_backend.lowering import lower_mlx
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
+from writeback.explain import explain_notes
 
 from tests.mlx_backend.lowering import export_module, registry
 
@@ -35,8 +36,7 @@ class OwnRows(torch.nn.Module):
 
 def _notes(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> list[str]:
     reg = registry()
-    found = reg.hook.writeback_explain_notes(program=export_module(module, args), registry=reg)
-    return [line for lines in found for line in lines or ()]
+    return explain_notes(export_module(module, args), reg)
 
 
 def test_explain_says_a_caller_write_is_interpreted_and_why() -> None:
@@ -58,7 +58,7 @@ def test_explain_of_a_long_cache_decoder_names_its_attention_window(tmp_path: Pa
     mlx execution line says so, with the window lengths a call can take (32 and 48 of 64)."""
     source = tmp_path / "long.py"
     source.write_text(
-        "from writeback_core.zoo import DecoderConfig, decoder_case\n"
+        "from writeback.zoo import DecoderConfig, decoder_case\n"
         "def make():\n"
         "    return decoder_case(DecoderConfig(max_seq=64, layers=2))\n"
     )

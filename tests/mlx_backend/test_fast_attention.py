@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from writeback_core.pipeline import Eager, Session, assemble, compare, lower
+from writeback.pipeline import Eager, Session, assemble, compare, lower
 from writeback_core.registry import load_registry
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
 from writeback_mlx_backend import MLXDelegate

@@ -48,7 +48,7 @@ def _lowered(module: HFRope, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> 
     return method, path, calls
 
 
-@pytest.mark.parametrize(("head_dim", "theta"), [(16, 10000.0), (64, 500000.0)])
+@pytest.mark.parametrize(("head_dim", "theta"), [(16, 10000.0), (64, 500000.0), (128, 1000000.0)])
 def test_hugging_face_rope_runs_as_one_kernel_per_tensor_and_matches_eager_near_and_far(
     head_dim: int, theta: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -56,7 +56,7 @@ def test_hugging_face_rope_runs_as_one_kernel_per_tensor_and_matches_eager_near_
     method, path, calls = _lowered(module, head_dim, monkeypatch)
     assert path.endswith(f"; 2 {FUSED}"), path
     g = torch.Generator().manual_seed(head_dim)
-    for position in (0, 1, 17, 4095, 32767):
+    for position in (0, 1, 17, 4095, 32767, 131071):
         q, k = torch.randn(1, 4, 1, head_dim, generator=g), torch.randn(1, 2, 1, head_dim, generator=g)
         before = calls["n"]
         q_out, k_out = method.execute([q, k, torch.tensor([position])])

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from writeback_core.zoo import DecoderConfig, decoder_case
+from writeback.zoo import DecoderConfig, decoder_case
+from writeback_bench.mlx_handwritten import Attend, HandwrittenDecoder, HandwrittenETLlama
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
-from writeback_mlx_backend.handwritten import Attend, HandwrittenDecoder, HandwrittenETLlama
 
 ATTENDS: list[Attend] = ["filled", "masked"]
 
@@ -66,7 +66,7 @@ def test_handwritten_et_llama_refuses_a_configuration_it_does_not_implement() ->
 
 @pytest.mark.slow
 def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.CaptureFixture[str]) -> None:
-    from writeback_mlx_backend.bench import main
+    from writeback_bench.mlx import main
 
     threads = torch.get_num_threads()
     assert main(["--vs-mlx", "--cache-mib", "0.0625", "--steps", "1"]) == 0
@@ -103,14 +103,14 @@ def test_one_core_pins_every_thread_of_the_process_and_restores_each() -> None:
     """The idle rows "one core" run with the caller and MLX's stream thread on one CPU; after
     the block each thread may use the CPUs it had before."""
     import mlx.core as mx
-    from writeback_mlx_backend.bench import _one_core
+    from writeback_bench.mlx import one_core
 
     mx.eval(mx.ones(4) + 1)  # MLX's stream thread exists
     threads = [int(t) for t in os.listdir("/proc/self/task")]
     assert len(threads) >= 2
     before = {t: os.sched_getaffinity(t) for t in threads}
     cpu = min(os.sched_getaffinity(0))
-    with _one_core():
+    with one_core():
         assert {t: os.sched_getaffinity(t) for t in threads} == {t: {cpu} for t in threads}
         assert np.asarray(mx.ones(4) + 1).tolist() == [2.0] * 4  # MLX still computes
     assert {t: os.sched_getaffinity(t) for t in threads} == before

@@ -16,91 +16,34 @@ import pytest
 import torch
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import MAGIC, MAX_HEADER_BYTES, DelegateProgram, pack
+from writeback_mlx_backend.program import MAGIC, MAX_HEADER_BYTES, pack
 
 from tests.hostile import at, fields, replaced, wrong_values
-
-_EMB = torch.arange(15, dtype=torch.float32).reshape(5, 3)  # 5 tokens, width 3
-
-
-def _program() -> DelegateProgram:
-    """``e = emb[tok]``; ``r = e + row``; ``cache[pos] = r`` (delegate-owned state);
-    outputs ``r`` and ``cache.sum(0)``."""
-    program = DelegateProgram(
-        inputs=["tok", "pos", "row"],
-        input_meta=[
-            {"shape": [1], "dtype": "int64"},
-            {"shape": [1], "dtype": "int64"},
-            {"shape": [1, 3], "dtype": "float32"},
-        ],
-        outputs=[{"$v": "r"}, {"$v": "s"}],
-        nodes=[
-            {
-                "name": "e",
-                "op": "aten.embedding.default",
-                "args": [{"$v": "emb"}, {"$v": "tok"}],
-                "kwargs": {},
-                "dtype": "float32",
-            },
-            {
-                "name": "r",
-                "op": "aten.add.Tensor",
-                "args": [{"$v": "e"}, {"$v": "row"}],
-                "kwargs": {},
-                "dtype": "float32",
-            },
-            {
-                "name": "c",
-                "op": "aten.index_copy.default",
-                "args": [{"$v": "cache"}, 0, {"$v": "pos"}, {"$v": "r"}],
-                "kwargs": {},
-                "dtype": "float32",
-            },
-            {
-                "name": "s",
-                "op": "aten.sum.dim_IntList",
-                "args": [{"$v": "c"}, [0]],
-                "kwargs": {"dtype": {"$dtype": "float32"}},
-                "dtype": "float32",
-            },
-        ],
-        state_updates={"cache": "c"},
-    )
-    program.constants["emb"] = program.add_tensor(_EMB)
-    program.state["cache"] = program.add_tensor(torch.zeros(4, 3))
-    return program
-
-
-def _call(
-    delegate: MLXDelegate, handle: Any, tok: int, pos: int, row: list[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r, s = torch.zeros(1, 3), torch.zeros(3)
-    delegate.execute(handle, [torch.tensor([tok]), torch.tensor([pos]), torch.tensor([row]), r, s])
-    return r, s
+from tests.mlx_backend.embedding_cache_blob import embedding_cache_program, run_embedding_cache
 
 
 def test_the_valid_blob_runs_as_worked_out_by_hand() -> None:
-    program = _program()
+    program = embedding_cache_program()
     # The zero-filled cache takes no bytes: the data section holds the 60-byte embedding only.
     assert program.header()["state"]["cache"] == {"zeros": True, "dtype": "float32", "shape": [4, 3]}
     assert len(program.data) == 60
     delegate = MLXDelegate()
     handle = delegate.init(program.to_bytes(), {})
-    r, s = _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    r, s = run_embedding_cache(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
     assert r.tolist() == [[7.0, 8.0, 9.0]]  # emb[2] = 6, 7, 8
     assert s.tolist() == [7.0, 8.0, 9.0]
-    r, s = _call(delegate, handle, 4, 3, [0.0, 0.0, 0.0])
+    r, s = run_embedding_cache(delegate, handle, 4, 3, [0.0, 0.0, 0.0])
     assert r.tolist() == [[12.0, 13.0, 14.0]]
     assert s.tolist() == [19.0, 21.0, 23.0]  # the cache kept row 1
 
 
 def test_non_zero_initial_state_comes_back_from_its_bytes() -> None:
-    program = _program()
+    program = embedding_cache_program()
     program.state["cache"] = program.add_tensor(torch.ones(4, 3))
     assert "offset" in program.header()["state"]["cache"]
     delegate = MLXDelegate()
     handle = delegate.init(program.to_bytes(), {})
-    r, s = _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    r, s = run_embedding_cache(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
     assert r.tolist() == [[7.0, 8.0, 9.0]]
     assert s.tolist() == [10.0, 11.0, 12.0]  # rows 0, 2 and 3 still ones, row 1 = r
 
@@ -108,8 +51,8 @@ def test_non_zero_initial_state_comes_back_from_its_bytes() -> None:
 @pytest.mark.parametrize("token", [5, 6, 1 << 40, -1, -6])
 def test_out_of_range_token_raises_naming_op_index_size_state_unchanged(token: int) -> None:
     delegate = MLXDelegate()
-    handle = delegate.init(_program().to_bytes(), {})
-    _call(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
+    handle = delegate.init(embedding_cache_program().to_bytes(), {})
+    run_embedding_cache(delegate, handle, 2, 1, [1.0, 1.0, 1.0])
     r, s = torch.full((1, 3), -7.0), torch.full((3,), -7.0)
     with pytest.raises(
         IndexError, match=rf"embedding: index {token} at position 0 is out of range for dimension 0 of size 5"
@@ -117,12 +60,12 @@ def test_out_of_range_token_raises_naming_op_index_size_state_unchanged(token: i
         delegate.execute(handle, [torch.tensor([token]), torch.tensor([2]), torch.ones(1, 3), r, s])
     assert r.tolist() == [[-7.0] * 3] and s.tolist() == [-7.0] * 3
     # The delegate-owned cache is as the good call left it: the next call sees only row 1.
-    _, s = _call(delegate, handle, 0, 3, [0.0, 0.0, 0.0])
+    _, s = run_embedding_cache(delegate, handle, 0, 3, [0.0, 0.0, 0.0])
     assert s.tolist() == [7.0, 9.0, 11.0]
 
 
 def _with_node(node: dict[str, Any]) -> bytes:
-    program = _program()
+    program = embedding_cache_program()
     program.nodes.insert(2, node)
     return program.to_bytes()
 
@@ -185,7 +128,7 @@ def test_layer_norm_over_dimensions_the_input_lacks_refused_in_init_naming_them(
     ],
 )
 def test_hostile_op_name_refused_in_init(op: str) -> None:
-    program = _program()
+    program = embedding_cache_program()
     program.nodes[1]["op"] = op
     with pytest.raises(BlobError, match=r"mlx delegate blob: field nodes\[1\]\.op") as caught:
         MLXDelegate().init(program.to_bytes(), {})
@@ -194,7 +137,7 @@ def test_hostile_op_name_refused_in_init(op: str) -> None:
 
 @pytest.mark.parametrize("where", ["node", "tag", "constant", "input"])
 def test_unknown_dtype_key_refused_in_init(where: str) -> None:
-    program = _program()
+    program = embedding_cache_program()
     if where == "node":
         program.nodes[0]["dtype"] = "__builtins__"
     elif where == "tag":
@@ -216,11 +159,11 @@ def _blob_of(header: dict[str, Any], data: bytes) -> bytes:
 
 def _refused_header(header: dict[str, Any], field: str) -> None:
     with pytest.raises(BlobError, match=rf"field {field}"):
-        MLXDelegate().init(_blob_of(header, bytes(_program().data)), {})
+        MLXDelegate().init(_blob_of(header, bytes(embedding_cache_program().data)), {})
 
 
 def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
-    program = _program()
+    program = embedding_cache_program()
     header, data = program.header(), bytes(program.data)
     refused = accepted = 0
     for path in list(fields(header))[1:]:
@@ -235,7 +178,7 @@ def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
             # Only a literal that another JSON type also satisfies may pass (an int where
             # a number goes, a node dtype of None); such a blob still runs.
             assert path[0] == "nodes", f"{path} = {wrong!r} was accepted by init"
-            _call(delegate, handle, 1, 0, [0.0, 0.0, 0.0])
+            run_embedding_cache(delegate, handle, 1, 0, [0.0, 0.0, 0.0])
             accepted += 1
     assert refused > 150 and accepted < 5, (refused, accepted)
 
@@ -261,7 +204,7 @@ def test_wrong_type_in_every_field_refused_in_init_before_any_op_runs() -> None:
     ],
 )
 def test_inconsistent_field_refused_in_init(change: Any, match: str) -> None:
-    program = _program()
+    program = embedding_cache_program()
     header = program.header()
     change(header)
     with pytest.raises(BlobError, match=match):
@@ -269,7 +212,7 @@ def test_inconsistent_field_refused_in_init(change: Any, match: str) -> None:
 
 
 def test_truncated_or_oversized_header_refused() -> None:
-    blob = _program().to_bytes()
+    blob = embedding_cache_program().to_bytes()
     for cut in (4, 12, 40):
         with pytest.raises(BlobError):
             MLXDelegate().init(blob[:cut], {})
@@ -284,17 +227,17 @@ def _raw_header(text: bytes) -> bytes:
 
 def test_header_that_is_not_zlib_or_inflates_too_far_refused() -> None:
     with pytest.raises(BlobError, match="not zlib-compressed JSON"):
-        MLXDelegate().init(_raw_header(json.dumps(_program().header()).encode()), {})
+        MLXDelegate().init(_raw_header(json.dumps(embedding_cache_program().header()).encode()), {})
     bomb = zlib.compress(b" " * (MAX_HEADER_BYTES + 1), 9)  # 64 KiB that would inflate past the limit
     with pytest.raises(BlobError, match="a header inflates to at most that"):
         MLXDelegate().init(_raw_header(bomb), {})
-    whole = zlib.compress(json.dumps(_program().header()).encode())
+    whole = zlib.compress(json.dumps(embedding_cache_program().header()).encode())
     with pytest.raises(BlobError, match="truncated or followed by other bytes"):
         MLXDelegate().init(_raw_header(whole[:-4]), {})
 
 
 def test_in_place_compile_spec_of_wrong_shape_refused() -> None:
-    blob = _program().to_bytes()
+    blob = embedding_cache_program().to_bytes()
     for raw in (b"not json", b'{"output": 0}', b'[{"output": "0", "input": 0}]', b'[{"output": 0, "input": 9}]'):
         with pytest.raises(BlobError, match=r"writeback\.in_place_outputs"):
             MLXDelegate().init(blob, {"writeback.in_place_outputs": raw})
@@ -302,18 +245,18 @@ def test_in_place_compile_spec_of_wrong_shape_refused() -> None:
 
 def test_blob_data_is_copied_not_referenced() -> None:
     """The constants are MLX's own copies: changing the bytes after init changes nothing."""
-    raw = bytearray(_program().to_bytes())
+    raw = bytearray(embedding_cache_program().to_bytes())
     delegate = MLXDelegate()
     handle = delegate.init(bytes(raw), {})
     raw[-60:] = np.zeros(15, dtype=np.float32).tobytes()
-    r, _ = _call(delegate, handle, 2, 0, [0.0, 0.0, 0.0])
+    r, _ = run_embedding_cache(delegate, handle, 2, 0, [0.0, 0.0, 0.0])
     assert r.tolist() == [[6.0, 7.0, 8.0]]
 
 
 def test_whole_write_spec_of_another_shape_refused_in_init() -> None:
     """An in-place output that is no write op replaces its input whole: only a value of the
     input's shape and dtype may (``s`` is ``[3]``, input ``row`` is ``[1, 3]``)."""
-    blob = _program().to_bytes()
+    blob = embedding_cache_program().to_bytes()
     with pytest.raises(ValueError, match=r"output 1 into input 2 in place.*nor a new value of its shape"):
         MLXDelegate().init(blob, {"writeback.in_place_outputs": b'[{"output": 1, "input": 2}]'})
 
@@ -322,7 +265,9 @@ def test_whole_write_spec_replaces_the_input_after_the_call_as_worked_out_by_han
     """Output ``r`` (``emb[tok] + row``, ``[1, 3]``) written whole into input ``row``: the
     caller's ``row`` holds ``r`` after the call, read as it was before it."""
     delegate = MLXDelegate()
-    handle = delegate.init(_program().to_bytes(), {"writeback.in_place_outputs": b'[{"output": 0, "input": 2}]'})
+    handle = delegate.init(
+        embedding_cache_program().to_bytes(), {"writeback.in_place_outputs": b'[{"output": 0, "input": 2}]'}
+    )
     row, s = torch.ones(1, 3), torch.zeros(3)
     unused = torch.empty(0)  # the pass gives the replaced output no memory
     delegate.execute(handle, [torch.tensor([2]), torch.tensor([1]), row, unused, s])

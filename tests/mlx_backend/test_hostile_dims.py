@@ -21,7 +21,7 @@ import torch
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
 
-from tests.mlx_backend.test_hostile_blobs import _call, _program
+from tests.mlx_backend.embedding_cache_blob import embedding_cache_program, run_embedding_cache
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ CASES: dict[str, tuple[dict[str, Any] | None, int, str]] = {
 
 def _blob(case: str) -> bytes:
     node, dim, _ = CASES[case]
-    program = _program()
+    program = embedding_cache_program()
     write = program.nodes[2]
     write["args"][1] = {"$v": "tok"} if case == "index_copy_dim_as_tensor" else dim
     if node is not None:
@@ -130,7 +130,7 @@ def run_cases(cases: list[str]) -> None:
             print(json.dumps({"case": case, "refused": True, "error": str(error)}), flush=True)
             continue
         try:
-            _call(delegate, handle, 1, 0, [0.0, 0.0, 0.0])
+            run_embedding_cache(delegate, handle, 1, 0, [0.0, 0.0, 0.0])
             error_text = "init accepted it and a call ran"
         except Exception as error:  # a clean error at the call: still a failure of init
             error_text = f"init accepted it; the call raised {type(error).__name__}: {error}"
@@ -174,7 +174,7 @@ def test_out_of_range_literal_refused_in_init_naming_step_op_dim_rank_no_crash(
 
 def test_in_range_negative_dims_still_run_as_eager() -> None:
     """The checks take what eager takes: ``dim=-2`` is the cache's axis 0."""
-    program = _program()
+    program = embedding_cache_program()
     program.nodes[2]["args"][1] = -2
     program.nodes[3]["args"][1] = [-2]
     delegate = MLXDelegate()
@@ -182,6 +182,6 @@ def test_in_range_negative_dims_still_run_as_eager() -> None:
     cache = torch.zeros(4, 3)
     emb = torch.arange(15, dtype=torch.float32).reshape(5, 3)
     for tok, pos in ((2, 1), (4, 3)):
-        _, s = _call(delegate, handle, tok, pos, [1.0, 1.0, 1.0])
+        _, s = run_embedding_cache(delegate, handle, tok, pos, [1.0, 1.0, 1.0])
         cache.index_copy_(-2, torch.tensor([pos]), emb[tok : tok + 1] + 1)
         assert torch.equal(s, cache.sum(-2))

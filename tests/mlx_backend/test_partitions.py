@@ -15,10 +15,11 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
 from executorch.exir.lowered_backend_module import LoweredBackendModule
-from writeback_core.lowering import Lowered
-from writeback_core.pipeline import Eager, Session, assemble, compare, lower
+from writeback.lowering import Lowered
+from writeback.pipeline import Eager, Session, assemble, compare, lower
+from writeback_core import program as core_program
 from writeback_core.registry import load_registry
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 STEPS = 5
 
@@ -186,8 +187,8 @@ def test_explain_column_names_the_owner_of_each_buffer_as_the_split_lowering_doe
     """explain's "mlx" column works on the real partitions: ``a`` and ``c`` are read in
     partition 1 and written in partition 2, so neither is delegate-owned (it once said so for
     every buffer whose write MLX can run)."""
+    from writeback.lowering import export_case
     from writeback_core import find_mutations
-    from writeback_core.explain import export_case
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     program = export_case(_split_case())
@@ -249,10 +250,10 @@ class MaskRows(torch.nn.Module):
 def test_lowering_leaves_the_callers_program_whole_so_it_lowers_again() -> None:
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
-    from writeback_core import lowering
+    from writeback import lowering
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
-    exported = lowering.export_model(MaskRows(), (torch.tensor([1]),))
+    exported = core_program.export_model(MaskRows(), (torch.tensor([1]),))
     constants = dict(exported.constants)
     lowering.lower(exported, registry, registry.backends()["mlx"])
     assert set(exported.constants) == set(constants)

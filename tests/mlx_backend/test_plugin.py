@@ -59,7 +59,7 @@ def test_writeback_accepts_in_place_answers_per_mutation() -> None:
 
 
 def test_writeback_explain_columns_says_what_each_mutation_costs() -> None:
-    from writeback_core.zoo import decoder_case
+    from writeback.zoo import decoder_case
 
     case = decoder_case(caller_cache=True)
     program = export_module(case.build(), case.example_args(0)).run_decompositions()

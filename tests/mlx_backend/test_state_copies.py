@@ -136,3 +136,28 @@ def test_caller_owned_state_is_written_in_place_no_whole_copy_and_matches_eager_
         torch.testing.assert_close(out, expected, msg=f"{kind}, step {step}")
         for index, (state, want) in enumerate(zip(states, expected_states, strict=True)):
             torch.testing.assert_close(state, want, msg=f"{kind} state {index}, step {step}")
+
+
+class ZeroDim(nn.Module):
+    """A caller's 0-d total, replaced whole each call from the input and itself."""
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total.copy_(total * 0.5 + x.sum())
+        return x * total
+
+
+def test_a_zero_dimensional_caller_state_is_copied_back_and_matches_eager_every_step() -> None:
+    """0-d state has no region to write: the delegate declines it, the copy stays."""
+    lowered = lower_mlx(ZeroDim(), (_input(0), torch.tensor(1.0)))
+    (decision,) = lowered.decisions
+    assert not decision.accepted and decision.declined_by == ("mlx-backend",)
+    assert lowered.write_backs() == [decision.placeholder]
+    method = lowered.method()
+    total, expected_total = torch.tensor(1.0), torch.tensor(1.0)
+    for step in range(STEPS):
+        # The new total comes first (the program returns a mutated input), then the output.
+        _, out = method.execute([_input(step), total])
+        with torch.no_grad():
+            expected = ZeroDim()(_input(step), expected_total)
+        torch.testing.assert_close(out, expected, msg=f"step {step}")
+        torch.testing.assert_close(total, expected_total, msg=f"step {step}: the caller's total")

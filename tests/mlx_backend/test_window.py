@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from writeback_core.pipeline import Eager, Session, assemble, compare, lower
+from writeback.pipeline import Eager, Session, assemble, compare, lower
+from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_core.registry import load_registry
-from writeback_core.zoo import DecoderConfig, TinyDecoder
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
 from writeback_mlx_backend import MLXDelegate
 from writeback_mlx_backend.window import lengths

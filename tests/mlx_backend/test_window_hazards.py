@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from writeback_core.zoo import CallerCacheDecoder, DecoderConfig, TinyDecoder
+from writeback.zoo import CallerCacheDecoder, DecoderConfig, TinyDecoder
 
 from tests.mlx_backend.lowering import lower_mlx
 

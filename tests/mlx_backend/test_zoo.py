@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback_core.zoo import builtin_models
+from writeback.zoo import builtin_models
 
 from tests.mlx_backend.lowering import lower_mlx
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
+from writeback_bench.passes_scale import count_calls, synthetic_graph
 from writeback_passes import insert_write_back_early
-from writeback_passes.bench_scale import count_calls, synthetic_graph
 
 
 def _run(gm: torch.fx.GraphModule, states: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -308,7 +308,8 @@ def test_value_mutated_in_place_after_it_is_computed_keeps_copy_after_the_mutati
 def test_user_input_written_back_early_keeps_its_planned_slot_to_the_end() -> None:
     """exir's planner skips the in-place ``copy_`` when computing lifetimes; the pass returns the
     caller's placeholder so the input's slot is not handed to later temporaries."""
-    from writeback_core import builtin_models
+
+    from writeback.zoo import builtin_models
 
     case = builtin_models()["decoder-caller-cache"]
     program = lower(case.build(), case.example_args(0))

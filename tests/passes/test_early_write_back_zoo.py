@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import writeback_passes
-from writeback_core import MutationKind, builtin_models, find_mutations
+from writeback.zoo import builtin_models
+from writeback_core import MutationKind, find_mutations
 from writeback_passes import insert_write_back_early
 
 from .hazard_models import Plain, seeded

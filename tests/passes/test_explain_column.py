@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 
 from click.testing import CliRunner
+from writeback.cli import main
+from writeback.lowering import export_case
+from writeback.zoo import builtin_models
 from writeback_core import MutationKind, find_mutations, load_registry
-from writeback_core.cli import main
-from writeback_core.lowering import export_case
-from writeback_core.zoo import builtin_models
 from writeback_passes import plugin
 
 _CELL = re.compile(r"node (\d+) \(value ready at (\d+)\); value lives (\d+) steps, (-?\d+) fewer than stock")

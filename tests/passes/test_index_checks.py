@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from writeback.lowering import Lowered, lower
 from writeback_core import load_registry
-from writeback_core.lowering import Lowered, export_model, lower
+from writeback_core.program import export_model
 from writeback_passes import plugin as passes_plugin
 from writeback_passes.index_checks import UncheckedIndexWarning
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from writeback.lowering import Lowered, lower
 from writeback_core import find_mutations, load_registry
-from writeback_core.lowering import Lowered, MemoryPlan, export_model, lower
+from writeback_core.program import MemoryPlan, export_model
 from writeback_passes import plugin as passes_plugin
 from writeback_passes.reinplace_state_writes import in_place_kernel_refusal
 
@@ -239,8 +240,8 @@ def _kernel_cells(program: Any) -> dict[str, str]:
 
 
 def test_explain_column_says_in_place_or_why_the_copy_stays() -> None:
-    from writeback_core.lowering import export_case
-    from writeback_core.zoo import builtin_models
+    from writeback.lowering import export_case
+    from writeback.zoo import builtin_models
 
     buffers = _kernel_cells(export_case(builtin_models()["decoder"]))
     in_place = "in place (aten::index_put_), any runtime"

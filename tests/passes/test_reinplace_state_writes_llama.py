@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from writeback.lowering import lower
 from writeback_core import load_registry
-from writeback_core.lowering import export_model, lower
+from writeback_core.program import export_model
 from writeback_passes import plugin as passes_plugin
 
 LAYERS = 2

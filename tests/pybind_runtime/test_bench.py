@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from writeback_pybind_runtime import bench
+from writeback_bench import pybind as bench
 
 # Slow tier: runs with --slow (CI does); see tests/conftest.py.
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from writeback_pybind_runtime import bench_load
+from writeback_bench import pybind_load as bench_load
 
 from tests.pybind_runtime.conftest import Lower
 from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP

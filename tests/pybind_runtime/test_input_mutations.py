@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from writeback_core.zoo import DecoderConfig, decoder_case
+from writeback.zoo import DecoderConfig, decoder_case
 from writeback_pybind_runtime import Method
 
 from tests.pybind_runtime.conftest import Lower, stock_method

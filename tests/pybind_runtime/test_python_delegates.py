@@ -170,3 +170,16 @@ def test_use_delegates_runs_the_delegate_handed_over_last(doubled_pte: bytes) ->
         torch.testing.assert_close(out, torch.full((2, 3), 3.0))
     assert (len(first.inits), len(first.calls)) == (2, 2)
     assert (len(second.inits), len(second.calls)) == (1, 1)
+
+
+def test_registering_a_backend_id_again_replaces_its_python_object_process_wide(doubled_pte: bytes) -> None:
+    """ExecuTorch cannot unregister a backend: the id stays, the object behind it is the last
+    registered, for every runtime of the process."""
+    first, second = DoublerDelegate(), DoublerDelegate()
+    early = _runtime_with(first)
+    early.register_delegates()
+    _runtime_with(second).register_delegates()
+    x = torch.arange(6.0).view(2, 3)
+    (out,) = early.load_program(doubled_pte).load_method("forward")([x])
+    torch.testing.assert_close(out, 2 * x + 1)
+    assert first.calls == [] and len(second.calls) == 1

@@ -47,7 +47,7 @@ def test_a_runtime_error_still_prints_at_the_default_level() -> None:
     'E' line) and the call raises; nothing informational is printed."""
     code = (
         "import torch\n"
-        "from writeback_core.lowering import export_model, lower\n"
+        "from writeback.lowering import export_model, lower\n"
         "from writeback_pybind_runtime import Runtime\n"
         "class M(torch.nn.Module):\n"
         "    def forward(self, x): return torch.mm(x, x)\n"

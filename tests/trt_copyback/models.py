@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from writeback_core.zoo import DecoderConfig, EmaStat, GatedDeltaState, TinyDecoder
+from writeback.zoo import DecoderConfig, EmaStat, GatedDeltaState, TinyDecoder
 
 
 class Hybrid(nn.Module):

@@ -288,3 +288,22 @@ def test_dtype_assertion_on_the_old_cache_is_no_read_and_the_write_is_aliased() 
     assert (cls.aliased, cls.read_before_write) == (True, False), cls.reason
     compiled = run_against_eager(_ConvertedThenWritten, inputs)
     assert compiled.aliased == ["cache"] and compiled.copy_back == []
+
+
+def test_keep_all_mode_plans_the_aliased_cache_once_more_than_predict() -> None:
+    """The README's known limit: under KEEP_ALL an aliased write keeps a delegate output the
+    engine never writes, planned memory the size of the cache (memory, not time)."""
+    from writeback_passes import memory_plan_report
+    from writeback_trt_copyback import Mode
+
+    from tests.trt_copyback.conftest import compile_quietly
+    from tests.trt_copyback.models import IndexCopyWrite
+
+    shape = (1, 2, 64, 8)
+    planned = {}
+    for mode in (Mode.PREDICT, Mode.KEEP_ALL):
+        program = export(IndexCopyWrite(shape, 2), (_rand(1, 2, 1, 4 * 2), torch.tensor([1])))
+        compiled = compile_quietly(program, mode=mode)
+        assert compiled.aliased == ["cache"], mode
+        planned[mode] = memory_plan_report(compiled.to_executorch()).total_bytes
+    assert planned[Mode.KEEP_ALL] - planned[Mode.PREDICT] >= 1 * 2 * 64 * 8 * 4  # one fp32 cache

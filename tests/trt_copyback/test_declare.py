@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
-from writeback_core.zoo import EmaStat
+from writeback.zoo import EmaStat
 from writeback_trt_copyback import (
     COPY_BACK_RECORDS,
     KVAliasEngine,

@@ -45,3 +45,13 @@ def test_kv_aliased_gdn_and_ema_copied_back_match_eager_for_8_steps(mode: Mode) 
     copies = [n for n in run.program.graph.nodes if n.op == "call_function" and "copy_" in str(n.target)]
     written = sorted(str(n.args[0].target) for n in copies)
     assert written == ["b_ema_running_mean", "b_ema_steps", "b_gdn_conv_state", "b_gdn_recurrent_state"]
+
+
+def test_every_buffer_and_parameter_stays_the_programs_own_not_the_engines() -> None:
+    """The partitioner never tags a placeholder: an aliased cache is written in the program's
+    own buffer, which the caller can read, and weights stay program constants."""
+    compiled, _ = _compile(Mode.PREDICT)
+    signature = compiled.to_executorch().exported_program().graph_signature  # type: ignore[attr-defined]
+    model = Hybrid()
+    assert set(dict(model.named_buffers())) <= set(signature.inputs_to_buffers.values())
+    assert set(dict(model.named_parameters())) <= set(signature.inputs_to_parameters.values())

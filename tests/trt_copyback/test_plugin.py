@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 from click.testing import CliRunner
-from writeback_core.cli import main
+from writeback.cli import main
+from writeback.zoo import builtin_models
 from writeback_core.registry import hookimpl, load_registry
 from writeback_core.types import AliasingEngine, EngineWrite
-from writeback_core.zoo import builtin_models
 from writeback_trt_copyback import BACKEND_ID, KVAliasEngine
 from writeback_trt_copyback.explain import COLUMN, explain_columns
 
@@ -80,7 +80,7 @@ def test_plugin_module_imports_no_exir_backend_machinery() -> None:
 
 
 def _columns(name: str) -> dict[str, dict[str, str]]:
-    from writeback_core.lowering import export_case
+    from writeback.lowering import export_case
     from writeback_core.mutations import find_mutations
 
     program = export_case(builtin_models()[name])
@@ -99,7 +99,7 @@ def test_explain_columns_show_aliased_and_copy_back_cost_per_call() -> None:
 
 
 def test_writeback_explain_columns_hook_answers_through_the_registry() -> None:
-    from writeback_core.lowering import export_case
+    from writeback.lowering import export_case
     from writeback_core.mutations import find_mutations
 
     program = export_case(builtin_models()["recurrent"])

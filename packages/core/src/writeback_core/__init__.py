@@ -1,4 +1,6 @@
-"""writeback-core: the mutation model, alias analysis, plugin registry and CLI of writeback.
+"""writeback-core: the contract of writeback: the mutation model, alias analysis, hookspecs,
+plugin registry and the types that cross package lines. The ``writeback`` command is the
+application's (the ``writeback`` distribution).
 
 The partition wrapper (:mod:`writeback_core.partition`) needs ExecuTorch's exir,
 so its names are imported on first use: ``import writeback_core`` (and every
@@ -32,7 +34,7 @@ from writeback_core.registry import (
     in_place_decisions,
     load_registry,
 )
-from writeback_core.types import NO_BACKEND, BackendSpec, PartitionView, ProgramPass, RuntimeDelegate, Stage
+from writeback_core.types import NO_BACKEND, BackendSpec, ModelCase, PartitionView, ProgramPass, RuntimeDelegate, Stage
 
 if TYPE_CHECKING:
     from writeback_core.partition import (
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
         record_in_place_decisions,
         to_edge_arguments,
     )
-    from writeback_core.zoo import ModelCase, builtin_models
 
 __all__ = [
     "NAME",
@@ -67,7 +68,6 @@ __all__ = [
     "WriteKind",
     "WriteShape",
     "annotating",
-    "builtin_models",
     "classify_write",
     "copies_left",
     "encode_in_place_outputs",
@@ -85,9 +85,6 @@ _LAZY = {
     "annotating": "writeback_core.partition",
     "record_in_place_decisions": "writeback_core.partition",
     "to_edge_arguments": "writeback_core.partition",
-    # The zoo is the application's: the contract (registry, hookspecs) never imports it.
-    "ModelCase": "writeback_core.zoo",
-    "builtin_models": "writeback_core.zoo",
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
@@ -42,11 +43,13 @@ __all__ = [
     "InPlaceOutput",
     "Kind",
     "OpTable",
+    "Ref",
     "check_call",
     "dtype_name",
     "encode_in_place_outputs",
     "in_place_outputs",
     "load_json",
+    "resolve",
     "tensor_from_bytes",
     "tensor_to_bytes",
 ]
@@ -398,3 +401,22 @@ def check_call(
         reason = _type_error(str(argument.real_type), value, kind_of)
         if reason is not None:
             raise BlobError(delegate, where, value, f"{reason} for {argument.name} of {op_name}")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A decoded argument that names a value of the delegate's program (an input, a constant,
+    a state or an earlier step), not the value itself."""
+
+    name: str
+
+
+def resolve(value: Any, env: Mapping[str, Any]) -> Any:
+    """``value`` with each :class:`Ref` (inside lists and dicts too) replaced by ``env[ref.name]``."""
+    if isinstance(value, Ref):
+        return env[value.name]
+    if isinstance(value, list):
+        return [resolve(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: resolve(v, env) for k, v in value.items()}
+    return value

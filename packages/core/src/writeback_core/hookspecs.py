@@ -8,7 +8,7 @@ subset of a hook's parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -17,7 +17,7 @@ from writeback_core._name import NAME
 
 if TYPE_CHECKING:
     import click
-    from executorch.exir import EdgeProgramManager
+    from executorch.exir import EdgeProgramManager, ExecutorchProgramManager
     from torch.export import ExportedProgram
 
     from writeback_core.mutations import Mutation
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from writeback_core.types import (
         AliasingEngine,
         BackendSpec,
+        ModelCase,
         PartitionView,
         ProgramPass,
         RuntimeDelegate,
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
         Stage,
         StateAllocator,
     )
-    from writeback_core.zoo import ModelCase
 
 hookspec = pluggy.HookspecMarker(NAME)
 
@@ -173,12 +173,18 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
 
 
 @hookspec
-def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> Sequence[str] | None:
+def writeback_explain_notes(
+    program: ExportedProgram, registry: Registry, lower: Callable[[str], ExecutorchProgramManager]
+) -> Sequence[str] | None:
     """Called once by ``writeback explain``, after the table: facts about the whole program
     rather than one state (how a backend's delegate will execute it, say).
 
     :param program: the exported (aten) program being explained; not to be changed.
-    :param registry: the registry explain runs with (to lower the program as ``run`` would).
+    :param registry: the registry explain runs with.
+    :param lower: ``lower(backend_name)`` lowers ``program`` for that backend exactly as
+        ``writeback run`` would and returns exir's program manager (so a plugin sees the
+        delegate blobs a run ships without importing the application); it raises what the
+        lowering raises.
     :return: lines printed under the table, each a sentence; ``None`` or empty for none.
     """
     raise NotImplementedError

@@ -15,6 +15,7 @@ import torch.fx
 __all__ = [
     "aten_op",
     "decomposed_from",
+    "node_value",
     "normalize_dim",
     "normalize_index",
     "op_name",
@@ -60,6 +61,16 @@ def normalize_index(index: object, size: int, *, what: str = "index") -> int:
     if not -size <= index < size:
         raise IndexError(f"{what}: index {index} is out of bounds for a dimension of size {size}")
     return index + size if index < 0 else index
+
+
+def node_value(value: object) -> Any:
+    """The value traced for a graph node (its ``meta["val"]``: a fake tensor, a list of them,
+    a number), or ``None`` for a literal argument or a node that has none.
+
+    The one place an argument's traced value is read, so a check over ``node.args`` never
+    mistakes a literal for a node or fails on a node the tracer left bare.
+    """
+    return value.meta.get("val") if isinstance(value, torch.fx.Node) else None
 
 
 def aten_op(target: Any) -> Any:

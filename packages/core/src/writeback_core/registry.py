@@ -1,8 +1,8 @@
 """The plugin registry: one pluggy ``PluginManager`` per :class:`Registry`, never a global.
 
 ``load_registry`` builds one; nothing is loaded at import time, and this module
-imports no part of the application (CLI, pipeline, zoo): core's own commands and
-models are the built-in plugin ``writeback-core``, an entry point like any other.
+imports no part of the application (CLI, pipeline, zoo): the application's commands
+and models are its plugin ``writeback`` (the project's name), an entry point like any other.
 
 A plugin has one name, its entry point's (the name ``writeback plugins`` lists);
 a plugin object whose ``writeback_name`` says otherwise is an error. Every hook
@@ -11,8 +11,8 @@ is called through pluggy's hook callers, so tracing sees every call.
 Environment:
 
 - ``WRITEBACK_LOAD_PLUGINS``: comma-separated entry-point names; when set, only
-  those entry points and the built-in ``writeback-core`` are loaded (set but empty:
-  the built-in alone). A name no installed plugin has is an error that lists the
+  those entry points and the application's ``writeback`` are loaded (set but empty:
+  the application alone). A name no installed plugin has is an error that lists the
   installed ones.
 - ``WRITEBACK_BLOCK_PLUGINS``: comma-separated plugin names that are never loaded,
   whether entry points or plugins handed to ``load_registry``; it wins over the
@@ -68,8 +68,9 @@ hookimpl = pluggy.HookimplMarker(NAME)
 BLOCK_ENV = "WRITEBACK_BLOCK_PLUGINS"
 LOAD_ENV = "WRITEBACK_LOAD_PLUGINS"
 TRACE_ENV = "WRITEBACK_TRACE_PLUGINS"
-# The entry-point name of core's built-in plugin (zoo models, core's CLI commands).
-BUILTIN_NAME = "writeback-core"
+# The entry-point name of the application's plugin (built-in models, the CLI's commands):
+# the project's name, whichever distribution ships it.
+BUILTIN_NAME = NAME
 
 
 class InPlaceConflictError(ValueError):
@@ -181,7 +182,7 @@ class Registry:
         return found
 
     def model_from_path(self, path: str) -> Any:
-        """The :class:`~writeback_core.zoo.ModelCase` a plugin reads from ``path``
+        """The :class:`~writeback_core.types.ModelCase` a plugin reads from ``path``
         (``writeback_model_from_path``), or ``None`` when no plugin recognizes it.
 
         :raises DuplicateNameError: two plugins recognize the path (naming both).
@@ -387,7 +388,7 @@ def load_registry(entry_points: bool = True, plugins: Sequence[object] = ()) -> 
     :param entry_points: load the plugins of the ``writeback`` entry-point group,
         each under its entry-point name, as ``WRITEBACK_LOAD_PLUGINS`` and
         ``WRITEBACK_BLOCK_PLUGINS`` allow. Without them only ``plugins`` are
-        registered; pass ``writeback_core.default_plugin`` there to have core's
+        registered; pass ``writeback.default_plugin`` there to have core's
         built-in models and commands.
     :param plugins: extra plugin objects (a class instance or module); each is
         registered under its ``writeback_name`` attribute if it has one, unless

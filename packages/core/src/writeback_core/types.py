@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
+import torch
 import torch.fx
+from torch import nn
 from torch.export import ExportedProgram
 
 if TYPE_CHECKING:
@@ -22,6 +24,7 @@ __all__ = [
     "ExportedPassRun",
     "GraphPassResult",
     "GraphPassRun",
+    "ModelCase",
     "PartitionView",
     "PassRun",
     "ProgramPass",
@@ -92,6 +95,8 @@ class BackendSpec:
     ``kernels`` is True. ``dynamic_shapes``: programs lowered for the backend may
     keep dynamic dimensions (a decoder's token dimension, so that a prompt is
     prefilled in one call); ``writeback export`` exports decoders so only then.
+    ``preferred``: the backend a command takes when none is named (of several
+    preferred ones, the first by name; of none, the only backend installed).
     """
 
     name: str
@@ -100,6 +105,7 @@ class BackendSpec:
     description: str = ""
     kernel_writes: bool = False
     dynamic_shapes: bool = False
+    preferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,9 +329,95 @@ class RuntimeSpec:
     optional attribute ``copied_input_bytes_total: int`` (bytes the delegate
     has copied to bind inputs, over all calls) to report copies it made, and
     ``execution_paths`` (a sequence of ``str``, one per delegate instance it
-    initialized, such as ``"compiled"``) to say how it runs them.
+    initialized, such as ``"compiled"``) to say how it runs them. ``preferred``: the
+    runtime a command takes when none is named (of several preferred ones, the first
+    by name; of none, the first installed by name).
     """
 
     name: str
     load_program: Callable[[bytes | os.PathLike[str], Mapping[str, RuntimeDelegate]], RuntimeProgram]
     description: str = ""
+    preferred: bool = False
+
+
+@dataclass
+class ModelCase:
+    """A model: how to build it, how to export it and what to feed it at call ``step``.
+
+    The call is ``forward(*step_inputs(step), *state, **step_kwargs(step))`` where
+    ``state`` is a fresh set of caller-owned state tensors from ``make_state()``
+    (empty for buffer-only models). The exported program's inputs are those
+    arguments flattened as ``torch.export`` flattens them (positional first, then
+    keyword arguments in the order ``step_kwargs`` gives them).
+
+    How it is exported (:func:`writeback.lowering.export_case`):
+
+    - ``strict`` and ``dynamic_shapes`` are handed to ``torch.export.export``;
+      strict export is what Hugging Face's ExecuTorch integration uses;
+    - ``exported``, when given, returns an ``ExportedProgram`` the case made itself
+      (its own export recipe); the pipeline takes it from there.
+
+    ``contenders`` are other ways upstream exports the same model (for instance
+    ExecuTorch's custom KV-cache ops): name -> a function returning an
+    ``ExportedProgram`` that takes the same inputs. ``writeback bench`` runs each
+    beside writeback's own lowering.
+
+    ``same_inputs_every_step`` is True when the case only knows one set of example
+    inputs and feeds it to every call (a model file's factory that returned
+    ``(module, args)``): a decoder then writes the same position every step, and
+    ``writeback run`` says so.
+
+    ``sized``, when given, builds the same model with a K+V cache of so many MiB
+    (``--cache-mib`` of ``run`` and ``bench``); a case without it has no size to set.
+
+    ``constant_methods`` are methods of the ``.pte`` that return a constant (exir's
+    ``constant_methods``): a decoder fills ExecuTorch's LLM-runner metadata here
+    (``get_max_seq_len``, ``get_eos_ids``, ...; :mod:`writeback_core.llm_runner`), and every
+    lowering of the case writes them.
+
+    ``dynamic_prefill``, when given, is the same model exported with a dynamic token
+    dimension (a prompt prefilled in one call; its metadata says
+    ``enable_dynamic_shape``); ``writeback export`` takes it for a backend whose
+    ``BackendSpec.dynamic_shapes`` is set.
+
+    ``quantized``, when given, builds the same model with its weights quantized by the
+    named scheme (``--quantize`` of ``run`` and ``export``; ``quantizations`` lists the
+    schemes it takes); a case without it has nothing to quantize.
+
+    ``observe``, when given, is called with ``(step, outputs)`` after each call a run makes
+    (eager's outputs where the run compares, the program's where it does not): a case whose
+    next inputs follow from the outputs (greedy decoding) takes them from here instead of
+    running an eager copy of the model of its own.
+
+    ``rtol``/``atol``: how far a backend's outputs and state may stray from eager's
+    (``torch.allclose``). fp32 reductions in another order differ in the last bits;
+    a quantized model's integer kernels round activations their own way.
+    """
+
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    step_inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    make_state: Callable[[], tuple[torch.Tensor, ...]] = field(default=lambda: ())
+    step_kwargs: Callable[[int], dict[str, Any]] = field(default=lambda step: {})
+    strict: bool = False
+    dynamic_shapes: Any = None
+    exported: Callable[[], ExportedProgram] | None = None
+    contenders: Mapping[str, Callable[[], ExportedProgram]] = field(default_factory=dict)
+    same_inputs_every_step: bool = False
+    sized: Callable[[float], ModelCase] | None = None
+    constant_methods: Mapping[str, Any] = field(default_factory=dict)
+    dynamic_prefill: Callable[[], ModelCase] | None = None
+    quantized: Callable[[str], ModelCase] | None = None
+    quantizations: tuple[str, ...] = ()
+    observe: Callable[[int, Sequence[Any]], None] | None = None
+    rtol: float = 1e-4
+    atol: float = 1e-4
+
+    def example_args(self, step: int = 0) -> tuple[torch.Tensor, ...]:
+        """Positional arguments for ``torch.export``: the step's inputs and a fresh state."""
+        return (*self.step_inputs(step), *self.make_state())
+
+    def example_kwargs(self, step: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``torch.export`` (and every call) at ``step``."""
+        return dict(self.step_kwargs(step))

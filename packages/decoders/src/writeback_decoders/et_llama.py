@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from writeback_core.llm_runner import runner_metadata
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
 
@@ -137,7 +137,7 @@ def _prefill_export(module: nn.Module, max_seq: int, canonical: bool = False) ->
     """``module`` exported as ``export_llama --enable_dynamic_shape`` does: the token dimension
     dynamic, 1 to ``max_seq`` tokens, from a two-token example; ``input_pos`` one start
     position. ``canonical``: then its canonical passes run (:func:`_canonical`)."""
-    from writeback_core.lowering import export_model
+    from writeback_core.program import export_model
 
     tokens = torch.export.Dim("tokens", min=1, max=max_seq)
     args, kwargs = _inputs([1, 1], 0)
@@ -181,7 +181,7 @@ def _custom_ops_module(cfg: ETLlamaConfig, dynamic: bool = False) -> nn.Module:
 def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
     """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights), with the
     canonical passes of ExecuTorch's LLM export."""
-    from writeback_core.lowering import export_model
+    from writeback_core.program import export_model
 
     module = _custom_ops_module(cfg)
     args, kwargs = _inputs(1, 0)
@@ -194,7 +194,7 @@ def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
 
 
 def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None = None) -> ModelCase:
-    """ExecuTorch's Llama example as a :class:`~writeback_core.zoo.ModelCase`.
+    """ExecuTorch's Llama example as a :class:`~writeback_core.types.ModelCase`.
 
     :param cache_mib: size the K+V cache to this many MiB (a 4-layer model, see
         :meth:`ETLlamaConfig.for_cache_mib`); ``None``: ``config``, or the tiny default

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from writeback_core.zoo import ModelCase
+from writeback_core.types import ModelCase
 
 from writeback_decoders.et_llama import et_llama_case
 from writeback_decoders.hf import HF_ARCHITECTURES, hf_available, hf_model_case, require_transformers

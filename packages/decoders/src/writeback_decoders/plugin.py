@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from writeback_core import hookimpl
 
 if TYPE_CHECKING:
-    from writeback_core.zoo import ModelCase
+    from writeback_core.types import ModelCase
 
 writeback_name = "decoders"
 

@@ -1,6 +1,6 @@
 """Decode steps of a real decoder: the token fed back is the one eager PyTorch picks.
 
-A :class:`~writeback_core.zoo.ModelCase`'s inputs must be a pure function of the
+A :class:`~writeback_core.types.ModelCase`'s inputs must be a pure function of the
 step (the pipeline asks ``step_inputs(step)`` once for the runtime and once for
 eager), so the greedy token sequence is worked out once, from a private eager
 copy of the model, and cached: :class:`GreedyTokens`.

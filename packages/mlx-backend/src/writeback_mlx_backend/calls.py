@@ -16,7 +16,7 @@ import torch
 
 from writeback_mlx_backend.handle import Handle
 from writeback_mlx_backend.memory import lookup
-from writeback_mlx_backend.ops import Region
+from writeback_mlx_backend.op_handler import Region
 
 # How many of the latest input copies ``MLXDelegate.copied_input_bytes`` keeps.
 COPY_HISTORY = 64

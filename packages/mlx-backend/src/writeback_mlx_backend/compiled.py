@@ -17,30 +17,38 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.blob import Ref, resolve
 from writeback_core.ops import normalize_index
 
-from writeback_mlx_backend._steps import Ref, refs, resolve
+from writeback_mlx_backend._steps import refs, resolve_kwargs
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, snapshot, span, tensor_span
-from writeback_mlx_backend.compiling import TRIAL_STATE_BYTES, WRITES, inside, trace_bounded, written_rows
+from writeback_mlx_backend.compiling import TRIAL_STATE_BYTES, inside, trace_bounded, written_rows
 from writeback_mlx_backend.handle import Compiled, Handle, ShapeOnly
 from writeback_mlx_backend.memory import lookup
-from writeback_mlx_backend.ops import Region
+from writeback_mlx_backend.op_handler import Region
+from writeback_mlx_backend.op_indexing import INDEX_WRITES
 from writeback_mlx_backend.window import Window, lengths
 
 
+def _host_index(handle: Handle, compiled: Compiled, ref: Ref, inputs: list[Any], pinned: list[Any]) -> Any:
+    """An index on the host: from the call's inputs, its computed indices or the constants."""
+    if ref.name in handle.program.inputs:
+        return inputs[handle.program.inputs.index(ref.name)].detach().numpy()
+    if ref.name in compiled.pinned:
+        return np.asarray(pinned[compiled.pinned.index(ref.name)])
+    if ref.name in handle.constants:
+        return np.asarray(handle.constants[ref.name])
+    return None
+
+
 def _host_indices(handle: Handle, compiled: Compiled, inputs: list[Any], pinned: list[Any]) -> dict[str, Any]:
-    """The index values the caller writes read, on the host: inputs, computed indices, constants."""
-    host: dict[str, Any] = {}
-    for write in compiled.caller_writes:
-        for position in write.step.handler.index_args:
-            for name in refs(write.step.args[position : position + 1]):
-                if name in handle.program.inputs:
-                    host[name] = inputs[handle.program.inputs.index(name)].detach().numpy()
-                elif name in compiled.pinned:
-                    host[name] = np.asarray(pinned[compiled.pinned.index(name)])
-                else:
-                    host[name] = np.asarray(handle.constants[name])
-    return host
+    """The index values the caller writes read, on the host (:func:`_host_index`)."""
+    return {
+        name: _host_index(handle, compiled, Ref(name), inputs, pinned)
+        for write in compiled.caller_writes
+        for position in write.step.handler.index_args
+        for name in refs(write.step.args[position : position + 1])
+    }
 
 
 def _write_length(window: Window, length: int, host: Mapping[str, Any]) -> int:
@@ -96,17 +104,6 @@ def _removed_scan(value: Any, axis: int, length: int) -> Any:
         return None
     removed = value[(slice(None),) * axis + (slice(length, None),)]
     return mx.sum(removed * 0) == 0
-
-
-def _host_index(handle: Handle, compiled: Compiled, ref: Ref, inputs: list[Any], pinned: list[Any]) -> Any:
-    """An index on the host: from the call's inputs, its computed indices or the constants."""
-    if ref.name in handle.program.inputs:
-        return inputs[handle.program.inputs.index(ref.name)].detach().numpy()
-    if ref.name in compiled.pinned:
-        return np.asarray(pinned[compiled.pinned.index(ref.name)])
-    if ref.name in handle.constants:
-        return np.asarray(handle.constants[ref.name])
-    return None
 
 
 def _below(rows: np.ndarray, size: int, length: int) -> bool:
@@ -272,7 +269,7 @@ class CompiledPath(Calls):
             step = producers.get(name)
             if name in handle.state:
                 known = handle.finite.get(name, False)
-            elif step is not None and step.op in WRITES and step.args[0] in [Ref(k) for k in handle.state]:
+            elif step is not None and step.op in INDEX_WRITES and step.args[0] in [Ref(k) for k in handle.state]:
                 dest = step.args[0].name
                 written = written_rows(step, handle.state[dest].ndim)
                 rows = _host_index(handle, compiled, written.index, inputs, pinned) if written else None
@@ -317,6 +314,6 @@ class CompiledPath(Calls):
         env = {**handle.constants, **bound, **dict(zip(compiled.pinned, pinned, strict=False))}
         handler, args, kwargs = compiled.checks[which]
         assert handler.validate is not None
-        handler.validate(*resolve(args, env), **{k: resolve(v, env) for k, v in kwargs.items()})
+        handler.validate(*resolve(args, env), **resolve_kwargs(kwargs, env))
         names = [*handle.program.inputs, *(f"{n} (computed from the inputs and state)" for n in compiled.pinned)]
         raise IndexError(f"input {names[position]}: an index is outside [{lo}, {hi})")

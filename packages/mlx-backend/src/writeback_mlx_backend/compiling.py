@@ -24,13 +24,15 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from writeback_core.ops import normalize_dim
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, refs, resolve
+from writeback_mlx_backend._steps import Step, index_write_axes, refs, resolve_kwargs
 from writeback_mlx_backend.handle import CallerWrite, Compiled, Handle, Written
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
+from writeback_mlx_backend.op_indexing import INDEX_COPY, INDEX_PUT, INDEX_WRITES
 from writeback_mlx_backend.traced import pinned_body, placeholder_inputs, step_body, written_values
-from writeback_mlx_backend.window import WholeRead, Window, lengths, plan
+from writeback_mlx_backend.window import Window, lengths, plan
+from writeback_mlx_backend.window_trace import WholeRead
 
 # At load the traced step is evaluated once on placeholder inputs, so MLX builds its
 # kernels then rather than in the first call, unless it updates more state than this:
@@ -104,9 +106,7 @@ def compile_step(handle: Handle) -> tuple[Compiled | None, str]:
                 old = ranges.get(index, (lo, hi))
                 ranges[index] = (max(lo, old[0]), min(hi, old[1]))
             else:  # a constant: checked once, here
-                handler.validate(
-                    *resolve(args, handle.constants), **{k: resolve(v, handle.constants) for k, v in kwargs.items()}
-                )
+                handler.validate(*resolve(args, handle.constants), **resolve_kwargs(kwargs, handle.constants))
     # Evaluated only when every index of the placeholders is in range (MLX writes out of
     # bounds silently), and only when the state it updates is small: the handle keeps its
     # state, so the trial copies every updated buffer whole. Past the limit the first
@@ -196,22 +196,18 @@ def _index_cone(handle: Handle, name: str) -> str | None:
     return None
 
 
-# The writes into a caller's tensor the compiled path can bound: one index along one axis.
-_CALLER_WRITE_OPS = ("aten.index_copy.default", "aten.index_put.default")
-
-
 def _caller_writes(handle: Handle) -> list[Step] | str:
     """The steps of the program's required writes into callers' tensors, in program order,
     or why the compiled path cannot store them."""
     found = []
     forced = {c.node: c for c in handle.forced}
     for step in [s for s in handle.steps if s.name in forced]:
-        if step.op not in _CALLER_WRITE_OPS:
+        if step.op not in INDEX_WRITES:
             return f"{step.name} is {step.op}; only index_copy and index_put are stored after the evaluation"
         destination = handle.program.inputs[forced[step.name].input]
         if step.args[0] != Ref(destination):
             return f"{step.name} does not write input {destination} itself"
-        if step.op == "aten.index_put.default" and len(step.args) > 3 and step.args[3]:
+        if step.op == INDEX_PUT and len(step.args) > 3 and step.args[3]:
             return f"{step.name} accumulates"
         found.append(step)
     return found
@@ -224,20 +220,14 @@ def inside(host: np.ndarray, lo: int, hi: int) -> bool:
     return host.size == 0 or (lo <= int(host.min()) and int(host.max()) < hi)
 
 
-WRITES = ("aten.index_copy.default", "aten.index_put.default")
-
-
 def written_rows(step: Step, rank: int) -> Written | None:
     """The rows ``step`` writes along one axis, when it is an index write along one axis whose
-    index the call can read on the host (see ``window._pull_write``); else ``None``."""
-    rest = step.args[1:]
-    if step.op == "aten.index_copy.default" and isinstance(rest[1], Ref):
-        return Written(normalize_dim(rest[0], rank, what=f"{step.name} ({step.op}) dim"), rest[1])
-    if step.op == "aten.index_put.default" and not (len(rest) > 2 and rest[2]):
-        along = [(p, index) for p, index in enumerate(rest[0]) if index is not None]
-        if len(along) == 1 and isinstance(along[0][1], Ref):
-            return Written(along[0][0], along[0][1])
-    return None
+    index the call can read on the host (see ``window_trace._pull_write``); else ``None``."""
+    axes = index_write_axes(step, rank)
+    if len(axes) != 1:
+        return None
+    index = step.args[2] if step.op == INDEX_COPY else step.args[1][axes[0]]
+    return Written(axes[0], index) if isinstance(index, Ref) else None
 
 
 def _watched(handle: Handle, compiled: Compiled) -> dict[str, Written | None]:
@@ -248,11 +238,11 @@ def _watched(handle: Handle, compiled: Compiled) -> dict[str, Written | None]:
     found: dict[str, Written | None] = {}
     for name, _ in compiled.sources:
         step = producers.get(name)
-        dest = step.args[0] if step is not None and step.op in WRITES else Ref(name)
+        dest = step.args[0] if step is not None and step.op in INDEX_WRITES else Ref(name)
         if isinstance(dest, Ref) and dest.name in handle.state and dest.name not in found:
             update = producers.get(handle.state_updates.get(dest.name, ""))
             rank = handle.state[dest.name].ndim
-            keep = update is not None and update.op in WRITES and update.args[0] == dest
+            keep = update is not None and update.op in INDEX_WRITES and update.args[0] == dest
             found[dest.name] = written_rows(update, rank) if keep and update is not None else None
     return found
 

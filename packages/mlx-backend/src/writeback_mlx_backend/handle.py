@@ -8,8 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from writeback_mlx_backend._steps import Ref, Step
-from writeback_mlx_backend.ops import OpHandler
+from writeback_core.blob import Ref
+
+from writeback_mlx_backend._steps import Step
+from writeback_mlx_backend.op_handler import OpHandler
 from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 from writeback_mlx_backend.window import Window
 
@@ -90,7 +92,7 @@ class Compiled:
     # The writes the program requires in callers' tensors (see ``CallerWrite``), in
     # program order. With any, only bounded steps run compiled; ``fn`` is never called.
     caller_writes: list[CallerWrite] = field(default_factory=list)
-    # The values a bounded trace cuts whole, with the axis (``window.Bounded.sources``), and
+    # The values a bounded trace cuts whole, with the axis (``window_trace.Bounded.sources``), and
     # per delegate-owned state they read, how a call's write into it is checked (``Written``).
     sources: set[tuple[str, int]] = field(default_factory=set)
     watched: dict[str, Written | None] = field(default_factory=dict)
@@ -100,7 +102,7 @@ class Compiled:
 class CallerWrite:
     """A write the program requires in a caller's tensor, on the compiled path.
 
-    The bounded step never computes the written tensor whole (``window.Unread``): it
+    The bounded step never computes the written tensor whole (``window_trace.Unread``): it
     reads the write over the first ``L`` columns only, and returns the written values
     (``sources``). After the one evaluation the call stores that region into the
     caller's memory on the host, as the interpreted path does at the write.

@@ -15,11 +15,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import torch
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
+from writeback_mlx_backend._steps import Step, call_resolved, refs, resolve_kwargs
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, same_memory, snapshot, span, tensor_span
 from writeback_mlx_backend.handle import Handle
-from writeback_mlx_backend.ops import UNKNOWN, Region
+from writeback_mlx_backend.op_handler import UNKNOWN, Region
 from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 
 
@@ -111,8 +112,7 @@ class InterpretedPath(Calls):
                         handle, step, position, env, candidate, inputs, shared, exact
                     )
                 else:
-                    kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
-                    env[step.name] = call(step, resolve(step.args, env), kwargs, traced=False)
+                    env[step.name] = call_resolved(step, env, traced=False)
                 for name in handle.dies_at[position]:
                     env.pop(name, None)
             results = [resolve(o, env) for o in handle.outputs]
@@ -160,7 +160,7 @@ class InterpretedPath(Calls):
     ) -> Any:
         assert step.handler.region is not None
         args = resolve(step.args, env)
-        kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()} if step.kwargs else {}
+        kwargs = resolve_kwargs(step.kwargs, env)
         dest = args[0]
         region = step.handler.region(*args, **kwargs)
         self.evaluations_total += 1  # the region's values are read on the host here

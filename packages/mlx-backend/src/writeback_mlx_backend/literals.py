@@ -29,19 +29,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from writeback_core.blob import BlobError
+from writeback_core.blob import BlobError, resolve
 from writeback_core.ops import normalize_dim, normalize_index
 
-from writeback_mlx_backend._steps import Step, call, resolve
-from writeback_mlx_backend.ops import MX_DTYPES
+from writeback_mlx_backend._steps import Step, call, resolve_kwargs
+from writeback_mlx_backend.op_handler import MAX_MLX_INT, mlx_dtype
+from writeback_mlx_backend.program import DELEGATE
 
 __all__ = ["LITERAL_RULES", "check_literals"]
 
 # ``rule(args, kwargs)`` raises (IndexError, ValueError or TypeError) on a literal the
 # op's arguments' traced shapes rule out; ``args`` hold lazy arrays and literals.
 Rule = Callable[[Sequence[Any], Mapping[str, Any]], None]
-
-_DELEGATE = "mlx"
 
 
 def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, name: str, default: Any = None) -> Any:
@@ -225,14 +224,10 @@ def _view(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"view: size {size} does not hold the input's {x.size} elements")
 
 
-# MLX holds each dimension, and the element count of what it allocates, as a 32-bit int.
-_MAX_ELEMENTS = 2**31 - 1
-
-
 def _full(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     size = _sizes(_arg(args, kwargs, 0, "size"), "full", 0)
-    if math.prod(size) > _MAX_ELEMENTS:
-        raise ValueError(f"full: size {size} holds more than {_MAX_ELEMENTS} elements")
+    if math.prod(size) > MAX_MLX_INT:
+        raise ValueError(f"full: size {size} holds more than {MAX_MLX_INT} elements")
 
 
 def _arange(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -248,8 +243,8 @@ def _arange(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     count = math.ceil((end - start) / step)
     if count < 0:
         raise ValueError(f"arange: end {end} is on the wrong side of start {start} for step {step}")
-    if count > _MAX_ELEMENTS:
-        raise ValueError(f"arange: {count} elements, more than {_MAX_ELEMENTS}")
+    if count > MAX_MLX_INT:
+        raise ValueError(f"arange: {count} elements, more than {MAX_MLX_INT}")
 
 
 def _embedding(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -315,30 +310,25 @@ class _Scalar:
         return "a scalar input"
 
 
-# MLX takes each side of a shape as a 32-bit int.
-_MAX_SIDE = 2**31 - 1
-
-
 def _shape(shape: Any, where: str) -> list[int]:
     """``shape`` as MLX can take it: a list of ints in ``[0, 2**31)``, else :class:`BlobError`."""
     if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_SIDE for n in shape
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_MLX_INT for n in shape
     ):
-        raise BlobError(_DELEGATE, f"{where}.shape", shape, f"each side must be an int in [0, {_MAX_SIDE}]")
+        raise BlobError(DELEGATE, f"{where}.shape", shape, f"each side must be an int in [0, {MAX_MLX_INT}]")
     return list(shape)
 
 
-def _placeholder(name: str, meta: Mapping[str, Any], torch_dtype: Callable[[str], Any]) -> Any:
+def _placeholder(name: str, meta: Mapping[str, Any]) -> Any:
     if "scalar" in meta:
         return _Scalar()
-    return mx.zeros(_shape(meta["shape"], f"input_meta[{name!r}]"), dtype=MX_DTYPES[torch_dtype(meta["dtype"])])
+    return mx.zeros(_shape(meta["shape"], f"input_meta[{name!r}]"), dtype=mlx_dtype(meta["dtype"]))
 
 
 def check_literals(
     steps: Sequence[Step],
     inputs: Mapping[str, Mapping[str, Any]],
     records: Mapping[str, tuple[Sequence[int], str]],
-    torch_dtype: Callable[[str], Any],
 ) -> None:
     """Check each step's literals against its arguments' traced shapes (module docstring).
 
@@ -347,13 +337,13 @@ def check_literals(
 
     :raises BlobError: naming ``nodes[i]``, the step and its op, and the rule that failed.
     """
-    env: dict[str, Any] = {name: _placeholder(name, meta, torch_dtype) for name, meta in inputs.items()}
+    env: dict[str, Any] = {name: _placeholder(name, meta) for name, meta in inputs.items()}
     for name, (shape, dtype) in records.items():
-        env[name] = mx.zeros(_shape(shape, f"records[{name!r}]"), dtype=MX_DTYPES[torch_dtype(dtype)])
+        env[name] = mx.zeros(_shape(shape, f"records[{name!r}]"), dtype=mlx_dtype(dtype))
     for position, step in enumerate(steps):
         try:
             args = resolve(step.args, env)
-            kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
+            kwargs = resolve_kwargs(step.kwargs, env)
         except KeyError:
             return
         rule = LITERAL_RULES.get(step.op)
@@ -362,7 +352,7 @@ def check_literals(
                 rule(args, kwargs)
             except (IndexError, ValueError, TypeError) as error:
                 raise BlobError(
-                    _DELEGATE, f"nodes[{position}]", step.name, f"{step.op}: {error}; nothing was run"
+                    DELEGATE, f"nodes[{position}]", step.name, f"{step.op}: {error}; nothing was run"
                 ) from None
         try:
             env[step.name] = call(step, args, kwargs, traced=True)
@@ -372,7 +362,7 @@ def check_literals(
                 # MLX builds the graph lazily but works out every shape now: arguments whose
                 # traced shapes do not fit the op (a reference renamed, a shape changed).
                 raise BlobError(
-                    _DELEGATE,
+                    DELEGATE,
                     f"nodes[{position}]",
                     step.name,
                     f"{step.op}: its arguments' shapes do not fit the op ({message}); nothing was run",

@@ -21,7 +21,7 @@ import mlx.core as mx
 import torch
 import torch.utils.dlpack
 
-from writeback_mlx_backend.ops import MX_DTYPES
+from writeback_mlx_backend.op_handler import MX_DTYPES
 
 __all__ = ["empty", "lookup"]
 

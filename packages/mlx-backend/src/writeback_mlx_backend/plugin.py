@@ -7,7 +7,7 @@ this package never breaks another package's import.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from writeback_core.registry import Registry, hookimpl
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
 
 if TYPE_CHECKING:
+    from executorch.exir import ExecutorchProgramManager
     from torch.export import ExportedProgram
 
 writeback_name = "mlx-backend"
@@ -50,6 +51,8 @@ def writeback_backends() -> Sequence[BackendSpec]:
             backend_id=BACKEND_ID,
             partitioner=_partitioner,
             description="MLX delegate; writes KV caches and other state in place",
+            # the backend writeback was first built around: the default where it is installed
+            preferred=True,
         )
     ]
 
@@ -178,7 +181,7 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
 
 
 @hookimpl
-def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> list[str] | None:
+def writeback_explain_notes(registry: Registry, lower: Callable[[str], ExecutorchProgramManager]) -> list[str] | None:
     """How the MLX delegate would execute ``program``: each partition's execution path.
 
     The program is lowered as ``writeback run --backend mlx`` lowers it and each
@@ -187,7 +190,6 @@ def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> lis
     interpreted, and why.
     """
     from executorch.exir.delegate import executorch_call_delegate
-    from writeback_core.lowering import lower
 
     from writeback_mlx_backend.runtime import MLXDelegate
 
@@ -195,10 +197,10 @@ def writeback_explain_notes(program: ExportedProgram, registry: Registry) -> lis
     if backend is None:
         return None
     try:
-        lowered = lower(program, registry, backend)
+        lowered = lower(BACKEND_NAME)
     except Exception as error:  # explain still prints the table; this line says why not
         return [f"mlx execution: the program does not lower to MLX ({type(error).__name__}: {error})"]
-    module = lowered.program.exported_program().graph_module
+    module = lowered.exported_program().graph_module
     calls = [n for n in module.graph.nodes if n.target is executorch_call_delegate]
     blobs = [getattr(module, str(n.args[0].target)) for n in calls]
     blobs = [b for b in blobs if b.backend_id == BACKEND_ID]

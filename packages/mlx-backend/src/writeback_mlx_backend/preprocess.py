@@ -13,9 +13,11 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from writeback_core.blob import dtype_name
+from writeback_core.ops import node_value
 
 from writeback_mlx_backend.ops import OPS, SPLIT, op_key, split_parts, unsupported_reason
-from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate, dtype_name
+from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 
 __all__ = ["WRITE_OPS", "WritebackMLXBackend", "build_program"]
 
@@ -154,8 +156,7 @@ def _append(result: DelegateProgram, node: torch.fx.Node, key: str, args: list[A
 
 
 def _same_meta(a: Any, b: Any) -> bool:
-    va = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-    vb = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+    va, vb = node_value(a), node_value(b)
     return (
         isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
     )

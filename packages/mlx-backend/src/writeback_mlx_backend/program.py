@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from writeback_core.blob import DTYPES, BlobReader, load_json
+from writeback_core.blob import DTYPES, BlobReader, dtype_name, load_json
 
 __all__ = ["MAGIC", "MAX_HEADER_BYTES", "VERSION", "DelegateProgram", "InPlaceCandidate", "TensorRecord", "pack"]
 
@@ -54,11 +54,6 @@ _HEADER_KEYS = (
 )
 # Tagged JSON values a node argument may hold (see the module docstring).
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``"float32"`` for ``torch.float32``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -39,11 +39,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from writeback_core.blob import BlobError, Kind, check_call, in_place_outputs
+from writeback_core.blob import BlobError, Kind, Ref, check_call, in_place_outputs
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 
 from writeback_mlx_backend._names import BACKEND_ID
-from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
+from writeback_mlx_backend._steps import Step, call_resolved, refs
 from writeback_mlx_backend.calls import COPY_HISTORY, same_memory
 from writeback_mlx_backend.compiled import CompiledPath
 from writeback_mlx_backend.compiling import compile_step
@@ -53,14 +53,14 @@ from writeback_mlx_backend.fast.rope import fuse_ropes
 from writeback_mlx_backend.handle import Handle
 from writeback_mlx_backend.interpreted import InterpretedPath, memory_plan
 from writeback_mlx_backend.literals import check_literals
-from writeback_mlx_backend.ops import MX_DTYPES, OPS
+from writeback_mlx_backend.op_handler import mlx_dtype
+from writeback_mlx_backend.ops import OPS
 from writeback_mlx_backend.program import (
     DELEGATE,
     DelegateProgram,
     InPlaceCandidate,
     TensorRecord,
     float_value,
-    torch_dtype,
 )
 from writeback_mlx_backend.traced import placeholder_inputs
 
@@ -74,7 +74,7 @@ def _decode(value: Any) -> Any:
         if "$v" in value:
             return Ref(str(value["$v"]))
         if "$dtype" in value:
-            return MX_DTYPES[torch_dtype(str(value["$dtype"]))]
+            return mlx_dtype(str(value["$dtype"]))
         if "$float" in value:
             return float_value(value["$float"])
         return {k: _decode(v) for k, v in value.items()}
@@ -90,7 +90,7 @@ def _kind(value: Any) -> Kind:
 def _load(program: DelegateProgram, record: TensorRecord) -> Any:
     """A record as an MLX array of its own: zeros allocated here, or a copy of its bytes."""
     if record.zeros:
-        return mx.zeros(record.shape, dtype=MX_DTYPES[torch_dtype(record.dtype)])
+        return mx.zeros(record.shape, dtype=mlx_dtype(record.dtype))
     return mx.array(program.array(record))
 
 
@@ -123,7 +123,7 @@ def _forced(
         # A program whose steps did not trace at init (scalar inputs) has no shape here;
         # each call then checks the value before writing anything (``check_whole``).
         traced = info.get(value.name) if isinstance(value, Ref) else None
-        want = (tuple(meta.get("shape", ())), MX_DTYPES[torch_dtype(meta["dtype"])]) if "dtype" in meta else None
+        want = (tuple(meta.get("shape", ())), mlx_dtype(meta["dtype"])) if "dtype" in meta else None
         if not isinstance(value, Ref) or want is None or (traced is not None and traced != want):
             raise ValueError(
                 f"the program asks the MLX delegate to write output {output} into input {input_} in place, "
@@ -183,8 +183,7 @@ def _fold_constants(steps: Sequence[Step], constants: dict[str, Any], kept: Sequ
             left.append(step)
             continue
         try:
-            kwargs = {k: resolve(v, constants) for k, v in step.kwargs.items()}
-            value = call(step, resolve(step.args, constants), kwargs, traced=False)
+            value = call_resolved(step, constants, traced=False)
         except Exception:
             left.append(step)
             continue
@@ -211,8 +210,7 @@ def _lazy_info(
     try:
         env.update(zip(program.inputs, placeholder_inputs(program), strict=True))
         for step in steps:
-            kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
-            env[step.name] = call(step, resolve(step.args, env), kwargs, True)
+            env[step.name] = call_resolved(step, env, True)
     except Exception:  # the compiled path says why when it traces; here only patterns are lost
         pass
     return {k: (tuple(v.shape), v.dtype) for k, v in env.items() if isinstance(v, mx.array)}
@@ -241,12 +239,12 @@ class MLXDelegate(CompiledPath, InterpretedPath):
                 )
             if node["op"].startswith("dim_order_ops."):
                 import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers their schemas)
-            dtype = MX_DTYPES[torch_dtype(node["dtype"])] if node["dtype"] else None
+            dtype = mlx_dtype(node["dtype"]) if node["dtype"] else None
             args, kwargs = _decode(node["args"]), _decode(node["kwargs"])
             check_call(node["op"], args, kwargs, DELEGATE, f"nodes[{position}]", _kind)
             steps.append(Step(node["name"], node["op"], handler, args, kwargs, dtype))
         records = {name: (r.shape, r.dtype) for name, r in [*program.constants.items(), *program.state.items()]}
-        check_literals(steps, dict(zip(program.inputs, program.input_meta, strict=True)), records, torch_dtype)
+        check_literals(steps, dict(zip(program.inputs, program.input_meta, strict=True)), records)
         steps, renames = _fold_aliases(steps)
         outputs = _rename(_decode(program.outputs), renames)
         state_updates = {k: renames.get(v, v) for k, v in program.state_updates.items()}

@@ -9,12 +9,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import resolve
 
-from writeback_mlx_backend._steps import Step, call, refs, resolve
+from writeback_mlx_backend._steps import Step, call, call_resolved, refs, resolve_kwargs
 from writeback_mlx_backend.handle import Handle, ShapeOnly
-from writeback_mlx_backend.ops import MX_DTYPES, OpHandler
-from writeback_mlx_backend.program import DelegateProgram, torch_dtype
-from writeback_mlx_backend.window import Unread, Window
+from writeback_mlx_backend.op_handler import OpHandler, mlx_dtype
+from writeback_mlx_backend.program import DelegateProgram
+from writeback_mlx_backend.window import Window
+from writeback_mlx_backend.window_trace import Unread
 
 
 def written_values(step: Step) -> list[str]:
@@ -65,12 +67,12 @@ def step_body(
             unread = _unread(args) if writes else None
             if unread is not None:
                 # Computed from a caller write: only a bounded step may read it, over
-                # its first ``L`` columns (through ``window.Bounded.pull``).
+                # its first ``L`` columns (through ``window_trace.Bounded.pull``).
                 env[step.name] = Unread(unread.name)
                 continue
             if checks is not None and step.handler.validate is not None:
                 checks.append((step.handler, _check_args(step, args), dict(step.kwargs)))
-            env[step.name] = call(step, args, {k: resolve(v, env) for k, v in step.kwargs.items()}, True)
+            env[step.name] = call(step, args, resolve_kwargs(step.kwargs, env), True)
         if cut is not None and bounded is not None:
             cut.update(bounded.sources)
         if shapes is not None:
@@ -120,9 +122,7 @@ def pinned_body(
         env.update(zip(handle.program.inputs, arrays, strict=True))
         env.update(zip(state_keys, state, strict=True))
         for step in steps:
-            env[step.name] = call(
-                step, resolve(step.args, env), {k: resolve(v, env) for k, v in step.kwargs.items()}, True
-            )
+            env[step.name] = call_resolved(step, env, True)
         return [env[name] for name in pinned]
 
     return body
@@ -130,4 +130,4 @@ def pinned_body(
 
 def placeholder_inputs(program: DelegateProgram) -> list[Any]:
     """Zeros of each input's shape and dtype, to trace the program on."""
-    return [mx.zeros(meta["shape"], dtype=MX_DTYPES[torch_dtype(meta["dtype"])]) for meta in program.input_meta]
+    return [mx.zeros(meta["shape"], dtype=mlx_dtype(meta["dtype"])) for meta in program.input_meta]

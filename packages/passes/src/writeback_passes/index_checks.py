@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
-from writeback_core.ops import aten_op, packet_name
+from writeback_core.ops import aten_op, node_value, packet_name
 
 __all__ = [
     "IndexCheckReport",
@@ -111,10 +111,6 @@ def _edge(name: str) -> Any:
     return getattr(getattr(exir_ops.edge.aten, packet), overload)
 
 
-def _val(node: object) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _is_delegate_call(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") == "executorch_call_delegate"
 
@@ -151,7 +147,7 @@ def _unwrap(index: torch.fx.Node, size: int) -> tuple[torch.fx.Node, str] | None
 def _index_uses(node: torch.fx.Node) -> Iterator[_Use]:
     """The integer index tensors ``node`` reads, with the size of the dim each indexes."""
     packet = packet_name(node.target)
-    source = _val(node.args[0]) if node.args else None
+    source = node_value(node.args[0]) if node.args else None
     if packet not in _WRAPS | _REJECTS or not isinstance(source, torch.Tensor):
         return
     candidates: list[tuple[tuple[int, int | None], object, int]] = []
@@ -165,7 +161,7 @@ def _index_uses(node: torch.fx.Node) -> Iterator[_Use]:
     elif packet == "embedding" and len(node.args) > 1:
         candidates = [((1, None), node.args[1], 0)]
     for slot, index, dim in candidates:
-        value = _val(index)
+        value = node_value(index)
         if not isinstance(index, torch.fx.Node) or not isinstance(value, torch.Tensor):
             continue
         if value.dtype not in _INDEX_DTYPES or not -source.dim() <= dim < source.dim():

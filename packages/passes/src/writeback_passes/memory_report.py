@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 from torch.export.graph_signature import InputKind
-from writeback_core.explain import format_bytes, write_back_positions
+from writeback_core.program import write_back_positions
+from writeback_core.units import format_bytes
 
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager

@@ -1,7 +1,7 @@
 """``to_executorch`` with the passes plugins register, early write-back among them, for a
 caller who holds an ``EdgeProgramManager`` and an ``ExecutorchBackendConfig`` of their own.
-(writeback's commands lower through :mod:`writeback_core.lowering`, which runs the same
-passes the same way: :func:`writeback_core.lowering.run_program_passes`.)
+(writeback's commands lower through :mod:`writeback.lowering`, which runs the same
+passes the same way: :func:`writeback_core.program.run_program_passes`.)
 
 exir's ``EdgeProgramManager.to_executorch`` inserts the write-back copies and
 then runs ``ExecutorchBackendConfig.passes`` on each method's ``GraphModule``,
@@ -18,7 +18,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from writeback_core import InPlaceDecision, ProgramPass, Registry, in_place_decisions, load_registry
-from writeback_core.lowering import as_exir_pass, run_program_passes
+from writeback_core.program import as_exir_pass, backend_config, load_quantized_kernels, run_program_passes
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -78,8 +78,8 @@ def to_executorch(
     writeback-passes plugin installed that includes the early write-back
     pass (after every pass of the package that edits the graph), so the resulting
     ``.pte`` has its write-backs early. ``config`` itself is not changed; without one,
-    the config :func:`writeback_core.lowering.lower` uses (named mutable buffers,
-    the ``"state"`` memory plan), so that after
+    the config :func:`writeback_core.program.backend_config` gives (named mutable buffers,
+    the ``"state"`` memory plan; writeback's own lowering uses it too), so that after
     ``to_edge_transform_and_lower(ep, **writeback_core.to_edge_arguments(backend))``
     the ``.pte`` is ``lower()``'s, byte for byte.
 
@@ -89,7 +89,6 @@ def to_executorch(
 
     :raises TypeError: a registered pass returned something exir cannot use.
     """
-    from writeback_core import lowering
     from writeback_core.copies import copies_left, warn_copies_left
     from writeback_core.quiet import known_warnings_ignored
 
@@ -98,8 +97,8 @@ def to_executorch(
     for method in edge_manager.methods:
         decisions.update(in_place_decisions(edge_manager.exported_program(method)))
     if config is None:
-        lowering.load_quantized_kernels(edge_manager)
-        config = lowering.backend_config(edge_manager)
+        load_quantized_kernels(edge_manager)
+        config = backend_config(edge_manager)
     if isinstance(backend, _Backend):
         backend = _backend_of(edge_manager, registry, decisions)
     with known_warnings_ignored():  # exir's notes that are harmless here, as lower() silences them

@@ -32,5 +32,6 @@ def writeback_runtimes() -> Sequence[RuntimeSpec]:
             name="pybind",
             load_program=_load_program,
             description="the ExecuTorch runtime library; mutated caller tensors updated in place",
+            preferred=True,
         )
     ]

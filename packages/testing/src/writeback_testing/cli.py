@@ -105,7 +105,7 @@ def fuzz_command(
         raise click.UsageError("--engine and --no-engines exclude each other")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-    from writeback_core.cli import progress_bar
+    from writeback.cli import progress_bar
 
     from writeback_testing.fuzz import FuzzConfig, check_config, default_jobs, run_fuzz, summary
 

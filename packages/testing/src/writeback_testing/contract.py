@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.export.graph_signature import OutputKind
-from writeback_core.lowering import write_back_positions
+from writeback_core.program import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
 
 from writeback_testing.oracle import (
@@ -102,8 +102,8 @@ def backend_names(registry: Registry) -> list[str]:
 
 
 def zoo_cases() -> list[ContractCase]:
-    """The built-in models (``writeback_core.zoo``) as contract cases."""
-    from writeback_core.zoo import builtin_models
+    """The built-in models (``writeback.zoo``) as contract cases."""
+    from writeback.zoo import builtin_models
 
     return [ContractCase(name, built_from_case(case)) for name, case in sorted(builtin_models().items())]
 

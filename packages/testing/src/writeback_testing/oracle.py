@@ -4,7 +4,7 @@
 runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
 piece of state after each call, and compares each :class:`Target` against
 that record. Every target lowers the program through the one lowering path
-users get (:mod:`writeback_core.lowering`: the same export, partitioning,
+users get (:mod:`writeback.lowering`: the same export, partitioning,
 registered passes and ``to_executorch`` as ``writeback run``) and runs it in
 one runtime configuration:
 
@@ -48,10 +48,10 @@ from typing import Any, Protocol
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from writeback_core import lowering
-from writeback_core.lowering import LoweringError, MemoryPlan, export_model
+from writeback import lowering
+from writeback.pipeline import ATOL, RTOL
 from writeback_core.mutations import find_mutations
-from writeback_core.pipeline import ATOL, RTOL
+from writeback_core.program import LoweringError, MemoryPlan, export_model, write_back_bytes
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec
@@ -193,7 +193,7 @@ class ProgramMismatch(AssertionError):
 @dataclass
 class Lowerings:
     """One program, exported once, partitioned once for ``backend`` (None: no delegate), and
-    lowered per memory plan on demand (cached), all through :mod:`writeback_core.lowering`:
+    lowered per memory plan on demand (cached), all through :mod:`writeback.lowering`:
     the ``"state"`` plan's ``.pte`` is byte for byte what ``writeback run`` writes.
 
     ``registry`` None (or ``with_passes`` False) lowers with exir alone, the baseline a
@@ -246,7 +246,7 @@ class Lowerings:
         return self._edge
 
     def lowered(self, plan: MemoryPlan) -> lowering.Lowered:
-        """The program lowered with memory plan ``plan`` (see :data:`~writeback_core.lowering.MemoryPlan`)."""
+        """The program lowered with memory plan ``plan`` (see :data:`~writeback_core.program.MemoryPlan`)."""
         if plan not in self._lowered:
             edge = self.edge()  # timed on its own
             start = time.perf_counter()
@@ -265,7 +265,7 @@ class Lowerings:
                 decisions=dict(self._decisions) or in_place_decisions(edge.exported_program()),
                 program=program,
                 pte=bytes(program.buffer),
-                write_back_bytes=lowering.write_back_bytes(final),
+                write_back_bytes=write_back_bytes(final),
                 user_input_mutations=sum(
                     1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION
                 ),
@@ -318,7 +318,7 @@ class _Layout:
 
 
 def export_built(built: Built) -> ExportedProgram:
-    """Export a generated program as every command does (:func:`writeback_core.lowering.export_model`)."""
+    """Export a generated program as every command does (:func:`writeback_core.program.export_model`)."""
     return export_model(built.new_module(), (*built.step_inputs(0), *built.make_state()))
 
 
@@ -465,7 +465,7 @@ class RuntimeTarget:
     ``runtime`` has ``load_program(bytes).load_method(name)``; its methods
     ``execute(inputs)``, ``metadata`` and (when ``bind_outputs``)
     ``set_output(tensor, index)``. ``plan`` picks the memory plan of graph
-    inputs and outputs (:data:`~writeback_core.lowering.MemoryPlan`); ``bind_outputs``
+    inputs and outputs (:data:`~writeback_core.program.MemoryPlan`); ``bind_outputs``
     binds every output that is unplanned, not an input and returned once to a caller
     tensor before the first call.
     """
@@ -674,7 +674,7 @@ def _triage(built: Built, target: Target, call: int, calls: int) -> bool | None:
 
 
 def built_from_case(case: Any) -> Built:
-    """A zoo :class:`~writeback_core.zoo.ModelCase` as a :class:`Built` the oracle can run.
+    """A zoo :class:`~writeback_core.types.ModelCase` as a :class:`Built` the oracle can run.
 
     :raises ValueError: the case is exported its own way (``strict``, keyword arguments,
         ``dynamic_shapes``, ``exported``), which the oracle does not reproduce.
@@ -697,7 +697,7 @@ def built_from_case(case: Any) -> Built:
     spec = ProgramSpec(states=buffers + inputs, statements=(), outputs=(), has_x=True, has_pos=True)
     return Built(
         spec,
-        f"# zoo model {case.name!r}: writeback_core.zoo.builtin_models()[{case.name!r}]\n",
+        f"# zoo model {case.name!r}: writeback.zoo.builtin_models()[{case.name!r}]\n",
         case.build,
         case.step_inputs,
         case.make_state,

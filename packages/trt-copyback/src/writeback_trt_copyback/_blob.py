@@ -34,6 +34,7 @@ from writeback_core.blob import (
     BlobError,
     BlobReader,
     OpTable,
+    Ref,
     dtype_name,
     load_json,
     tensor_from_bytes,
@@ -138,13 +139,6 @@ def encode_arg(value: Any) -> Any:
     raise TypeError(f"the kv-alias engine cannot serialize argument {value!r} ({type(value).__name__})")
 
 
-@dataclass(frozen=True)
-class Ref:
-    """A decoded reference to the value named ``name`` (an input, constant or earlier step)."""
-
-    name: str
-
-
 def compile_arg(value: Any, defined: set[str], field: str) -> Any:
     """Inverse of :func:`encode_arg`, checked: references must name a value defined earlier,
     every tagged value must be in its table. Returns plain values with :class:`Ref` leaves."""
@@ -188,17 +182,6 @@ def _check_dim_order(read: BlobReader, value: Any, field: str) -> None:
 # Checks of named entries of a keyword-argument dict, by name: literals whose every
 # value the kernel does not itself refuse cleanly.
 _ENTRY_CHECKS: dict[str, Callable[[BlobReader, Any, str], None]] = {"dim_order": _check_dim_order}
-
-
-def resolve(value: Any, env: dict[str, Any]) -> Any:
-    """A compiled argument with each :class:`Ref` replaced by its value in ``env``."""
-    if isinstance(value, Ref):
-        return env[value.name]
-    if isinstance(value, list):
-        return [resolve(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: resolve(v, env) for k, v in value.items()}
-    return value
 
 
 def op_key(target: Any) -> str:

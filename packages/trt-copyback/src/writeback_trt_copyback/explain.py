@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from torch.export import ExportedProgram
-from writeback_core.explain import format_bytes
 from writeback_core.mutations import Mutation, MutationKind
 from writeback_core.types import AliasingEngine
+from writeback_core.units import format_bytes
 
 from writeback_trt_copyback.lift import lift_mutated_buffers
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from writeback_core.blob import BlobError, BlobReader, Kind, check_call, in_place_outputs
+from writeback_core.blob import BlobError, BlobReader, Kind, Ref, check_call, in_place_outputs, resolve
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 from writeback_core.ops import normalize_dim
 
-from writeback_trt_copyback._blob import DELEGATE, UPDATES, Blob, Ref, compile_arg, decode_tensor, ops, resolve
+from writeback_trt_copyback._blob import DELEGATE, UPDATES, Blob, compile_arg, decode_tensor, ops
 from writeback_trt_copyback.engine import BACKEND_ID
 
 __all__ = ["KVAliasRuntimeDelegate"]

@@ -7,9 +7,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref
 from writeback_core.ops import normalize_dim
 
-from writeback_mlx_backend._steps import Ref, Step, refs
+from writeback_mlx_backend._steps import Step, refs
 
 
 def never(node: Any) -> str:

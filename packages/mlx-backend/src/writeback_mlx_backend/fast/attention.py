@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref
 
-from writeback_mlx_backend._steps import Ref, Step
+from writeback_mlx_backend._steps import Step
 from writeback_mlx_backend.fast._chains import (
     RESHAPES,
     Info,
@@ -24,7 +25,7 @@ from writeback_mlx_backend.fast._chains import (
     replace_chains,
     shape_of,
 )
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
 
 SDPA = "mlx.fast.scaled_dot_product_attention"
 

@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref, resolve
 
-from writeback_mlx_backend._steps import Ref, Step, call, refs, resolve
+from writeback_mlx_backend._steps import Step, call, refs
 from writeback_mlx_backend.fast._chains import never, ref
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
 
 RMS_NORM = "mlx.fast.rms_norm"
 

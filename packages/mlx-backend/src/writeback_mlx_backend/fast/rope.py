@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
+from writeback_core.blob import Ref
 
-from writeback_mlx_backend._steps import Ref, Step, refs
+from writeback_mlx_backend._steps import Step, refs
 from writeback_mlx_backend.fast._chains import (
     RESHAPES,
     Info,
@@ -23,11 +24,11 @@ from writeback_mlx_backend.fast._chains import (
     replace_chains,
     shape_of,
 )
-from writeback_mlx_backend.ops import OpHandler
+from writeback_mlx_backend.op_handler import OpHandler
+from writeback_mlx_backend.op_shapes import CASTS
 
 ROPE = "mlx.fast.rope"
 
-_CASTS = ("aten._to_copy.default", "dim_order_ops._to_dim_order_copy.default")
 _INTS = (mx.int32, mx.int64)
 
 
@@ -209,8 +210,8 @@ def _angle(
         # float(position): views of a one-element integer value, cast to fp32 (every cast
         # passed casts to fp32, so nothing narrows the position on the way).
         passed: set[str] = set()
-        source = _through(pos_name, (*_CASTS, *RESHAPES), producers, passed)
-        casts = [producers[n] for n in passed if producers[n].op in _CASTS]
+        source = _through(pos_name, (*CASTS, *RESHAPES), producers, passed)
+        casts = [producers[n] for n in passed if producers[n].op in CASTS]
         if source is None or not fp32(pos_name, info) or not casts:
             continue
         if not all(dtype_is(c.dtype, mx.float32) for c in casts):

@@ -1,0 +1,316 @@
+"""``writeback bench-generate``: whole generations through ExecuTorch's own LLM runner, every
+contender interleaved in one process, medians and ratios.
+
+Contenders, each a ``.pte`` with the same runner metadata, run by ``TextLLMRunner`` on the
+same prompt with greedy decoding:
+
+- ``stock+xnnpack`` of every program the model offers: its own export and each of its
+  ``ModelCase.contenders`` (for a Hugging Face folder: transformers' ``StaticCache``, and
+  the same model on ExecuTorch's ``llama::update_cache``/``llama::custom_sdpa``), lowered
+  as an ExecuTorch user does (``to_edge_transform_and_lower`` with ``XnnpackPartitioner``,
+  ``to_executorch()``);
+- ``writeback+xnnpack``: what ``writeback export MODEL`` writes.
+
+Rounds run the contenders one after the other, in an order rotated each round, so a noisy
+machine slows them alike. XNNPACK's thread pool and PyTorch run one thread unless asked.
+The runner's own statistics give prefill (prompt tokens / prefill time) and decode
+(generated tokens / decode time) speeds; ratios are against the first stock row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from writeback_core.registry import Registry
+from writeback_core.types import ModelCase
+
+from writeback.bench_common import stock_program
+from writeback.cli import resolve_model_option
+
+__all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
+
+WRITEBACK = "writeback+xnnpack"
+STOCK_SAME = "stock+xnnpack (same export)"  # the program writeback lowers, lowered by ExecuTorch alone
+
+
+@dataclass
+class GenerationRow:
+    """One contender: its speeds per round and the text it generated."""
+
+    name: str
+    program: str
+    prefill: list[float] = field(default_factory=list)  # tokens/s
+    decode: list[float] = field(default_factory=list)  # tokens/s
+    text: str = ""
+    prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def prefill_median(self) -> float:
+        return statistics.median(self.prefill) if self.prefill else float("nan")
+
+    @property
+    def decode_median(self) -> float:
+        return statistics.median(self.decode) if self.decode else float("nan")
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """The C++ runner prints every piece to file descriptor 1: keep it out of the table."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _stock_pte(program: Any, methods: dict[str, Any]) -> bytes:
+    return bytes(stock_program(program, xnnpack=True, constant_methods=methods).buffer)
+
+
+def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Callable[[], bytes]]]:
+    """(row name, what the program is, how to make its ``.pte``) for every contender."""
+    from writeback.lowering import export_case, lower
+    from writeback.pipeline import assemble
+
+    methods = dict(case.constant_methods)
+    rows: list[tuple[str, str, Callable[[], bytes]]] = []
+
+    def stock(make: Callable[[], Any]) -> Callable[[], bytes]:
+        return lambda: _stock_pte(make(), methods)
+
+    for label, make in case.contenders.items():
+        rows.append((f"stock+xnnpack ({label})", label, stock(make)))
+    rows.append((STOCK_SAME, case.description, lambda: _stock_pte(export_case(case), methods)))
+
+    def ours() -> bytes:
+        pipeline = assemble(registry, "xnnpack")
+        return lower(export_case(case), pipeline.registry, pipeline.backend, "state", case).pte
+
+    rows.append((WRITEBACK, case.description, ours))
+    return rows
+
+
+def _prompt(tokenizer: Path, tokens: int) -> str:
+    """Text that the tokenizer reads as (about) ``tokens`` tokens."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as error:
+        raise click.ClickException(
+            "bench-generate cuts its prompt with Hugging Face's tokenizers library, which is not installed "
+            "(pip install tokenizers; transformers brings it)"
+        ) from error
+    reader = Tokenizer.from_file(str(tokenizer))
+    base = "the quick brown fox jumps over the lazy dog and the state it mutates is written once in place "
+    text = base * (tokens // 4 + 8)
+    ids = reader.encode(text).ids[:tokens]
+    decoded: str = reader.decode(ids)
+    return decoded
+
+
+def bench_generation(
+    registry: Registry,
+    case: ModelCase,
+    tokenizer: Path,
+    prompt_tokens: int = 64,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    threads: int = 1,
+    on_progress: Callable[[str], None] | None = None,
+    files: Sequence[tuple[str, Path]] = (),
+    only_files: bool = False,
+) -> list[GenerationRow]:
+    """Every contender's generations through ``TextLLMRunner``, interleaved (see the module docstring).
+
+    ``files`` adds contenders written elsewhere (``(row name, .pte path)``; for instance by
+    ``optimum-cli export executorch`` in an environment of its own), run beside the others;
+    with ``only_files``, they alone run.
+    """
+    import torch
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    from writeback_core.llm_runner import load_runner_kernels
+
+    load_runner_kernels()
+    torch.set_num_threads(threads)
+    with contextlib.suppress(ImportError, AttributeError):
+        from executorch.extension.pybindings import portable_lib
+
+        portable_lib._unsafe_reset_threadpool(threads)
+    say = on_progress or (lambda _line: None)
+    prompt = _prompt(tokenizer, prompt_tokens)
+    rows: list[GenerationRow] = []
+    runners: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="writeback-bench-generate-") as folder:
+        given = [(name, f"file {path.name}", path.read_bytes) for name, path in files]
+        own = [] if only_files else _programs(registry, case)
+        for name, what, make in [*own, *given]:
+            row = GenerationRow(name, what)
+            rows.append(row)
+            say(f"lowering {name}")
+            try:
+                path = Path(folder) / f"{len(rows)}.pte"
+                path.write_bytes(make())
+                runners[name] = TextLLMRunner(str(path), str(tokenizer))
+            except Exception as error:  # a contender that cannot lower or load is reported, not fatal
+                row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=0.0)
+        live = [r for r in rows if r.error is None]
+        for round_ in range(rounds):
+            say(f"round {round_ + 1} of {rounds}")
+            for row in live[round_ % len(live) :] + live[: round_ % len(live)] if live else []:
+                runner = runners[row.name]
+                runner.reset()
+                pieces: list[str] = []
+                stats: list[Any] = []
+                try:
+                    with _stdout_silenced():
+                        runner.generate(prompt, config, token_callback=pieces.append, stats_callback=stats.append)
+                except RuntimeError as error:
+                    row.error = f"generation failed: {error}"
+                    continue
+                s = stats[-1]
+                prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)
+                decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)
+                row.prefill.append(s.num_prompt_tokens / prefill_ms * 1e3)
+                row.decode.append(s.num_generated_tokens / decode_ms * 1e3)
+                row.prompt_tokens = int(s.num_prompt_tokens)
+                row.text = "".join(pieces)
+            live = [r for r in live if r.error is None]
+    return rows
+
+
+def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
+    if baseline is not None:
+        base = next((r for r in rows if r.error is None and r.name == baseline), None)
+    else:
+        base = next((r for r in rows if r.error is None and r.name.startswith("stock")), None)
+    ours = next((r for r in rows if r.name == WRITEBACK and r.error is None), None)
+    # The text every row is checked against: writeback's, or the baseline's when writeback's row did not run.
+    reference, label = (ours, "writeback") if ours is not None else (base, "the baseline")
+    lines = [f"{'contender':<52} {'prefill tok/s':>13} {'decode tok/s':>12} {'prefill x':>9} {'decode x':>8}  tokens"]
+    for row in rows:
+        if row.error is not None:
+            lines.append(f"{row.name:<52} failed: {row.error}")
+            continue
+        px = row.prefill_median / base.prefill_median if base else float("nan")
+        dx = row.decode_median / base.decode_median if base else float("nan")
+        same = f"same as {label}" if reference is not None and row.text == reference.text else f"DIFFER from {label}"
+        if row is reference:
+            same = "-"
+        lines.append(
+            f"{row.name:<52} {row.prefill_median:>13.1f} {row.decode_median:>12.1f} {px:>9.2f} {dx:>8.2f}  {same}"
+        )
+    return lines
+
+
+@click.command("bench-generate")
+@click.argument("model")
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="tokenizer.json; default: the one in the MODEL folder.",
+)
+@click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--threads", default=1, show_default=True, type=click.IntRange(min=1), help="XNNPACK and PyTorch threads."
+)
+@click.option(
+    "--pte",
+    "files",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="Also run this .pte (written elsewhere, e.g. by optimum-cli) as contender NAME. Repeatable.",
+)
+@click.option("--only-pte", is_flag=True, help="Run the --pte files alone, not MODEL's own contenders.")
+@click.option(
+    "--baseline", default=None, metavar="NAME", help="The row ratios are against (default: the first stock row)."
+)
+@click.pass_context
+def bench_generate_command(
+    ctx: click.Context,
+    model: str,
+    tokenizer: Path | None,
+    prompt_tokens: int,
+    new_tokens: int,
+    rounds: int,
+    threads: int,
+    files: tuple[str, ...],
+    only_pte: bool,
+    baseline: str | None,
+) -> None:
+    """Time whole generations of MODEL in ExecuTorch's LLM runner for every contender, interleaved.
+
+    MODEL: what `writeback export` takes. Prints each contender's median prefill and
+    decode tokens/s, the ratios to the first stock row, and whether its text equals
+    writeback's."""
+    registry = ctx.find_object(Registry)
+    assert registry is not None, "the writeback group puts the registry on the context"
+    case = resolve_model_option(registry, model)
+    if case.dynamic_prefill is not None:
+        case = case.dynamic_prefill()
+    if not case.constant_methods:
+        raise click.UsageError(f"model {case.name!r} carries no runner metadata: it cannot run in the LLM runner")
+    if tokenizer is None:
+        tokenizer = Path(model) / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise click.UsageError(f"no tokenizer.json in {model!r}: pass --tokenizer PATH")
+    given = _given_files(files)
+    if only_pte and not given:
+        raise click.UsageError("--only-pte needs at least one --pte NAME=PATH")
+    console = Console(width=140, stderr=True)
+    rows = bench_generation(
+        registry,
+        case,
+        tokenizer,
+        prompt_tokens,
+        new_tokens,
+        rounds,
+        threads,
+        on_progress=lambda line: console.print(line, markup=False, highlight=False),
+        files=given,
+        only_files=only_pte,
+    )
+    if baseline is not None and not any(r.name == baseline and r.error is None for r in rows):
+        names = ", ".join(repr(r.name) for r in rows if r.error is None)
+        raise click.UsageError(f"--baseline {baseline!r} is not a contender that ran (those that ran: {names})")
+    prompt = next((r.prompt_tokens for r in rows if r.prompt_tokens), prompt_tokens)
+    click.echo(f"model {case.name}: {case.description}")
+    click.echo(
+        f"prompt {prompt} tokens, {new_tokens} new tokens, greedy; {rounds} rounds interleaved; "
+        f"{threads} thread(s); medians; x = ratio to " + (repr(baseline) if baseline else "the first stock row")
+    )
+    for line in _table(rows, baseline):
+        click.echo(line)
+
+
+def _given_files(files: Sequence[str]) -> list[tuple[str, Path]]:
+    """``NAME=PATH`` options as (name, path), every path an existing file, every name once."""
+    given: list[tuple[str, Path]] = []
+    for item in files:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{item!r} is not NAME=PATH", param_hint="--pte")
+        if not Path(path).is_file():
+            raise click.BadParameter(f"{path!r} (contender {name!r}) is not a file", param_hint="--pte")
+        if name in {n for n, _ in given} or name in (WRITEBACK, STOCK_SAME):
+            raise click.BadParameter(f"contender name {name!r} is used twice", param_hint="--pte")
+        given.append((name, Path(path)))
+    return given

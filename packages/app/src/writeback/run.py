@@ -1,0 +1,404 @@
+"""``writeback run [MODEL]``: the whole pipeline on one model, every step checked against eager.
+
+Exports MODEL, finds its mutations, lowers it with the chosen backend, runs the
+registered passes, writes the ``.pte``, then runs ``--steps`` calls through the
+runtime with caller-owned state bound in place, comparing each call's outputs
+and state with eager PyTorch. Exits non-zero, naming the step and the value,
+when any step differs. ``--no-check`` builds no eager model and compares nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from writeback_core.registry import Registry
+from writeback_core.types import ModelCase
+from writeback_core.units import format_bytes
+
+from writeback._files import WriteFailed, write_bytes
+from writeback.cli import (
+    QUANTIZE_HELP,
+    CacheMiB,
+    UserCodeError,
+    progress_bar,
+    quantized_case,
+    resolve_model_option,
+    writable_file,
+)
+from writeback.lowering import StatePlace, state_places
+from writeback.pipeline import (
+    Eager,
+    Lowered,
+    Pipeline,
+    PipelineError,
+    Session,
+    StepCheck,
+    StepInputError,
+    StepResult,
+    assemble,
+    compare,
+    lower,
+    state_nbytes,
+)
+
+__all__ = ["RunReport", "StepRefused", "place_text", "run_command", "run_model", "state_lines"]
+
+DEFAULT_MODEL = "decoder-caller-cache"
+
+# Copies of the K+V cache a run holds at once (measured: the exported program's,
+# the runtime's, eager's, the .pte's for program-owned caches, and lowering's).
+CACHE_COPIES = 8
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What ``writeback run`` did: the lowering and every step with its check."""
+
+    pipeline: Pipeline
+    case: ModelCase
+    lowered: Lowered
+    pte_path: Path
+    steps: list[tuple[StepResult, StepCheck | None]]
+    kept: bool = True
+
+    @property
+    def checked(self) -> bool:
+        """Whether the steps were compared with eager (``run_model(check=True)``)."""
+        return all(c is not None for _, c in self.steps)
+
+    @property
+    def failures(self) -> list[tuple[StepResult, StepCheck]]:
+        return [(r, c) for r, c in self.steps if c is not None and not c.ok]
+
+
+def _case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
+    case = resolve_model_option(registry, model)
+    if cache_mib is None:
+        return case
+    if case.sized is None:
+        sized = sorted(name for name, offered in registry.models().items() if offered.sized is not None)
+        raise click.UsageError(
+            f"--cache-mib: model {model!r} has no cache size to set; models sized by their K+V cache: "
+            f"{', '.join(sized) or 'none'}"
+        )
+    return case.sized(cache_mib)
+
+
+def run_model(
+    pipeline: Pipeline,
+    case: ModelCase,
+    steps: int,
+    output: Path,
+    console: Console | None = None,
+    check: bool = True,
+) -> RunReport:
+    """Lower ``case`` through ``pipeline``, write the ``.pte`` to ``output`` and run ``steps``
+    decode steps, each compared with eager. Never raises for a mismatch: see ``failures``.
+
+    ``check=False`` builds no eager model (a second copy of the weights) and compares
+    nothing: each step's check is ``None``, and a step the runtime refuses raises
+    :class:`StepRefused` without asking eager why.
+
+    ``output`` is replaced whole or not at all (a new file renamed into place), so a
+    process that has the old file mapped keeps it and a failure leaves it as it was."""
+    lowered = lower(case, pipeline)
+    write_bytes(output, lowered.pte)
+    # The steps need the runtime's copy of the weights alone: the exported program, the
+    # program manager and the .pte bytes go before the runtime and eager take theirs.
+    lowered.release()
+    session = Session.open(pipeline, lowered, path=output)
+    eager = Eager(case) if check else None
+    done: list[tuple[StepResult, StepCheck | None]] = []
+    progress = Progress(
+        TextColumn("[bold]decode"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=console is None,
+    )
+    with progress_bar(progress):
+        task = progress.add_task("decode", total=steps)
+        for step in range(steps):
+            try:
+                result = session.step(step)
+            except RuntimeError as error:
+                if eager is None:
+                    raise StepRefused(
+                        f"step {step}: the runtime refused the call ({error}); run without --no-check "
+                        "to ask eager PyTorch whether the inputs or the program are at fault",
+                        eager_refuses=False,
+                        state_kept=False,
+                    ) from error
+                raise _refusal(step, error, session, eager) from error
+            if eager is None:
+                done.append((result, None))
+                observed = result.outputs
+            else:
+                expected = eager.step(step)
+                done.append((result, compare(result, expected, session.state, eager.state, case.rtol, case.atol)))
+                observed = expected
+            if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
+                case.observe(step, observed)
+            progress.advance(task)
+    return RunReport(pipeline, case, lowered, output, done)
+
+
+class StepRefused(RuntimeError):
+    """The runtime refused a step's call. ``eager_refuses``: eager PyTorch refuses the same
+    inputs (the model's inputs are wrong, not the program); ``state_kept``: every caller-owned
+    state is as it was before the call (nothing written)."""
+
+    def __init__(self, message: str, eager_refuses: bool, state_kept: bool) -> None:
+        super().__init__(message)
+        self.eager_refuses = eager_refuses
+        self.state_kept = state_kept
+
+
+def _refusal(step: int, error: RuntimeError, session: Session, eager: Eager) -> StepRefused:
+    """Why step ``step`` failed in the runtime: eager PyTorch is asked the same call (its own
+    error names the state, the index and the size) and the caller's state is checked unchanged."""
+    before = [t.clone() for t in eager.state]
+    try:
+        eager.step(step)
+    except Exception as eager_error:  # the model's own refusal, whatever its type
+        kept = all(torch.equal(ours, theirs) for ours, theirs in zip(session.state, before, strict=True))
+        indexed = [
+            f"{m.target} ({m.write.kind.value} along dim {m.write.dim} of size {m.shape[m.write.dim]})"
+            for m in session.lowered.mutations
+            if m.write.dim is not None and m.write.index is not None and m.write.dim < len(m.shape)
+        ]
+        message = (
+            f"step {step}: the program refused the call ({error}), as eager PyTorch refuses these inputs: "
+            f"{type(eager_error).__name__}: {eager_error}. "
+            + (f"States written at a run-time index: {', '.join(indexed)}. " if indexed else "")
+            + ("Nothing was written: every caller-owned state is as before the call. " if kept and before else "")
+            + "Fix the model's step inputs (an index out of range, say)"
+        )
+        return StepRefused(message, eager_refuses=True, state_kept=kept)
+    return StepRefused(
+        f"step {step}: the runtime failed ({error}) where eager PyTorch answers the same inputs: this is a "
+        "failure of the lowered program, please report it with the model",
+        eager_refuses=False,
+        state_kept=False,
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def place_text(place: StatePlace) -> str:
+    """Where one state lives and whether a whole-state copy is left, in words:
+    ``caller tensor, written in place by delegate 0 (mlx); no copy left``."""
+    if place.owner == "delegate":
+        where = f"inside delegate {place.delegate} ({place.backend})"
+        if place.in_place:
+            where += ", written in place"
+    else:
+        where = "caller tensor" if place.owner == "caller" else "program buffer"
+        if place.delegate is not None:
+            where += f", written in place by delegate {place.delegate} ({place.backend})"
+        elif place.in_place and place.writers:
+            where += f", written in place by one of delegates {', '.join(map(str, place.writers))} ({place.backend})"
+    if place.copy_bytes:
+        why = f": {place.why}" if place.why else ""
+        return f"{where}; whole-state copy left ({format_bytes(place.copy_bytes)}/call){why}"
+    return f"{where}; no copy left"
+
+
+# Past this many mutated states, run prints one line per kind of place instead of one per state.
+_STATE_LINES = 8
+
+
+def state_lines(places: list[StatePlace]) -> list[str]:
+    """The lines ``run`` prints under its summary: one per state, or past
+    :data:`_STATE_LINES` states one per kind of place (count, bytes, first and last name)."""
+    if len(places) <= _STATE_LINES:
+        return [f"  {p.mutation.target} ({format_bytes(p.mutation.nbytes)}): {place_text(p)}" for p in places]
+    groups: dict[str, list[StatePlace]] = {}
+    for place in places:
+        groups.setdefault(place_text(place), []).append(place)
+    lines = []
+    for text, members in groups.items():
+        total = sum(m.mutation.nbytes or 0 for m in members)
+        names = members[0].mutation.target + (f" ... {members[-1].mutation.target}" if len(members) > 1 else "")
+        count = f"{len(members)} state" + ("s" if len(members) != 1 else "")
+        lines.append(f"  {count}, {format_bytes(total)} ({names}): {text}")
+    return lines
+
+
+def _summary(report: RunReport) -> str:
+    lowered = report.lowered
+    caller, owned = state_nbytes(lowered.mutations)
+    backend = report.pipeline.backend.name if report.pipeline.backend else "none"
+    places = state_places(lowered)
+    copies = [p for p in places if p.copy_bytes]
+    lines = [
+        f"model {report.case.name}: {report.case.description}",
+        f"backend {backend}, runtime {report.pipeline.runtime.name}, "
+        f"lowered in {lowered.seconds:.1f} s, {format_bytes(lowered.pte_nbytes)} .pte at {report.pte_path}"
+        + ("" if report.kept else " (temporary: pass --output to keep it)"),
+        f"{len(lowered.mutations)} mutated states: {format_bytes(caller)} caller-owned, "
+        f"{format_bytes(owned)} in the program; whole-state copies left per call: "
+        + (f"{len(copies)} ({format_bytes(sum(p.copy_bytes for p in copies))}/call)" if copies else "none"),
+        *state_lines(places),
+    ]
+    if report.case.same_inputs_every_step and lowered.mutations:
+        lines.append(
+            "note: every step gets the same inputs (the factory returned (module, args)); "
+            "return a ModelCase with step_inputs to give each step its own"
+        )
+    lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
+    if report.kept:
+        from writeback.export import where_it_loads  # export's module imports the CLI that imports this one
+
+        lines.append(where_it_loads(lowered.backend, report.pte_path))
+    return "\n".join(lines)
+
+
+def _table(report: RunReport) -> Table:
+    against = "vs eager" if report.checked else "not compared with eager (--no-check)"
+    table = Table(title=f"writeback run {report.case.name}: {len(report.steps)} steps {against}")
+    titles = (
+        "step",
+        "latency ms",
+        "state write-back",
+        "copied into delegate",
+        "max abs err (out)",
+        "max abs err (state)",
+        "match",
+    )
+    for title in titles:
+        table.add_column(title, justify="right")
+    for result, check in report.steps:
+        if check is None:
+            errors = ("not checked", "not checked", "not checked")
+        else:
+            state = "n/a" if check.state_error is None else f"{check.state_error:.2e}"
+            errors = (f"{check.output_error:.2e}", state, "yes" if check.ok else "[red]NO[/red]")
+        table.add_row(
+            str(result.step),
+            _ms(result.seconds),
+            format_bytes(result.copied_bytes - result.delegate_copied_bytes),
+            format_bytes(result.delegate_copied_bytes),
+            *errors,
+        )
+    return table
+
+
+def _execution_paths(pipeline: Pipeline) -> list[str]:
+    """``delegate NAME: how it ran each partition`` for each runtime delegate that says
+    (the optional ``execution_paths`` attribute, see :class:`RuntimeSpec`)."""
+    lines = []
+    for backend_id, delegate in pipeline.delegates.items():
+        paths = getattr(delegate, "execution_paths", None)
+        if paths:
+            counts = Counter(str(p) for p in paths)
+            text = "; ".join(f"{path} ({count})" if len(paths) > 1 else path for path, count in counts.items())
+            lines.append(f"delegate {backend_id}, per partition: {text}")
+    return lines
+
+
+@click.command("run")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps to run.")
+@click.option(
+    "--backend",
+    default=None,
+    help="A backend plugins offer (see `writeback plugins`), or 'none'. Default: mlx when installed.",
+)
+@click.option("--runtime", "runtime_name", default=None, help="A runtime plugins offer. Default: pybind.")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    callback=writable_file,
+    help="Where to write the .pte (replaced whole, never rewritten in place). Default: a temporary directory.",
+)
+@click.option(
+    "--cache-mib",
+    type=CacheMiB(CACHE_COPIES, "writeback run"),
+    default=None,
+    help="For models sized by their K+V cache (the built-in decoders, et-llama, hf-*): size it to this many MiB "
+    f"(at most what memory can hold {CACHE_COPIES} times).",
+)
+@click.option(
+    "--no-check",
+    is_flag=True,
+    help="Build no eager model beside the program (a second copy of the weights) and compare nothing: "
+    "for models whose two copies do not fit in memory.",
+)
+@click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=QUANTIZE_HELP)
+@click.pass_context
+def run_command(
+    ctx: click.Context,
+    model: str,
+    steps: int,
+    backend: str | None,
+    runtime_name: str | None,
+    output: Path | None,
+    cache_mib: float | None,
+    no_check: bool,
+    quantize: str | None,
+) -> None:
+    """Lower MODEL through the installed backend and passes, run it STEPS times with its state
+    bound in place, and check every step against eager PyTorch.
+
+    MODEL: a built-in name (default: decoder-caller-cache) or path/to/file.py:factory, where
+    factory() returns a writeback_core.types.ModelCase (how each step gets its own inputs and
+    keyword arguments, strict export, or an ExportedProgram of your own) or a tuple
+    (module, args) / (module, args, kwargs) that every step reuses."""
+    registry = ctx.find_object(Registry)
+    assert registry is not None, "the writeback group puts the registry on the context"
+    console = Console(width=120)
+    try:
+        pipeline = assemble(registry, backend, runtime_name)
+    except PipelineError as error:
+        raise click.UsageError(str(error)) from error
+    case = quantized_case(_case(registry, model, cache_mib), quantize)
+    with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
+        path = output if output is not None else Path(scratch) / "model.pte"
+        try:
+            ran = run_model(pipeline, case, steps, path, console, check=not no_check)
+            report = dataclasses.replace(ran, kept=output is not None)
+        except PipelineError as error:
+            raise click.ClickException(str(error)) from error
+        except StepInputError as error:  # the case's step inputs do not fit what it exported
+            raise UserCodeError(str(error)) from error
+        except StepRefused as error:  # eager refuses the inputs too: the model's mistake, exit 2
+            raise (UserCodeError if error.eager_refuses else click.ClickException)(str(error)) from error
+        except WriteFailed as error:  # checked writable up front: the disk filled or a quota hit since
+            raise click.ClickException(str(error)) from error
+        console.print(_summary(report))
+    console.print(_table(report))
+    console.print(
+        "state write-back: bytes of whole-state copies the program makes per call; copied into delegate: "
+        "bytes a delegate reported copying to bind its inputs (state and per-step inputs alike)"
+    )
+    for line in _execution_paths(pipeline):
+        console.print(line, markup=False)
+    tolerance = f"rtol={report.case.rtol:g}, atol={report.case.atol:g}"
+    if report.failures:
+        result, check = report.failures[0]
+        raise click.ClickException(
+            f"{len(report.failures)} of {len(report.steps)} steps differ from eager PyTorch "
+            f"({tolerance}); first at step {result.step}: {'; '.join(check.problems)}"
+        )
+    if not report.checked:
+        console.print(
+            f"{len(report.steps)} steps ran; not compared with eager PyTorch (--no-check): "
+            "outputs and state are unchecked"
+        )
+        return
+    console.print(f"all {len(report.steps)} steps match eager PyTorch ({tolerance})")

@@ -1,0 +1,43 @@
+"""writeback-bench's harnesses: apart from the packages they measure, and runnable as its
+README says (their timings are printed, never asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The packages whose code the harnesses measure; the application keeps its own `writeback bench`.
+MEASURED = ("mlx-backend", "passes", "pybind-runtime", "trt-copyback")
+
+
+@pytest.mark.parametrize("package", MEASURED)
+def test_no_measured_package_ships_a_benchmark(package: str) -> None:
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "packages" / package / "src").rglob("*bench*"))
+    assert modules == [], f"benchmarks live in writeback-bench, not beside the code they measure: {modules}"
+
+
+def test_the_trt_harness_times_aliased_against_copy_back_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """No GPU and no Torch-TensorRT: it runs the TensorRT rule on the kv-alias engine."""
+    from writeback_bench import trt
+
+    trt.main(["--mib", "1", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert "median of 2 interleaved steps" in out
+    header, row = out.splitlines()[-2:]
+    assert header.split() == ["cache", "aliased", "ms", "copy-back", "ms", "copy-back/aliased"]
+    assert row.split()[:2] == ["1", "MiB"] and row.endswith("x")
+
+
+@pytest.mark.slow
+def test_the_memory_harness_lowers_every_built_in_model_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+    from writeback.zoo import builtin_models
+    from writeback_bench import passes_memory
+
+    assert passes_memory.main(["--size", "16"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == {*builtin_models(), "early-ready"}
+    stock, early, saved, state, _ = rows["early-ready"]
+    assert int(state) == 16 * 16 * 4  # one [16, 16] fp32 state
+    assert int(saved) >= int(state) and int(early) == int(stock) - int(saved)
