@@ -19,12 +19,25 @@ Modes:
 - ``truncate-before-method``: loads the PTE from its path, cuts or rewrites the
   file (modification time moved on), then loads the method; prints the error
   each attempt raised (``None`` if it loaded).
+- ``cut-while-mapped``: loads the PTE from its path and, as a delegate does while
+  a method loads, maps the bytes after its program flatbuffer; cuts the file (to
+  half, then to 0 bytes) before they are read; prints the error each attempt
+  raised (``None`` if none).
+- ``cut-after-kept``: the same bytes, kept past the end of the load; the file is
+  cut to 0 bytes and rewritten with other bytes, then they are read again;
+  prints whether both reads equal the file's original bytes.
+- ``sigbus-sent-while-loading``: a Python signal handler for SIGBUS, then a
+  program with the doubler delegate whose ``init`` sends the process SIGBUS;
+  prints how many times the handler ran, whether it is still installed, and
+  whether the loaded method doubles.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +47,7 @@ from typing import Any
 
 import torch
 from writeback_core.registry import load_registry
-from writeback_pybind_runtime import Method, Program, Runtime
+from writeback_pybind_runtime import Method, Program, ProgramError, Runtime, _pte
 
 THREADS = 4
 CALLS = 30
@@ -186,6 +199,77 @@ def truncate_before_method(runtime: Runtime, paths: list[str]) -> dict[str, obje
     return {"errors": errors}
 
 
+def _after_program(data: bytes) -> int:
+    """Where the bytes after the program flatbuffer (its segments) start."""
+    start = _pte.program_prefix_size(data[:32])
+    assert start is not None and start < len(data), "the program has no segments"
+    return start
+
+
+def cut_while_mapped(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    errors: list[str | None] = []
+    for path in paths:
+        original = Path(path).read_bytes()
+        start = _after_program(original)
+        for cut in (len(original) // 2, 0):
+            Path(path).write_bytes(original)
+            program = runtime.load_program(path)
+            try:
+                program._native._read_as_delegate(
+                    start, len(original) - start, functools.partial(os.truncate, path, cut), lambda: None
+                )
+                errors.append(None)
+            except ProgramError as error:
+                errors.append(f"{type(error).__name__}: {error}")
+        Path(path).write_bytes(original)
+    return {"errors": errors}
+
+
+def _cut_and_rewrite(path: str, size: int) -> None:
+    """Cut ``path`` to 0 bytes, then write ``size`` other bytes into it."""
+    os.truncate(path, 0)
+    with open(path, "wb") as handle:
+        handle.write(b"\xff" * size)
+
+
+def cut_after_kept(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    same: list[bool] = []
+    for path in paths:
+        original = Path(path).read_bytes()
+        start = _after_program(original)
+
+        program = runtime.load_program(path)
+        while_loading, once_loaded = program._native._read_as_delegate(
+            start, len(original) - start, lambda: None, functools.partial(_cut_and_rewrite, path, len(original))
+        )
+        same.append(while_loading == once_loaded == original[start:])
+        Path(path).write_bytes(original)
+    return {"same": same}
+
+
+def sigbus_sent_while_loading(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    from .doubler import BACKEND_ID, DoublerDelegate
+
+    class SigbusOnInit(DoublerDelegate):
+        """The doubler, sending its own process SIGBUS from ``init`` (inside the method load)."""
+
+        def init(self, processed: bytes, compile_specs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGBUS)
+            return super().init(processed, compile_specs)
+
+    received: list[int] = []
+
+    def handler(signo: int, frame: object) -> None:
+        received.append(signo)
+
+    signal.signal(signal.SIGBUS, handler)
+    runtime.use_delegates({BACKEND_ID: SigbusOnInit()})
+    method = runtime.load_program(paths[0]).load_method("forward")
+    x = torch.arange(6.0).reshape(2, 3)
+    doubled = bool(torch.equal(method([x])[0], 2 * x))
+    return {"received": len(received), "kept": signal.getsignal(signal.SIGBUS) is handler, "doubled": doubled}
+
+
 def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
     """Run this module's ``mode`` on ``paths`` in a fresh interpreter and return its
     JSON; fails the calling test if the interpreter died."""
@@ -212,6 +296,9 @@ MODES = {
     "separate-methods": separate_methods,
     "truncate": truncate,
     "truncate-before-method": truncate_before_method,
+    "cut-while-mapped": cut_while_mapped,
+    "cut-after-kept": cut_after_kept,
+    "sigbus-sent-while-loading": sigbus_sent_while_loading,
 }
 
 

@@ -1,6 +1,7 @@
-"""A program loaded from a file reads it, never maps it: what happens to the file
-after a method is loaded does not reach the method, and a file changed before a
-method is loaded is an error naming it, never a crash or a wrong answer."""
+"""A program loaded from a file owns every byte a loaded method uses: what happens to
+the file after a method is loaded does not reach the method, and a file changed
+before or while a method loads is an error naming it, never a crash or a wrong
+answer (the delegate data a method load maps from the file included)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPar
 from writeback_pybind_runtime import ProgramError, Runtime
 
 from tests.pybind_runtime.conftest import Lower
+from tests.pybind_runtime.doubler import DoublerPartitioner
 from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP, run_isolated
 
 
@@ -72,3 +74,44 @@ def test_cut_file_is_refused_at_load_program_naming_both_sizes(lower: Lower, run
     expected = rf"header says the program is {declared} bytes, but the file has {declared - 1}"
     with pytest.raises(ProgramError, match=expected):
         runtime.load_program(path)
+
+
+def test_file_cut_while_a_method_loads_is_a_clear_error_not_a_crash(lower: Lower, tmp_path: Path) -> None:
+    """While a method loads, the runtime maps the delegate data it asks for; the file
+    cut (to half, then to 0 bytes) after the mapping and before the bytes are read
+    faults (SIGBUS) on the read: the load fails naming the file and the change, and
+    the process lives on."""
+    path = _ptes(lower, tmp_path)[2]
+    size = path.stat().st_size
+    errors = run_isolated("cut-while-mapped", path)["errors"]
+    assert len(errors) == 2, errors
+    for error, now in zip(errors, (size // 2, 0), strict=True):
+        assert error is not None, errors
+        assert f"'{path}': the file changed since load_program ({size} bytes then, {now} now)" in error
+        assert "load it again" in error
+
+
+def test_delegate_data_kept_past_the_load_no_longer_reads_a_cut_file_changes_nothing(
+    lower: Lower, tmp_path: Path
+) -> None:
+    """Delegate data still held when the load ends is copied into the runtime's memory at
+    the same address: the file cut to 0 bytes and rewritten afterwards changes nothing
+    of it (a mapping would die of SIGBUS, or read the new bytes)."""
+    path = _ptes(lower, tmp_path)[2]
+    assert run_isolated("cut-after-kept", path)["same"] == [True]
+
+
+def test_sigbus_sent_while_a_method_loads_reaches_the_handler_installed_before_no_crash(
+    lower: Lower, tmp_path: Path
+) -> None:
+    """The runtime's SIGBUS handler, installed while a method loads, passes a SIGBUS that
+    is not a fault in its mappings to the handler it found (here Python's), and puts
+    that one back once the load ends."""
+
+    class Double(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + x
+
+    path = tmp_path / "doubler.pte"
+    path.write_bytes(lower(Double(), (torch.randn(2, 3),), partitioners=[DoublerPartitioner()]))
+    assert run_isolated("sigbus-sent-while-loading", path) == {"received": 1, "kept": True, "doubled": True}

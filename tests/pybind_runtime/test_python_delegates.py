@@ -159,6 +159,19 @@ def test_backend_id_of_a_compiled_backend_is_refused() -> None:
         runtime.register_delegates()
 
 
+def test_use_delegates_runs_the_delegate_handed_over_last(doubled_pte: bytes) -> None:
+    """A pipeline hands its delegates over at every load (``use_delegates``): the same
+    object again changes nothing, another one for the id replaces it."""
+    runtime = Runtime(load_registry(entry_points=False))
+    first, second = DoublerDelegate(), DoublerDelegate()
+    for delegate in (first, first, second):
+        runtime.use_delegates({BACKEND_ID: delegate})
+        (out,) = runtime.load_program(doubled_pte).load_method("forward")([torch.ones(2, 3)])
+        torch.testing.assert_close(out, torch.full((2, 3), 3.0))
+    assert (len(first.inits), len(first.calls)) == (2, 2)
+    assert (len(second.inits), len(second.calls)) == (1, 1)
+
+
 def test_registering_a_backend_id_again_replaces_its_python_object_process_wide(doubled_pte: bytes) -> None:
     """ExecuTorch cannot unregister a backend: the id stays, the object behind it is the last
     registered, for every runtime of the process."""

@@ -10,7 +10,7 @@
 // The Python layer (_runtime.py) owns policy that needs the program file: it
 // reads from the .pte which output is which input and which inputs the method
 // writes (_pte.py) and passes that in. It reads the program's own copy of the
-// bytes (NativeProgram's buffer), so a file is read once and never mapped.
+// plan (NativeProgram's buffer), so the plan is read from the file once.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -25,6 +25,8 @@
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/platform.h>
 #include <executorch/runtime/platform/runtime.h>
+
+#include "_program_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -224,21 +226,47 @@ PyObject* g_program_error = nullptr;
 struct Block {
   void* data = nullptr;
   size_t nbytes = 0;
-  explicit Block(size_t n) : nbytes(n) {
+  size_t padded = 0;
+  bool mapped = false;  // straight from the kernel (munmap), else aligned_alloc (free)
+  // `copied`: the caller fills all n bytes at once (a cloned output, every
+  // call): heap memory, reused call after call, not zeroed first.
+  explicit Block(size_t n, bool copied = false)
+      : nbytes(n), padded(((std::max<size_t>(n, 1) + 63) / 64) * 64) {
+    // Otherwise zeroed, as the stock bindings' arenas are: a mutated buffer that
+    // exir serialized without its initial value (only shape and dtype) starts at
+    // zeros, which is what programs read before their first write. A large block
+    // is anonymous memory, zero already: its pages are touched when first
+    // written, not all of them at load.
+    if (!copied && padded >= kMappedBlockBytes) {
+      data = ::mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (data == MAP_FAILED) {
+        data = nullptr;
+        throw std::bad_alloc();
+      }
+      mapped = true;
+      return;
+    }
     // 64-byte alignment: ExecuTorch kernels and delegates may vectorize.
-    size_t padded = ((std::max<size_t>(n, 1) + 63) / 64) * 64;
     data = std::aligned_alloc(64, padded);
     if (data == nullptr) {
       throw std::bad_alloc();
     }
-    // Zeroed once at load, as the stock bindings' arenas are: a mutated buffer
-    // that exir serialized without its initial value (only shape and dtype)
-    // starts at zeros, which is what programs read before their first write.
-    std::memset(data, 0, padded);
+    if (!copied) {
+      std::memset(data, 0, padded);
+    }
   }
-  ~Block() { std::free(data); }
+  ~Block() {
+    if (mapped) {
+      ::munmap(data, padded);
+    } else {
+      std::free(data);
+    }
+  }
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
+
+ private:
+  static constexpr size_t kMappedBlockBytes = size_t{1} << 20;
 };
 
 // Holds a Python object from C++ code that may drop it without the GIL.
@@ -343,7 +371,7 @@ py::object to_torch(void* data, ScalarType type, const Sizes& sizes, std::shared
 }
 
 py::object copy_to_torch(const void* data, size_t nbytes, ScalarType type, etr::ArrayRef<int32_t> sizes) {
-  auto block = std::make_shared<Block>(nbytes);
+  auto block = std::make_shared<Block>(nbytes, /*copied=*/true);
   std::memcpy(block->data, data, nbytes);
   void* ptr = block->data;
   return to_torch(ptr, type, sizes, std::move(block));
@@ -750,175 +778,8 @@ py::object evalue_to_py(const etr::EValue& value, bool views, const std::string&
 // ---------------------------------------------------------------------------
 // Programs.
 
-// A program loaded from bytes owns a copy of them. A program loaded from a file
-// keeps the file open (read-only) and owns only its flatbuffer prefix (the
-// plan; the Python layer reads it through NativeProgram's buffer protocol):
-// every other range (constant data, delegate blobs, named data) is read from the
-// file when the runtime asks for it, into memory released when the runtime frees
-// it. A delegate that packs its weights (XNNPACK) frees its blob after init, so
-// the file's bytes are not held twice. Reads, not a mapping: a file cut short
-// under a mapping kills the process (SIGBUS) at the next page touched, private
-// mappings too; a short read is an error. Each read also checks that the file
-// is still the one opened (size and modification time), so bytes of a file
-// rewritten since load_program are refused with an error saying so.
-struct ProgramBytes {
-  void* data = nullptr;
-  size_t nbytes = 0;
-  size_t mapped = 0;
-  // Page-aligned anonymous memory (the runtime views constant data in place,
-  // at the alignment the file was written with). Huge pages where the system
-  // offers them on request: filling 128 MiB then takes half the time.
-  explicit ProgramBytes(size_t n) : nbytes(n), mapped(std::max<size_t>(n, 1)) {
-    data = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (data == MAP_FAILED) {
-      data = nullptr;
-      throw std::bad_alloc();
-    }
-#ifdef MADV_HUGEPAGE
-    if (mapped >= (size_t{2} << 20)) {
-      ::madvise(data, mapped, MADV_HUGEPAGE);
-    }
-#endif
-  }
-  ~ProgramBytes() { ::munmap(data, mapped); }
-  ProgramBytes(const ProgramBytes&) = delete;
-  ProgramBytes& operator=(const ProgramBytes&) = delete;
-};
-
-bool same_file_state(const struct stat& a, const struct stat& b) {
-  return a.st_size == b.st_size && a.st_mtim.tv_sec == b.st_mtim.tv_sec &&
-         a.st_mtim.tv_nsec == b.st_mtim.tv_nsec;
-}
-
-// Reads [offset, offset + size) of `fd` into `into`; "" on success, else why not.
-std::string read_exactly(int fd, size_t offset, size_t size, void* into) {
-  size_t done = 0;
-  while (done < size) {
-    ssize_t got = ::pread(fd, static_cast<char*>(into) + done, size - done,
-                          static_cast<off_t>(offset + done));
-    if (got < 0 && errno == EINTR) {
-      continue;
-    }
-    if (got < 0) {
-      return std::strerror(errno);
-    }
-    if (got == 0) {
-      return "the file ends at byte " + std::to_string(offset + done) + ", before byte " +
-             std::to_string(offset + size);
-    }
-    done += static_cast<size_t>(got);
-  }
-  return "";
-}
-
-class FileLoader final : public etr::DataLoader {
- public:
-  FileLoader(int fd, std::string path, const struct stat& opened, std::unique_ptr<ProgramBytes> prefix)
-      : fd_(fd), path_(std::move(path)), opened_(opened), prefix_(std::move(prefix)) {}
-  ~FileLoader() override { ::close(fd_); }
-  FileLoader(const FileLoader&) = delete;
-  FileLoader& operator=(const FileLoader&) = delete;
-
-  const ProgramBytes& prefix() const { return *prefix_; }
-
-  etr::Result<etr::FreeableBuffer> load(size_t offset, size_t size,
-                                        const SegmentInfo& /*info*/) const override {
-    if (!in_file(offset, size)) {
-      return etr::Error::InvalidArgument;
-    }
-    if (offset + size <= prefix_->nbytes) {
-      return etr::FreeableBuffer(static_cast<const char*>(prefix_->data) + offset, size, nullptr);
-    }
-    std::unique_ptr<ProgramBytes> block;
-    try {
-      block = std::make_unique<ProgramBytes>(size);
-    } catch (std::bad_alloc&) {
-      fail("cannot allocate " + std::to_string(size) + " bytes to read bytes " +
-           std::to_string(offset) + ".. of it into");
-      return etr::Error::MemoryAllocationFailed;
-    }
-    if (!read_checked(offset, size, block->data)) {
-      return etr::Error::AccessFailed;
-    }
-    void* data = block->data;
-    // The buffer's free function deletes the block (unmapping it).
-    return etr::FreeableBuffer(data, size, &FileLoader::free_block, block.release());
-  }
-
-  etr::Error load_into(size_t offset, size_t size, const SegmentInfo& /*info*/,
-                       void* buffer) const override {
-    if (!in_file(offset, size)) {
-      return etr::Error::InvalidArgument;
-    }
-    return read_checked(offset, size, buffer) ? etr::Error::Ok : etr::Error::AccessFailed;
-  }
-
-  etr::Result<size_t> size() const override { return static_cast<size_t>(opened_.st_size); }
-
-  // Why the last failed read failed ("" if none did), and forgets it.
-  std::string take_failure() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::string failure;
-    failure.swap(failure_);
-    return failure;
-  }
-
- private:
-  static void free_block(void* context, void* /*data*/, size_t /*size*/) {
-    delete static_cast<ProgramBytes*>(context);
-  }
-
-  bool in_file(size_t offset, size_t size) const {
-    size_t file_size = static_cast<size_t>(opened_.st_size);
-    if (offset > file_size || size > file_size - offset) {
-      fail("the program asks for bytes " + std::to_string(offset) + ".." +
-           std::to_string(offset + size) + " of a " + std::to_string(file_size) +
-           "-byte file (a corrupted program?)");
-      return false;
-    }
-    return true;
-  }
-
-  bool unchanged() const {
-    struct stat now {};
-    if (::fstat(fd_, &now) != 0) {
-      fail(std::string("cannot check the file: ") + std::strerror(errno));
-      return false;
-    }
-    if (!same_file_state(now, opened_)) {
-      fail("the file changed since load_program (" + std::to_string(opened_.st_size) + " bytes then, " +
-           std::to_string(now.st_size) +
-           " now); load it again, or load its bytes to keep the whole program in memory");
-      return false;
-    }
-    return true;
-  }
-
-  bool read_checked(size_t offset, size_t size, void* into) const {
-    if (!unchanged()) {
-      return false;
-    }
-    std::string failure = read_exactly(fd_, offset, size, into);
-    if (!failure.empty()) {
-      fail("cannot read bytes " + std::to_string(offset) + ".." + std::to_string(offset + size) +
-           ": " + failure);
-      return false;
-    }
-    return unchanged();
-  }
-
-  void fail(const std::string& why) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    failure_ = "'" + path_ + "': " + why;
-  }
-
-  int fd_;
-  std::string path_;
-  struct stat opened_;
-  std::unique_ptr<ProgramBytes> prefix_;
-  mutable std::mutex mutex_;
-  mutable std::string failure_;
-};
+// A program loaded from bytes owns a copy of them; one loaded from a file reads
+// and maps it through FileLoader (_program_file.h).
 
 struct ProgramState {
   std::unique_ptr<ProgramBytes> buffer;  // bytes given to from_bytes
@@ -1046,6 +907,41 @@ class NativeProgram {
   }
 
   const std::shared_ptr<ProgramState>& state() const { return state_; }
+
+  // For tests of a file changing under a method load (no program makes a delegate
+  // read its data after a chosen moment): loads [offset, offset + size) of the
+  // file as the runtime does for a delegate while a method loads, calls
+  // `during()`, reads the bytes, ends the load, calls `after()` and reads them
+  // again. Returns both reads; raises ProgramError as load_method does when the
+  // file did not hold still.
+  py::tuple read_as_delegate(size_t offset, size_t size, const py::object& during,
+                             const py::object& after) const {
+    const FileLoader* file = state_->file;
+    if (file == nullptr) {
+      throw py::value_error("the program was loaded from bytes, not from a file");
+    }
+    std::string while_loading;
+    std::string once_loaded;
+    bool held_still = true;
+    {
+      MethodLoad load(file);
+      auto buffer = file->load(offset, size, etr::DataLoader::SegmentInfo(
+                                                 etr::DataLoader::SegmentInfo::Type::Backend));
+      if (!buffer.ok()) {
+        raise_program_error("cannot read bytes " + std::to_string(offset) + ".." +
+                            std::to_string(offset + size) + state_->file_failure());
+      }
+      during();
+      while_loading.assign(static_cast<const char*>(buffer->data()), size);
+      held_still = load.close();
+      after();
+      once_loaded.assign(static_cast<const char*>(buffer->data()), size);
+    }
+    if (!held_still) {
+      raise_program_error("cannot load the bytes" + state_->file_failure());
+    }
+    return py::make_tuple(py::bytes(while_loading), py::bytes(once_loaded));
+  }
 
  private:
   NativeProgram(std::shared_ptr<ProgramState> state, int verification, const std::string& what)
@@ -1180,10 +1076,22 @@ class NativeMethod {
         &memory_->method_allocator, memory_->hierarchy.get(), &memory_->temp_allocator);
 
     clear_pending();
-    auto method = prog.load_method(name.c_str(), memory_->manager.get());
+    bool file_held_still = true;
+    auto method = [&] {
+      MethodLoad load(program_->file);
+      auto loaded = prog.load_method(name.c_str(), memory_->manager.get());
+      file_held_still = load.close();
+      return loaded;
+    }();
     if (!method.ok()) {
       raise_failure(g_program_error, "cannot load method '" + name + "'" + program_->file_failure(),
                     method.error());
+    }
+    if (!file_held_still) {
+      // Loaded from bytes that may be zeros where the file was cut: dropped.
+      std::string why = program_->file_failure();
+      { auto dropped = std::move(method); }
+      raise_program_error("cannot load method '" + name + "'" + why);
     }
     method_ = std::make_unique<etr::Method>(std::move(method.get()));
 
@@ -1849,7 +1757,9 @@ PYBIND11_MODULE(_native, m) {
       .def_buffer(&NativeProgram::bytes)
       .def_static("from_bytes", &NativeProgram::from_bytes, py::arg("data"), py::arg("verification"))
       .def_static("from_path", &NativeProgram::from_path, py::arg("path"), py::arg("verification"))
-      .def_property_readonly("method_names", &NativeProgram::method_names);
+      .def_property_readonly("method_names", &NativeProgram::method_names)
+      .def("_read_as_delegate", &NativeProgram::read_as_delegate, py::arg("offset"), py::arg("size"),
+           py::arg("during"), py::arg("after"));
 
   py::class_<NativeMethod>(m, "NativeMethod")
       .def(py::init<const NativeProgram&, const std::string&, const std::vector<int>&,

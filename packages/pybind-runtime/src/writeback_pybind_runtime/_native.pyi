@@ -1,6 +1,6 @@
 """Types of the compiled extension (see _native.cpp)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 class NativeProgram:
@@ -12,6 +12,9 @@ class NativeProgram:
     def from_path(path: str, verification: int) -> NativeProgram: ...
     @property
     def method_names(self) -> list[str]: ...
+    def _read_as_delegate(
+        self, offset: int, size: int, during: Callable[[], object], after: Callable[[], object]
+    ) -> tuple[bytes, bytes]: ...
 
 class NativeMethod:
     def __init__(

@@ -15,8 +15,11 @@ Contracts that differ from stock ``executorch.runtime`` 1.5.1 (each has a test):
   ExecuTorch backends; their exceptions come back as :class:`DelegateError`.
 - A ``Method`` refuses a second concurrent call with ``RuntimeError``; separate
   methods run concurrently.
-- A program loaded from a path reads the file, never maps it: a loaded method
-  never reads it again, and one changed before ``load_method`` is refused.
+- A program loaded from a path reads its plan and constants at ``load_program``;
+  ``load_method`` maps the delegate data it needs only while it loads (a range
+  a delegate still holds then is copied into the program's memory): a loaded
+  method never reads the file again, and a file changed before or while
+  ``load_method`` runs is refused (a file cut under the mapping included).
 - Before a call runs, every tensor it reads or writes in caller memory must
   still have the storage its shape needs, and a tensor it writes must not
   require grad while grad mode is on; otherwise ``ValueError``, nothing run.
@@ -205,10 +208,11 @@ class Program:
     """A loaded program. ``load_method`` returns a fresh :class:`Method` each call.
 
     Loaded from bytes, it owns a copy of them. Loaded from a path, it keeps the
-    file open and owns its plan and constants; each ``load_method`` reads the
-    delegate data it needs from the file (freed once the delegate has taken it),
-    and refuses with :class:`ProgramError` if the file changed since
-    ``load_program``. A loaded method never reads the file again.
+    file open and owns its plan and constants; each ``load_method`` maps the
+    delegate data it needs from the file read-only while it loads (unmapped once
+    the delegate has packed it, copied if the delegate keeps it), and refuses
+    with :class:`ProgramError` if the file changed since ``load_program`` or was
+    cut or changed during the load. A loaded method never reads the file again.
     """
 
     def __init__(self, native_program: Any) -> None:
@@ -292,10 +296,22 @@ class Runtime:
 
             registry = load_registry()
         delegates = registry.runtime_delegates()
-        for backend_id in sorted(delegates):
-            native().register_delegate(backend_id, delegates[backend_id])
-        self._registered = True
+        self.use_delegates(delegates)
         return delegates
+
+    def use_delegates(self, delegates: Mapping[str, RuntimeDelegate]) -> None:
+        """Register each of ``delegates`` (keyed by backend id, as a registry's
+        ``runtime_delegates()`` returns them) that is not already the delegate
+        registered under its id: a pipeline that loads program after program hands
+        over the same delegates each time, and they are registered once.
+
+        :raises ValueError: a backend id is taken by a compiled ExecuTorch backend.
+        """
+        registered = native().registered_delegates()
+        for backend_id in sorted(delegates):
+            if registered.get(backend_id) is not delegates[backend_id]:
+                native().register_delegate(backend_id, delegates[backend_id])
+        self._registered = True
 
     @property
     def backend_ids(self) -> list[str]:
@@ -309,11 +325,12 @@ class Runtime:
     ) -> Program:
         """Load a program from a ``.pte`` path or its bytes.
 
-        From bytes, the program keeps its own copy. From a path, the file is
-        read, never mapped: the plan and constants at once, delegate data when a
-        method loads (then freed, so weights a delegate packs are not held twice).
-        Change the file only after loading the methods you need, or pass its
-        bytes to hold the whole program in memory.
+        From bytes, the program keeps its own copy. From a path, the plan and
+        constants are read at once; delegate data is mapped when a method loads
+        and unmapped once the delegate has packed it (so weights a delegate packs
+        are not held twice, nor copied first). Change the file only after loading
+        the methods you need, or pass its bytes to hold the whole program in
+        memory.
 
         :param verification: :class:`Verification` (or a same-named member of
             executorch's ``Verification``); ``InternalConsistency`` checks the

@@ -16,26 +16,12 @@ from writeback_core.types import RuntimeDelegate, RuntimeSpec
 writeback_name = "pybind-runtime"
 
 
-class _Delegates:
-    """A plugin offering exactly the delegate objects a pipeline hands over."""
-
-    writeback_name = "pipeline-delegates"
-
-    def __init__(self, delegates: Mapping[str, RuntimeDelegate]) -> None:
-        self._delegates = list(delegates.values())
-
-    @hookimpl
-    def writeback_runtime_delegates(self) -> Sequence[RuntimeDelegate]:
-        return self._delegates
-
-
 def _load_program(data: bytes | os.PathLike[str], delegates: Mapping[str, RuntimeDelegate]) -> Any:
-    from writeback_core.registry import load_registry
-
     from writeback_pybind_runtime import Runtime
 
     runtime = Runtime.get()
-    runtime.register_delegates(load_registry(entry_points=False, plugins=[_Delegates(delegates)]))
+    # The pipeline's registry chose these delegates; registered once, not per load.
+    runtime.use_delegates(delegates)
     return runtime.load_program(data)
 
 
