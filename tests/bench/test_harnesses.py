@@ -31,11 +31,20 @@ def test_the_trt_harness_times_aliased_against_copy_back_on_the_cpu(capsys: pyte
 
 
 @pytest.mark.slow
-def test_the_memory_harness_lowers_every_built_in_model_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_memory_harness_lowers_every_built_in_model_both_ways_and_lets_no_warning_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import warnings
+
     from writeback.zoo import builtin_models
     from writeback_bench import passes_memory
 
-    assert passes_memory.main(["--size", "16"]) == 0
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        assert passes_memory.main(["--size", "16"]) == 0
+    # What Python shows a user by default: not the deprecations it hides outside __main__.
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+    assert [f"{w.category.__name__}: {w.message}" for w in escaped if not issubclass(w.category, hidden)] == []
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
     assert set(rows) == {*builtin_models(), "early-ready"}
     stock, early, saved, state, _ = rows["early-ready"]

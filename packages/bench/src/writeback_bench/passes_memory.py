@@ -82,14 +82,14 @@ def measure(case: ModelCase) -> MemoryRow:
     from writeback_passes.memory_report import memory_plan_report
     from writeback_passes.pipeline import to_executorch
 
-    program = export_case(case)
     with known_warnings_ignored():
+        program = export_case(case)
         edge = to_edge(program)
         stock = memory_plan_report(copy.deepcopy(edge).to_executorch())
         # exir's default config on both sides; the copies left are the comparison's subject.
         warnings.filterwarnings("ignore", category=CopyLeftWarning)
         early = memory_plan_report(to_executorch(edge, ExecutorchBackendConfig(), registry=load_registry()))
-    state = sum(m.nbytes or 0 for m in find_mutations(program.run_decompositions()))
+        state = sum(m.nbytes or 0 for m in find_mutations(program.run_decompositions()))
     return MemoryRow(case.name, stock.total_bytes, early.total_bytes, state)
 
 
