@@ -26,6 +26,16 @@ Modes:
 - ``cut-after-kept``: the same bytes, kept past the end of the load; the file is
   cut to 0 bytes and rewritten with other bytes, then they are read again;
   prints whether both reads equal the file's original bytes.
+- ``mapped-constants``: ``TableLookup`` lowered with the doubler delegate, loaded from
+  its path; prints whether the file is mapped after ``load_program``, whether a call
+  matches eager, then cuts the file to half its size and calls again: prints the
+  error and whether the state input and the output buffer kept their values.
+- ``cut-while-running``: the same program, the doubler's ``execute`` cutting the file
+  to 0 bytes in the middle of the call (before the table is read); prints the
+  error of that call and of the next one.
+- ``constant-output``: ``TableOutput`` (its table returned as an output), called with
+  ``clone_outputs=False``; cuts the file to 0 bytes and reads the output again: prints
+  whether both reads equal the table.
 - ``sigbus-sent-while-loading``: a Python signal handler for SIGBUS, then a
   program with the doubler delegate whose ``init`` sends the process SIGBUS;
   prints how many times the handler ran, whether it is still installed, and
@@ -71,6 +81,39 @@ class StatefulMLP(torch.nn.Module):
 
 
 EXAMPLE = (torch.zeros(16, 64), torch.zeros(16, 64))
+
+
+class TableLookup(torch.nn.Module):
+    """``state += 1``, then rows of a 12 MiB table scaled by twice ``scale`` (``scale +
+    scale``: the doubler delegate's partition, run in Python in the middle of the
+    call). The table is the program's constant segment, over the size the runtime maps
+    from the file instead of reading it, and is read whole after the delegate ran."""
+
+    ROWS, WIDTH = 3072, 1024
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.table = torch.nn.Parameter(torch.randn(self.ROWS, self.WIDTH, generator=generator))
+
+    def forward(self, rows: torch.Tensor, scale: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        state.add_(1.0)
+        doubled = scale + scale
+        return torch.nn.functional.embedding(rows, self.table * doubled) + state
+
+
+class TableOutput(torch.nn.Module):
+    """Returns its 12 MiB table (a mapped constant) as an output, beside ``x + 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = TableLookup().table
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.table, x + 1
+
+
+TABLE_EXAMPLE = (torch.tensor([0, 5, 3071]), torch.ones(1), torch.zeros(3, 1024))
 
 
 def _eager_step(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -270,6 +313,78 @@ def sigbus_sent_while_loading(runtime: Runtime, paths: list[str]) -> dict[str, o
     return {"received": len(received), "kept": signal.getsignal(signal.SIGBUS) is handler, "doubled": doubled}
 
 
+def _maps(path: str) -> bool:
+    """Whether ``path`` is mapped into this process."""
+    return any(line.rstrip().endswith(os.path.realpath(path)) for line in Path("/proc/self/maps").open())
+
+
+def _table_call(method: Method) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call of ``TableLookup``'s method and eager's answer; returns the output,
+    eager's output and the state the call was given."""
+    rows, scale = torch.tensor([0, 5, 3071]), torch.tensor([0.5])
+    state, expected_state = torch.zeros(3, 1024), torch.zeros(3, 1024)
+    with torch.no_grad():
+        expected = TableLookup()(rows, scale, expected_state)
+    out = method([rows, scale, state])[-1]
+    return out, expected, state
+
+
+def mapped_constants(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    from .doubler import BACKEND_ID, DoublerDelegate
+
+    runtime.use_delegates({BACKEND_ID: DoublerDelegate()})
+    path = paths[0]
+    size = os.path.getsize(path)
+    program = runtime.load_program(path)
+    mapped = _maps(path)
+    method = program.load_method("forward")
+    out, expected, state = _table_call(method)
+    matched = bool(torch.allclose(out, expected) and torch.equal(state, torch.ones(3, 1024)))
+    kept_out = out.clone()
+    os.truncate(path, size // 2)
+    error = None
+    try:
+        method([torch.tensor([1, 2, 3]), torch.tensor([3.0]), state])
+    except ProgramError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    unchanged = bool(torch.equal(state, torch.ones(3, 1024)) and torch.equal(out, kept_out))
+    return {"mapped": mapped, "matched": matched, "error": error, "unchanged": unchanged}
+
+
+def cut_while_running(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    from .doubler import BACKEND_ID, DoublerDelegate
+
+    path = paths[0]
+
+    class CutMidCall(DoublerDelegate):
+        """The doubler, cutting the program's file to 0 bytes as it runs."""
+
+        def execute(self, handle: Any, args: Any) -> None:
+            os.truncate(path, 0)
+            super().execute(handle, args)
+
+    runtime.use_delegates({BACKEND_ID: CutMidCall()})
+    method = runtime.load_program(path).load_method("forward")
+    errors: list[str | None] = []
+    for _ in range(2):
+        try:
+            _table_call(method)
+            errors.append(None)
+        except ProgramError as caught:
+            errors.append(f"{type(caught).__name__}: {caught}")
+    return {"errors": errors}
+
+
+def constant_output(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    path = paths[0]
+    table = TableOutput().table.detach()
+    method = runtime.load_program(path).load_method("forward")
+    out = method([torch.zeros(2)], clone_outputs=False)[0]
+    before = bool(torch.equal(out, table))
+    os.truncate(path, 0)
+    return {"before": before, "after": bool(torch.equal(out, table))}
+
+
 def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
     """Run this module's ``mode`` on ``paths`` in a fresh interpreter and return its
     JSON; fails the calling test if the interpreter died."""
@@ -299,6 +414,9 @@ MODES = {
     "cut-while-mapped": cut_while_mapped,
     "cut-after-kept": cut_after_kept,
     "sigbus-sent-while-loading": sigbus_sent_while_loading,
+    "mapped-constants": mapped_constants,
+    "cut-while-running": cut_while_running,
+    "constant-output": constant_output,
 }
 
 

@@ -43,6 +43,21 @@ def test_bench_load_xnnpack_holds_the_weights_once_after_load(capsys: pytest.Cap
     assert anon[bench_load.OURS] <= anon[bench_load.STOCK] + 0.1 * size, out
 
 
+def test_bench_load_portable_maps_a_large_constant_instead_of_copying_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 64 MiB constant of a portable program (read whole by the call): once loaded and
+    run, writeback's runtime holds it in the page cache through its mapping of the file,
+    not in memory of its own (reading it at load_program added +64 MiB anon), as stock's
+    mapped loading does."""
+    assert bench_load.main(["--mib", "64", "--loads", "1"]) == 0
+    out = capsys.readouterr().out
+    size = float(out.split(" MiB .pte")[0])
+    row = next(line for line in out.splitlines() if line.startswith(bench_load.OURS))
+    anon = float(row.split("+")[1].split(" MiB anon")[0])
+    file_backed = float(row.split("+")[2].split(" MiB file-backed")[0])
+    assert anon <= 0.1 * size, out
+    assert file_backed >= 0.9 * size, out
+
+
 def test_bench_load_pte_loads_the_file_given_without_running_it(
     lower: Lower, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,5 +1,6 @@
-"""A program loaded from a file owns every byte a loaded method uses: what happens to
-the file after a method is loaded does not reach the method, and a file changed
+"""A program loaded from a file whose constant segment is small (under the 8 MiB from
+which it is mapped: ``test_mapped_constants``) owns every byte a loaded method uses: what
+happens to the file after a method is loaded does not reach the method, and a file changed
 before or while a method loads is an error naming it, never a crash or a wrong
 answer (the delegate data a method load maps from the file included)."""
 

@@ -1237,11 +1237,40 @@ class NativeMethod {
       check_inputs_for_call();
     }
     check_bindings_for_call();
+    if (!spoiled_.empty()) {
+      raise_program_error("method '" + name_ + "' refused this call: " + spoiled_);
+    }
+    // A program whose constants are mapped from its file (_program_file.h): the
+    // file is checked before the call (changed: refused, nothing changed) and after
+    // it, and the call runs under a SigbusGuard (a cut file reads as zeros).
+    const FileLoader* mapped = program_->file != nullptr && program_->file->maps_constants()
+                                   ? program_->file
+                                   : nullptr;
+    std::optional<SigbusGuard> guard;
+    if (mapped != nullptr) {
+      if (!mapped->file_unchanged()) {
+        raise_program_error("method '" + name_ + "' refused this call, which changed nothing: its "
+                            "program maps its constants from its file" + program_->file_failure());
+      }
+      guard.emplace();
+    }
     clear_pending();
     etr::Error err;
     {
       py::gil_scoped_release release;
       err = method_->execute();
+    }
+    if (mapped != nullptr) {
+      bool intact = mapped->constants_intact();
+      guard.reset();
+      if (!intact) {
+        std::string why = program_->file_failure();
+        spoiled_ = "its program's file changed while an earlier call ran" + why +
+                   "; that call's outputs and the state it wrote are not to be used";
+        raise_program_error("method '" + name_ + "' ran while its program's file changed" + why +
+                            ": this call's outputs and the state it wrote are not to be used, and "
+                            "the method refuses further calls; load the program again");
+      }
     }
     if (err != etr::Error::Ok) {
       raise_failure(PyExc_RuntimeError, "method '" + name_ + "' failed", err);
@@ -1657,7 +1686,10 @@ class NativeMethod {
       return slot.bound.attr("reshape")(-1)[py::slice(0, static_cast<py::ssize_t>(numel), 1)]
           .attr("view")(sizes);
     }
-    if (clone) {
+    // An output that is a constant of a program mapping its constants from the
+    // file is copied: Python reads it outside any SigbusGuard.
+    if (clone || (program_->file != nullptr &&
+                  program_->file->in_resident_mapping(t.const_data_ptr(), t.nbytes()))) {
       return copy_to_torch(t.const_data_ptr(), t.nbytes(), t.scalar_type(), t.sizes());
     }
     std::shared_ptr<void> keep;
@@ -1684,6 +1716,7 @@ class NativeMethod {
   std::vector<InstalledInput> installed_;
   bool ready_ = false;
   bool executed_ = false;
+  std::string spoiled_;  // why the method refuses every call, or ""
   std::atomic<bool> busy_{false};
 };
 

@@ -4,9 +4,16 @@
 //
 // A program loaded from a file keeps the file open (read-only) and owns its
 // flatbuffer prefix (the plan; the Python layer reads it through
-// NativeProgram's buffer protocol) and whatever the runtime asks for at
-// load_program (the constant segment): read into memory of its own, so what
-// happens to the file later never reaches those bytes.
+// NativeProgram's buffer protocol). What the runtime asks for at load_program
+// (the constant segment) is read into memory of its own when small, so what
+// happens to the file later never reaches those bytes. A constant segment of
+// kMappedConstantBytes or more (a decoder's embedding table, read by portable
+// kernels at every call) is mapped read-only for the program's life instead,
+// as stock's mmap loader maps it: loading does not copy it and its pages are the
+// page cache's. Every call of a method of such a program checks the file first
+// (a changed file: the call is refused and changes nothing) and runs under a
+// SigbusGuard: a file cut while the call runs reads as zeros in place of the
+// fault, and the call ends in an error saying so (see NativeMethod::run).
 //
 // While a method loads, the ranges the runtime asks for (delegate blobs, the
 // named data XNNPACK packs its weights from) are mapped read-only from the file
@@ -228,7 +235,11 @@ struct FileMapping {
   char* base;     // whole pages, from the one holding the range's first byte
   size_t length;
   size_t slot;    // kNoSlot once copied into memory of its own
+  bool resident;  // the constant segment, mapped for the program's life
 };
+
+// Constant segments from this size on are mapped, not read (see the top).
+constexpr size_t kMappedConstantBytes = size_t{8} << 20;
 
 class FileLoader final : public etr::DataLoader {
  public:
@@ -241,18 +252,21 @@ class FileLoader final : public etr::DataLoader {
   const ProgramBytes& prefix() const { return *prefix_; }
 
   etr::Result<etr::FreeableBuffer> load(size_t offset, size_t size,
-                                        const SegmentInfo& /*info*/) const override {
+                                        const SegmentInfo& info) const override {
     if (!in_file(offset, size)) {
       return etr::Error::InvalidArgument;
     }
     if (offset + size <= prefix_->nbytes) {
       return etr::FreeableBuffer(static_cast<const char*>(prefix_->data) + offset, size, nullptr);
     }
-    if (method_loads() > 0) {
+    bool loading_method = method_loads() > 0;
+    bool resident = !loading_method && info.segment_type == SegmentInfo::Type::Constant &&
+                    size >= kMappedConstantBytes;
+    if (loading_method || resident) {
       if (!unchanged()) {
         return etr::Error::AccessFailed;
       }
-      std::optional<etr::FreeableBuffer> mapped = map(offset, size);
+      std::optional<etr::FreeableBuffer> mapped = map(offset, size, resident);
       if (mapped) {
         return std::move(*mapped);
       }
@@ -282,6 +296,53 @@ class FileLoader final : public etr::DataLoader {
   }
 
   etr::Result<size_t> size() const override { return static_cast<size_t>(opened_.st_size); }
+
+  // Whether ranges stay mapped from the file past the method loads (the constant
+  // segment): then calls must run under a SigbusGuard and check the file.
+  bool maps_constants() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !resident_.empty();
+  }
+
+  // Whether the file is as it was at load_program (the reason kept for take_failure).
+  bool file_unchanged() const { return unchanged(); }
+
+  // After a call of a program that maps its constants: false (the reason kept
+  // for take_failure) when the file changed or a fault in a mapping put zeros in
+  // place of its bytes. Call under the call's SigbusGuard.
+  bool constants_intact() const {
+    if (!unchanged()) {
+      return false;
+    }
+    bool cut = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const FileMapping* mapping : resident_) {
+        cut = cut || (mapping->slot != kNoSlot && g_mapped[mapping->slot].cut.load(std::memory_order_acquire));
+      }
+    }
+    if (cut) {
+      fail("bytes of it could not be read while the method ran (an I/O error?); its constants read as "
+           "zeros from there on: load it again");
+      return false;
+    }
+    return true;
+  }
+
+  // Whether [data, data + size) lies in a range mapped from the file for the
+  // program's life (a value handed to Python must not point there: Python reads
+  // it outside any SigbusGuard).
+  bool in_resident_mapping(const void* data, size_t size) const {
+    auto begin = reinterpret_cast<uintptr_t>(data);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const FileMapping* mapping : resident_) {
+      auto first = reinterpret_cast<uintptr_t>(mapping->base);
+      if (begin + size > first && begin < first + mapping->length) {
+        return true;
+      }
+    }
+    return false;
+  }
 
   // Why the last failed read failed ("" if none did), and forgets it.
   std::string take_failure() const {
@@ -353,7 +414,7 @@ class FileLoader final : public etr::DataLoader {
 
   // [offset, offset + size) mapped read-only, or nothing when it cannot be (no
   // free slot, a file system that does not map): then the range is read.
-  std::optional<etr::FreeableBuffer> map(size_t offset, size_t size) const {
+  std::optional<etr::FreeableBuffer> map(size_t offset, size_t size, bool resident) const {
     size_t first = offset - offset % g_page_size;
     size_t length = offset + size - first;
     if (size == 0) {
@@ -368,11 +429,15 @@ class FileLoader final : public etr::DataLoader {
       ::munmap(base, length);
       return std::nullopt;
     }
-    auto* mapping = new FileMapping{this, static_cast<char*>(base), length, slot};
+    auto* mapping = new FileMapping{this, static_cast<char*>(base), length, slot, resident};
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      mapped_.push_back(mapping);
-      mapped_any_ = true;
+      if (resident) {
+        resident_.push_back(mapping);
+      } else {
+        mapped_.push_back(mapping);
+        mapped_any_ = true;
+      }
     }
     return etr::FreeableBuffer(mapping->base + (offset - first), size, &FileLoader::free_mapping,
                                mapping);
@@ -385,6 +450,7 @@ class FileLoader final : public etr::DataLoader {
     std::lock_guard<std::mutex> lock(mutex_);
     cut_ = cut_ || cut;
     mapped_.erase(std::remove(mapped_.begin(), mapped_.end(), mapping), mapped_.end());
+    resident_.erase(std::remove(resident_.begin(), resident_.end(), mapping), resident_.end());
   }
 
   // Replaces a held mapping by a copy of its bytes at the same address.
@@ -468,6 +534,7 @@ class FileLoader final : public etr::DataLoader {
   mutable std::string failure_;
   mutable int method_loads_ = 0;                 // open method loads: map, do not read
   mutable std::vector<FileMapping*> mapped_;     // mappings not yet freed or copied
+  mutable std::vector<FileMapping*> resident_;   // mapped for the program's life
   mutable bool mapped_any_ = false;              // this load mapped a range
   mutable bool cut_ = false;                     // a fault in a mapping of this load
 };
