@@ -36,6 +36,9 @@ Modes:
 - ``constant-output``: ``TableOutput`` (its table returned as an output), called with
   ``clone_outputs=False``; cuts the file to 0 bytes and reads the output again: prints
   whether both reads equal the table.
+- ``numpy-view-of-blob``: a doubler delegate taking its blob as a memoryview and keeping
+  a numpy array over it; after the load the file is cut to 0 bytes and rewritten:
+  prints whether the array still holds the blob.
 - ``sigbus-sent-while-loading``: a Python signal handler for SIGBUS, then a
   program with the doubler delegate whose ``init`` sends the process SIGBUS;
   prints how many times the handler ran, whether it is still installed, and
@@ -385,6 +388,28 @@ def constant_output(runtime: Runtime, paths: list[str]) -> dict[str, object]:
     return {"before": before, "after": bool(torch.equal(out, table))}
 
 
+def numpy_view_of_blob(runtime: Runtime, paths: list[str]) -> dict[str, object]:
+    import numpy as np
+
+    from .doubler import BACKEND_ID, BLOB, DoublerDelegate
+
+    kept: list[Any] = []
+
+    class KeepsView(DoublerDelegate):
+        processed_as_memoryview = True
+
+        def init(self, processed: Any, compile_specs: Any) -> Any:
+            kept.append(np.frombuffer(processed, dtype=np.uint8))
+            return super().init(bytes(processed), compile_specs)
+
+    runtime.use_delegates({BACKEND_ID: KeepsView()})
+    method = runtime.load_program(paths[0]).load_method("forward")
+    _cut_and_rewrite(paths[0], os.path.getsize(paths[0]))
+    x = torch.arange(6.0).reshape(2, 3)
+    doubled = bool(torch.equal(method([x])[0], 2 * x + 1))
+    return {"same": doubled and kept[0].tobytes() == BLOB}
+
+
 def run_isolated(mode: str, *paths: Path) -> dict[str, Any]:
     """Run this module's ``mode`` on ``paths`` in a fresh interpreter and return its
     JSON; fails the calling test if the interpreter died."""
@@ -417,6 +442,7 @@ MODES = {
     "mapped-constants": mapped_constants,
     "cut-while-running": cut_while_running,
     "constant-output": constant_output,
+    "numpy-view-of-blob": numpy_view_of_blob,
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from writeback_pybind_runtime import DelegateError, Runtime
 
 from tests.pybind_runtime.conftest import Lower, stock_method
 from tests.pybind_runtime.doubler import BACKEND_ID, DoublerDelegate, DoublerPartitioner, DoublerPlugin
+from tests.pybind_runtime.isolated_worker import run_isolated
 
 
 class DoubleThenShift(torch.nn.Module):
@@ -183,3 +185,66 @@ def test_registering_a_backend_id_again_replaces_its_python_object_process_wide(
     (out,) = early.load_program(doubled_pte).load_method("forward")([x])
     torch.testing.assert_close(out, 2 * x + 1)
     assert first.calls == [] and len(second.calls) == 1
+
+
+class _ViewDoubler(DoublerDelegate):
+    """The doubler, asking for its blob as a memoryview (``processed_as_memoryview``) and
+    keeping what it was given."""
+
+    processed_as_memoryview = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: list[object] = []
+
+    def init(self, processed, compile_specs):  # type: ignore[no-untyped-def]
+        self.given.append(processed)
+        assert isinstance(processed, memoryview) and processed.readonly
+        return super().init(bytes(processed), compile_specs)
+
+
+def test_a_delegate_asking_for_a_memoryview_gets_the_blob_uncopied_and_a_kept_view_raises_never_reads_freed_memory(
+    doubled_pte: bytes, tmp_path: Path
+) -> None:
+    """``processed_as_memoryview = True``: ``init`` gets a read-only memoryview of the
+    runtime's buffer (the file's mapping while the method loads) holding the blob, and
+    the method runs as with bytes. The view is released when ``init`` returns: reading
+    the one the delegate kept raises ``ValueError`` instead of reading freed memory."""
+    path = tmp_path / "doubled.pte"
+    path.write_bytes(doubled_pte)
+    for source in (doubled_pte, path):
+        delegate = _ViewDoubler()
+        method = _runtime_with(delegate).load_program(source).load_method("forward")
+        x = torch.arange(6.0).view(2, 3)
+        torch.testing.assert_close(method([x])[0], 2 * x + 1)
+        assert delegate.inits == [(b"doubler-v1", {"factor": b"2"})]
+        (kept,) = delegate.given
+        assert isinstance(kept, memoryview)
+        with pytest.raises(ValueError, match="released memoryview"):
+            bytes(kept)
+
+
+def test_a_memoryview_delegate_that_raises_in_init_fails_the_load_naming_it_and_the_process_lives(
+    doubled_pte: bytes,
+) -> None:
+    """An ``init`` that raises while a view of the blob is alive in its frame: the load
+    fails with ``DelegateError`` naming the delegate and its error."""
+
+    class Refusing(_ViewDoubler):
+        def init(self, processed, compile_specs):  # type: ignore[no-untyped-def]
+            header = processed[:4]  # a view of the blob, alive in this frame
+            raise ValueError(f"refused blob starting {bytes(header)!r}")
+
+    with pytest.raises(DelegateError, match=r"raised ValueError: refused blob starting b'doub'"):
+        _runtime_with(Refusing()).load_program(doubled_pte).load_method("forward")
+
+
+def test_a_numpy_view_of_the_blob_kept_past_init_stays_valid_after_the_file_is_cut(
+    doubled_pte: bytes, tmp_path: Path
+) -> None:
+    """A delegate keeping a numpy array over its memoryview blob (the view cannot be
+    released): the runtime keeps the buffer, copied out of the file's mapping when the
+    load ends, so the array still reads the blob after the file is cut to 0 bytes."""
+    path = tmp_path / "doubled.pte"
+    path.write_bytes(doubled_pte)
+    assert run_isolated("numpy-view-of-blob", path) == {"same": True}

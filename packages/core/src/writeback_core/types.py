@@ -212,6 +212,12 @@ class RuntimeDelegate(Protocol):
     ``writeback_core.blob.BlobError`` naming the entry) rather than ignore it.
     ``writeback_testing.contract.check_declared_writes`` checks a lowered
     program's delegates against this rule.
+
+    ``init`` gets the blob as ``bytes``, or, when the delegate sets a true class
+    attribute ``processed_as_memoryview``, as a read-only ``memoryview`` of the
+    runtime's buffer (no copy of a large blob); that view is released when ``init``
+    returns, so the delegate copies what it keeps (an array built over the view keeps
+    the blob alive as long as it lives).
     """
 
     backend_id: str

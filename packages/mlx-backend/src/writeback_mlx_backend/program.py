@@ -247,7 +247,7 @@ class DelegateProgram:
     state: dict[str, TensorRecord] = field(default_factory=dict)
     state_updates: dict[str, str] = field(default_factory=dict)
     in_place: list[InPlaceCandidate] = field(default_factory=list)
-    data: bytearray = field(default_factory=bytearray)
+    data: bytearray | memoryview = field(default_factory=bytearray)
     # Where each distinct run of bytes already is in ``data`` (by digest), so a tensor
     # stored twice (each layer's copy of one Llama mask) is stored once. Not serialized.
     _stored: dict[bytes, int] = field(default_factory=dict, repr=False, compare=False)
@@ -296,7 +296,9 @@ class DelegateProgram:
                 f"this runtime reads version {VERSION}; lower the model again with this writeback-mlx-backend",
             )
         read.record(header, "header", keys=_HEADER_KEYS)
-        data = bytearray(blob[start + size :])
+        # A view of the blob's data section, not a copy: the runtime copies each record
+        # into an MLX array of its own and then drops the view (:meth:`drop_data`).
+        data = memoryview(blob)[start + size :]
         inputs = read.strings(header["inputs"], "inputs")
         input_meta = [
             _input_meta(read, m, f"input_meta[{i}]")
@@ -369,6 +371,8 @@ class DelegateProgram:
         raw = flat.numpy().tobytes()
         digest = hashlib.sha256(raw).digest() + len(raw).to_bytes(8, "little")
         offset = self._stored.get(digest)
+        if not isinstance(self.data, bytearray):
+            raise TypeError("a parsed blob's data section is read-only: build a new DelegateProgram to add tensors")
         if offset is None:
             pad = (-len(self.data)) % 64
             self.data += b"\x00" * pad
@@ -376,6 +380,12 @@ class DelegateProgram:
             self.data += raw
             self._stored[digest] = offset
         return TensorRecord(offset, len(raw), dtype_name(tensor.dtype), tuple(tensor.shape))
+
+    def drop_data(self) -> None:
+        """Forget the data section (a view of the blob after :meth:`from_bytes`) once every
+        record is loaded: the runtime then frees the blob, and :meth:`array` of a record
+        that is not zeros raises."""
+        self.data = bytearray()
 
     def array(self, record: TensorRecord) -> np.ndarray:
         """A numpy view of a record's bytes (read only); a new zero array for a zeros record."""

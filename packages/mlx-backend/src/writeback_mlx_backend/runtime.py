@@ -226,8 +226,11 @@ class MLXDelegate(CompiledPath, InterpretedPath):
     """
 
     backend_id = BACKEND_ID
+    # The blob as a view of the runtime's buffer, not a bytes copy: its weights are copied
+    # once, into MLX arrays (MLX's Python API has no array over memory it does not own).
+    processed_as_memoryview = True
 
-    def init(self, processed: bytes, compile_specs: Mapping[str, bytes]) -> Handle:
+    def init(self, processed: bytes | memoryview, compile_specs: Mapping[str, bytes]) -> Handle:
         """Parse the blob, load weights into MLX and precompute value lifetimes."""
         program = DelegateProgram.from_bytes(processed)
         steps = []
@@ -268,6 +271,7 @@ class MLXDelegate(CompiledPath, InterpretedPath):
             if name not in constants:
                 dies_at[position].append(name)
         mx.eval(*constants.values(), *state.values())
+        program.drop_data()  # every record is an MLX array of its own now: the blob can go
         watch = memory_plan(program, steps, last_use)
         forced, whole = _forced(program, compile_specs, outputs, info)
         handle = Handle(

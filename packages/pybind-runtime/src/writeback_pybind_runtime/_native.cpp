@@ -621,6 +621,27 @@ struct DelegateHandleBox {
 
 py::object evalue_to_py(const etr::EValue& value, bool views, const std::string& what);
 
+struct ProgramState;
+
+// The program whose method is loading on this thread (set by NativeMethod while
+// load_method runs): a blob handed to a delegate as a view keeps it alive.
+thread_local std::shared_ptr<ProgramState> t_loading_program;
+
+// A delegate's processed blob handed to Python uncopied (`processed_as_memoryview`):
+// the runtime's buffer, moved out of ExecuTorch's hands, freed when the last
+// Python object viewing it goes (a numpy array over it included), and the program
+// it came from (the file loader that frees a mapping, the bytes of a program loaded
+// from bytes) kept alive until then.
+struct DelegateBlob {
+  etr::FreeableBuffer buffer;
+  std::shared_ptr<ProgramState> program;
+  DelegateBlob(etr::FreeableBuffer&& b, std::shared_ptr<ProgramState> p)
+      : buffer(std::move(b)), program(std::move(p)) {}
+  ~DelegateBlob() { buffer.Free(); }  // before `program` goes
+  DelegateBlob(const DelegateBlob&) = delete;
+  DelegateBlob& operator=(const DelegateBlob&) = delete;
+};
+
 class PyBackend final : public etr::BackendInterface {
  public:
   explicit PyBackend(std::string id) : id_(std::move(id)) {}
@@ -638,14 +659,19 @@ class PyBackend final : public etr::BackendInterface {
     PyGILState_STATE state = PyGILState_Ensure();
     DelegateHandleBox* box = nullptr;
     try {
-      py::bytes blob(static_cast<const char*>(processed->data()), processed->size());
-      processed->Free();
       py::dict specs;
       for (const auto& spec : compile_specs) {
         specs[py::str(spec.key)] =
             py::bytes(static_cast<const char*>(spec.value.buffer), spec.value.nbytes);
       }
-      py::object handle = delegate_.attr("init")(blob, specs);
+      py::object handle;
+      if (py::bool_(py::getattr(delegate_, "processed_as_memoryview", py::none()))) {
+        handle = init_from_view(processed, specs);
+      } else {
+        py::bytes blob(static_cast<const char*>(processed->data()), processed->size());
+        processed->Free();
+        handle = delegate_.attr("init")(blob, specs);
+      }
       box = new DelegateHandleBox{delegate_, handle, id_};
     } catch (py::error_already_set& e) {
       set_pending(e, id_);
@@ -655,6 +681,54 @@ class PyBackend final : public etr::BackendInterface {
       return etr::Error::Internal;
     }
     return static_cast<etr::DelegateHandle*>(box);
+  }
+
+  // A delegate that sets `processed_as_memoryview` gets its blob as a read-only
+  // memoryview of the runtime's buffer (the file's mapping while a method loads)
+  // instead of a bytes copy: a large blob (an MLX program's weights) is then
+  // copied once, into the delegate's own arrays. The buffer lives while anything
+  // views it (DelegateBlob); one still viewed when the method load ends is a
+  // mapping the file loader copies into memory of its own at the same address
+  // (_program_file.h), so a view kept past init never reads the file again. The
+  // memoryview given is released when init returns: a delegate that kept it gets
+  // ValueError, not stale bytes.
+  py::object init_from_view(etr::FreeableBuffer* processed, const py::dict& specs) const {
+    py::object blob = py::cast(std::make_unique<DelegateBlob>(std::move(*processed), t_loading_program));
+    py::memoryview view(blob);
+    PyObject* handle = PyObject_CallMethod(delegate_.ptr(), "init", "OO", view.ptr(), specs.ptr());
+    if (handle == nullptr) {
+      // The traceback's frames may hold views of the blob: raised again without it.
+      PyObject* type = nullptr;
+      PyObject* value = nullptr;
+      PyObject* trace = nullptr;
+      PyErr_Fetch(&type, &value, &trace);
+      PyErr_NormalizeException(&type, &value, &trace);
+      Py_XDECREF(trace);
+      if (value != nullptr) {
+        PyException_SetTraceback(value, Py_None);
+      }
+      release_view(view);
+      PyErr_Restore(type, value, nullptr);
+      throw py::error_already_set();
+    }
+    release_view(view);
+    return py::reinterpret_steal<py::object>(handle);
+  }
+
+  static void release_view(py::memoryview& view) {
+    PyObject* released = PyObject_CallMethod(view.ptr(), "release", nullptr);
+    if (released != nullptr) {
+      Py_DECREF(released);
+      return;
+    }
+    // BufferError: a view of the memoryview is still alive; the blob lives with it.
+    PyObject* type = nullptr;
+    PyObject* value = nullptr;
+    PyObject* trace = nullptr;
+    PyErr_Fetch(&type, &value, &trace);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
   }
 
   etr::Error execute(
@@ -1078,6 +1152,11 @@ class NativeMethod {
     clear_pending();
     bool file_held_still = true;
     auto method = [&] {
+      // Delegates given their blob as a view keep the program alive through it.
+      struct Loading {
+        explicit Loading(std::shared_ptr<ProgramState> p) { t_loading_program = std::move(p); }
+        ~Loading() { t_loading_program.reset(); }
+      } loading(program_);
       MethodLoad load(program_->file);
       auto loaded = prog.load_method(name.c_str(), memory_->manager.get());
       file_held_still = load.close();
@@ -1764,6 +1843,12 @@ char parse_log_level(const std::string& name) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "ExecuTorch runtime bindings of writeback-pybind-runtime (see _runtime.py for the API).";
+  py::class_<DelegateBlob>(m, "_DelegateBlob", py::buffer_protocol())
+      .def_buffer([](DelegateBlob& blob) {
+        return py::buffer_info(const_cast<void*>(blob.buffer.data()), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(blob.buffer.size())}, {1}, /*readonly=*/true);
+      });
   if (const char* env = std::getenv("WRITEBACK_RUNTIME_LOG"); env != nullptr && *env != '\0') {
     try {
       g_min_log_level = parse_log_level(env);
