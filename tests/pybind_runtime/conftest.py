@@ -43,6 +43,23 @@ def to_pte(
         return bytes(edge.to_executorch(config).buffer)
 
 
+@pytest.fixture(scope="session")
+def mlp_pte_bytes() -> dict[str, bytes]:
+    """The isolated worker's stateful MLP lowered once per test session: ``planned``
+    (inputs and outputs memory planned), ``unplanned`` (neither), ``xnnpack`` (its
+    weights in an XNNPACK delegate blob read at ``load_method``). Bytes, so no test can
+    change what another one loads; a test that changes a file writes its own copy."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP
+
+    return {
+        "planned": to_pte(StatefulMLP(), EXAMPLE),
+        "unplanned": to_pte(StatefulMLP(), EXAMPLE, planned_inputs=False, planned_outputs=False),
+        "xnnpack": to_pte(StatefulMLP(), EXAMPLE, partitioners=[XnnpackPartitioner()]),
+    }
+
+
 @pytest.fixture
 def lower() -> Lower:
     """``lower(module, args, planned_inputs=..., planned_outputs=...) -> bytes``."""

@@ -5,22 +5,23 @@ ExecuTorch 1.5.1 reads an IntList's items as indices of Int values and calls
 ``toInt()`` on each when a kernel reads the list: an item naming a Double, a
 Tensor or a value out of range killed the process with ``EValue is not an int``
 (found by the blob fuzzer, ``writeback_testing.blobfuzz``). Each case runs in a
-subprocess so that a crash fails the test instead of killing pytest.
+process of its own (a forked child of one loader process, see fork_loader.py) so
+that a crash fails the test instead of killing pytest.
 """
 
 from __future__ import annotations
 
 import struct
 import subprocess
-import sys
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from writeback_testing.ptefields import PlanField, plan_fields
 
-from tests.pybind_runtime.conftest import Lower
+from tests.pybind_runtime.conftest import to_pte
+from tests.pybind_runtime.fork_loader import ForkLoader
 
 _KINDS = {"Int": 2, "Double": 4, "Tensor": 5}
 
@@ -30,21 +31,23 @@ class SumOverDims(torch.nn.Module):
         return x.sum(dim=[0, 2])
 
 
-def _load_and_call(pte: Path) -> subprocess.CompletedProcess[str]:
-    script = textwrap.dedent(
-        f"""
-        import torch
-        from writeback_core.registry import load_registry
-        from writeback_pybind_runtime import ProgramError, Runtime
-        runtime = Runtime(load_registry(entry_points=False))
-        try:
-            method = runtime.load_program(open({str(pte)!r}, "rb").read()).load_method("forward")
-            print("ran", method([torch.ones(2, 3, 4)])[0].tolist())
-        except ProgramError as error:
-            print("ProgramError:", error)
-        """
-    )
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+@pytest.fixture(scope="module")
+def fork_loader() -> Iterator[ForkLoader]:
+    """Loads each case in a forked child of one process that imported torch and the
+    runtime once (see fork_loader.py): a crash kills only that child."""
+    loader = ForkLoader()
+    yield loader
+    loader.close()
+
+
+def _load_and_call(fork_loader: ForkLoader, pte: Path) -> subprocess.CompletedProcess[str]:
+    return fork_loader.load_and_call(pte, "sum")
+
+
+@pytest.fixture(scope="module")
+def sum_pte() -> bytes:
+    """SumOverDims lowered once for the module (bytes: each test changes its own copy)."""
+    return to_pte(SumOverDims(), (torch.ones(2, 3, 4),))
 
 
 def _int_list_item(pte: bytes) -> tuple[int, int]:
@@ -58,26 +61,26 @@ def _value_kind(pte: bytes, index: int) -> tuple[int, int]:
     return field.offset, field.read(pte)
 
 
-def test_unchanged_program_sums_as_eager(lower: Lower, tmp_path: Path) -> None:
+def test_unchanged_program_sums_as_eager(sum_pte: bytes, fork_loader: ForkLoader, tmp_path: Path) -> None:
     pte = tmp_path / "sum.pte"
-    pte.write_bytes(lower(SumOverDims(), (torch.ones(2, 3, 4),)))
-    done = _load_and_call(pte)
+    pte.write_bytes(sum_pte)
+    done = _load_and_call(fork_loader, pte)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"ran {torch.ones(2, 3, 4).sum(dim=[0, 2]).tolist()}"
 
 
 @pytest.mark.parametrize("kind", ["Double", "Tensor"])
 def test_int_list_item_naming_a_value_of_another_kind_refused_at_load_no_crash(
-    lower: Lower, tmp_path: Path, kind: str
+    sum_pte: bytes, fork_loader: ForkLoader, tmp_path: Path, kind: str
 ) -> None:
-    data = bytearray(lower(SumOverDims(), (torch.ones(2, 3, 4),)))
+    data = bytearray(sum_pte)
     _, index = _int_list_item(bytes(data))
     offset, was = _value_kind(bytes(data), index)
     assert was == _KINDS["Int"]
     data[offset] = _KINDS[kind]  # the Int the list names becomes a Double (or a Tensor)
     pte = tmp_path / "changed.pte"
     pte.write_bytes(bytes(data))
-    done = _load_and_call(pte)
+    done = _load_and_call(fork_loader, pte)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:"), done.stdout
     if kind == "Double":  # a Tensor table under an Int's name fails ExecuTorch's own verifier first
@@ -85,13 +88,15 @@ def test_int_list_item_naming_a_value_of_another_kind_refused_at_load_no_crash(
 
 
 @pytest.mark.parametrize("item", [-1, 10_000, 2**40])
-def test_int_list_item_out_of_range_refused_at_load_no_crash(lower: Lower, tmp_path: Path, item: int) -> None:
-    data = bytearray(lower(SumOverDims(), (torch.ones(2, 3, 4),)))
+def test_int_list_item_out_of_range_refused_at_load_no_crash(
+    sum_pte: bytes, fork_loader: ForkLoader, tmp_path: Path, item: int
+) -> None:
+    data = bytearray(sum_pte)
     offset, _ = _int_list_item(bytes(data))
     data[offset : offset + 8] = item.to_bytes(8, "little", signed=True)
     pte = tmp_path / "changed.pte"
     pte.write_bytes(bytes(data))
-    done = _load_and_call(pte)
+    done = _load_and_call(fork_loader, pte)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:"), done.stdout
     assert f"names value {item}, but the method has" in done.stdout, done.stdout
@@ -125,36 +130,21 @@ def _field(pte: bytes, path: str) -> PlanField:
     return next(f for f in plan_fields(pte) if f.path == path)
 
 
-def _load_bytes_and_call(data: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    from writeback_testing.blobfuzz import DEFAULT_PLUGINS  # noqa: F401  (the seed's inputs below)
-
+def _load_bytes_and_call(fork_loader: ForkLoader, data: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Loads ``data`` and calls it on the seed's inputs in a forked child (a crash kills the child)."""
     pte = tmp_path / "changed.pte"
     pte.write_bytes(data)
-    script = textwrap.dedent(
-        f"""
-        import torch
-        from writeback_core.registry import load_registry
-        from writeback_pybind_runtime import ProgramError, Runtime
-        runtime = Runtime(load_registry(entry_points=False))
-        try:
-            method = runtime.load_program(open({str(pte)!r}, "rb").read()).load_method("forward")
-            method([torch.tensor([5]), torch.ones(1, 2, 1, 4)])
-            print("ran")
-        except ProgramError as error:
-            print("ProgramError:", error)
-        """
-    )
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    return fork_loader.load_and_call(pte, "seed")
 
 
-def test_unchanged_seed_program_runs(seed_pte: bytes, tmp_path: Path) -> None:
-    done = _load_bytes_and_call(seed_pte, tmp_path)
+def test_unchanged_seed_program_runs(seed_pte: bytes, fork_loader: ForkLoader, tmp_path: Path) -> None:
+    done = _load_bytes_and_call(fork_loader, seed_pte, tmp_path)
     assert done.stdout.strip() == "ran", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("change", ["size names a tensor", "viewed tensor becomes null"])
 def test_et_view_argument_of_the_wrong_kind_refused_at_load_no_crash(
-    seed_pte: bytes, tmp_path: Path, change: str
+    seed_pte: bytes, fork_loader: ForkLoader, tmp_path: Path, change: str
 ) -> None:
     """torch has no schema for ExecuTorch's ``et_view``, so its arguments went unchecked:
     a size naming a Tensor aborted the process in ``toIntList()``, a viewed value turned
@@ -169,13 +159,13 @@ def test_et_view_argument_of_the_wrong_kind_refused_at_load_no_crash(
         field = _field(seed_pte, f"plan[0].values[{args[0]}].kind")
         data[field.offset] = 1
         refusal = f"passes value {args[0]} of kind 1 as argument 0 (Tensor) of executorch_prim::et_view"
-    done = _load_bytes_and_call(bytes(data), tmp_path)
+    done = _load_bytes_and_call(fork_loader, bytes(data), tmp_path)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:") and refusal in done.stdout, done.stdout
 
 
 def test_partly_overlapping_planned_tensors_of_one_call_refused_at_load_no_memory_error(
-    seed_pte: bytes, tmp_path: Path
+    seed_pte: bytes, fork_loader: ForkLoader, tmp_path: Path
 ) -> None:
     """A planned tensor moved 8 bytes into another one that the same kernel call takes:
     ``index_put``'s memcpy then read and wrote the same bytes (AddressSanitizer:
@@ -188,30 +178,34 @@ def test_partly_overlapping_planned_tensors_of_one_call_refused_at_load_no_memor
     data = bytearray(seed_pte)
     target = fields[low.format(moved)]
     struct.pack_into(target.fmt, data, target.offset, fields[low.format(first)].read(seed_pte) + 8)
-    done = _load_bytes_and_call(bytes(data), tmp_path)
+    done = _load_bytes_and_call(fork_loader, bytes(data), tmp_path)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:") and "partly overlaps" in done.stdout, (name, done.stdout)
 
 
-def test_et_view_of_itself_refused_at_load_no_segfault(seed_pte: bytes, tmp_path: Path) -> None:
+def test_et_view_of_itself_refused_at_load_no_segfault(
+    seed_pte: bytes, fork_loader: ForkLoader, tmp_path: Path
+) -> None:
     """``et_view(out, size, out)``: the view's value has no memory until the view gives it
     its source's, so it got a null pointer and the next kernel died with SIGSEGV."""
     number, _, args = next(c for c in _kernel_calls(seed_pte) if c[1] == "executorch_prim::et_view")
     data = bytearray(seed_pte)
     field = _field(seed_pte, f"plan[0].chains[0].instructions[{number}].KernelCall.args[0]")
     struct.pack_into(field.fmt, data, field.offset, args[2])
-    done = _load_bytes_and_call(bytes(data), tmp_path)
+    done = _load_bytes_and_call(fork_loader, bytes(data), tmp_path)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:") and f"views value {args[2]} as itself" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("code", [12, 13, 14, 9])  # QInt8, QUInt8, QInt32, ComplexFloat
-def test_tensor_of_a_dtype_no_kernel_takes_refused_at_load_no_abort(seed_pte: bytes, tmp_path: Path, code: int) -> None:
+def test_tensor_of_a_dtype_no_kernel_takes_refused_at_load_no_abort(
+    seed_pte: bytes, fork_loader: ForkLoader, tmp_path: Path, code: int
+) -> None:
     """A float tensor's dtype changed to a quantized one: promoteTypes() aborted the process."""
     fields = [f for f in plan_fields(seed_pte) if f.path.endswith(".Tensor.scalar_type") and f.read(seed_pte) == 6]
     data = bytearray(seed_pte)
     for field in fields:
         data[field.offset] = code
-    done = _load_bytes_and_call(bytes(data), tmp_path)
+    done = _load_bytes_and_call(fork_loader, bytes(data), tmp_path)
     assert done.returncode == 0, f"the process died (exit {done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("ProgramError:") and f"dtype code {code}" in done.stdout, done.stdout

@@ -10,42 +10,40 @@ from pathlib import Path
 
 import pytest
 import torch
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from writeback_pybind_runtime import ProgramError, Runtime
 
 from tests.pybind_runtime.conftest import Lower
 from tests.pybind_runtime.doubler import DoublerPartitioner
-from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP, run_isolated
+from tests.pybind_runtime.isolated_worker import StatefulMLP, run_isolated
 
 
-def _ptes(lower: Lower, tmp_path: Path) -> list[Path]:
+def _ptes(mlp_pte_bytes: dict[str, bytes], tmp_path: Path) -> list[Path]:
     """The MLP with planned and unplanned inputs, and lowered to XNNPACK (its
-    weights in a delegate blob read at ``load_method``)."""
+    weights in a delegate blob read at ``load_method``), each in this test's own file
+    (the session's lowering, see conftest's ``mlp_pte_bytes``)."""
     paths = []
-    for name, kwargs in (
-        ("planned", {}),
-        ("unplanned", {"planned_inputs": False, "planned_outputs": False}),
-        ("xnnpack", {"partitioners": [XnnpackPartitioner()]}),
-    ):
+    for name in ("planned", "unplanned", "xnnpack"):
         path = tmp_path / f"mlp_{name}.pte"
-        path.write_bytes(lower(StatefulMLP(), EXAMPLE, **kwargs))
+        path.write_bytes(mlp_pte_bytes[name])
         paths.append(path)
     return paths
 
 
-def test_truncated_pte_after_load_method_still_runs_correctly(lower: Lower, tmp_path: Path) -> None:
+def test_truncated_pte_after_load_method_still_runs_correctly(mlp_pte_bytes: dict[str, bytes], tmp_path: Path) -> None:
     """Truncated to 0 bytes after the method loaded, then rewritten with other bytes:
     the method runs and matches eager (a mapped file dies of SIGBUS)."""
-    result = run_isolated("truncate", *_ptes(lower, tmp_path))
+    result = run_isolated("truncate", *_ptes(mlp_pte_bytes, tmp_path))
     assert result["matched"] == [[True, True]] * 3, result
 
 
-def test_file_changed_before_load_method_is_an_error_not_a_crash(lower: Lower, tmp_path: Path) -> None:
+def test_file_changed_before_load_method_is_an_error_not_a_crash(
+    mlp_pte_bytes: dict[str, bytes], tmp_path: Path
+) -> None:
     """Cut in half, cut to 0 bytes, or rewritten in place between ``load_program``
     and ``load_method``: the XNNPACK program's method refuses to load, naming the
     file and the change and what to do. The portable programs hold every byte they
     need from ``load_program`` on (their constants are read then), so they load."""
-    paths = _ptes(lower, tmp_path)
+    paths = _ptes(mlp_pte_bytes, tmp_path)
     errors = run_isolated("truncate-before-method", *paths)["errors"]
     assert errors[:6] == [None] * 6, errors
     sizes = [str(paths[2].stat().st_size)] * 3
@@ -56,8 +54,10 @@ def test_file_changed_before_load_method_is_an_error_not_a_crash(lower: Lower, t
         assert "load it again" in error
 
 
-def test_bytes_a_program_was_loaded_from_can_change_after_load(lower: Lower, runtime: Runtime) -> None:
-    data = bytearray(lower(StatefulMLP(), EXAMPLE))
+def test_bytes_a_program_was_loaded_from_can_change_after_load(
+    mlp_pte_bytes: dict[str, bytes], runtime: Runtime
+) -> None:
+    data = bytearray(mlp_pte_bytes["planned"])
     program = runtime.load_program(data)
     data[:] = b"\0" * len(data)
     x = torch.ones(16, 64)
@@ -66,9 +66,11 @@ def test_bytes_a_program_was_loaded_from_can_change_after_load(lower: Lower, run
     torch.testing.assert_close(program.load_method("forward")([x, torch.zeros(16, 64)])[1], expected)
 
 
-def test_cut_file_is_refused_at_load_program_naming_both_sizes(lower: Lower, runtime: Runtime, tmp_path: Path) -> None:
+def test_cut_file_is_refused_at_load_program_naming_both_sizes(
+    mlp_pte_bytes: dict[str, bytes], runtime: Runtime, tmp_path: Path
+) -> None:
     """A file shorter than the program its header declares fails at ``load_program``."""
-    data = lower(StatefulMLP(), EXAMPLE, partitioners=[XnnpackPartitioner()])
+    data = mlp_pte_bytes["xnnpack"]
     declared = int.from_bytes(data[16:24], "little")
     path = tmp_path / "cut.pte"
     path.write_bytes(data[: declared - 1])
@@ -77,12 +79,14 @@ def test_cut_file_is_refused_at_load_program_naming_both_sizes(lower: Lower, run
         runtime.load_program(path)
 
 
-def test_file_cut_while_a_method_loads_is_a_clear_error_not_a_crash(lower: Lower, tmp_path: Path) -> None:
+def test_file_cut_while_a_method_loads_is_a_clear_error_not_a_crash(
+    mlp_pte_bytes: dict[str, bytes], tmp_path: Path
+) -> None:
     """While a method loads, the runtime maps the delegate data it asks for; the file
     cut (to half, then to 0 bytes) after the mapping and before the bytes are read
     faults (SIGBUS) on the read: the load fails naming the file and the change, and
     the process lives on."""
-    path = _ptes(lower, tmp_path)[2]
+    path = _ptes(mlp_pte_bytes, tmp_path)[2]
     size = path.stat().st_size
     errors = run_isolated("cut-while-mapped", path)["errors"]
     assert len(errors) == 2, errors
@@ -93,12 +97,12 @@ def test_file_cut_while_a_method_loads_is_a_clear_error_not_a_crash(lower: Lower
 
 
 def test_delegate_data_kept_past_the_load_no_longer_reads_a_cut_file_changes_nothing(
-    lower: Lower, tmp_path: Path
+    mlp_pte_bytes: dict[str, bytes], tmp_path: Path
 ) -> None:
     """Delegate data still held when the load ends is copied into the runtime's memory at
     the same address: the file cut to 0 bytes and rewritten afterwards changes nothing
     of it (a mapping would die of SIGBUS, or read the new bytes)."""
-    path = _ptes(lower, tmp_path)[2]
+    path = _ptes(mlp_pte_bytes, tmp_path)[2]
     assert run_isolated("cut-after-kept", path)["same"] == [True]
 
 

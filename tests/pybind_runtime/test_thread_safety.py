@@ -18,18 +18,19 @@ from writeback_pybind_runtime import DelegateError, Method, Runtime
 
 from tests.pybind_runtime.conftest import Lower
 from tests.pybind_runtime.doubler import DoublerDelegate, DoublerPartitioner, DoublerPlugin
-from tests.pybind_runtime.isolated_worker import EXAMPLE, StatefulMLP, run_isolated
+from tests.pybind_runtime.isolated_worker import run_isolated
 
 BUSY = r"in use by another call"
 
 
 @pytest.fixture
-def mlp_ptes(lower: Lower, tmp_path: Path) -> list[Path]:
-    """The worker's stateful MLP, with inputs and outputs memory planned and not."""
+def mlp_ptes(mlp_pte_bytes: dict[str, bytes], tmp_path: Path) -> list[Path]:
+    """The worker's stateful MLP, with inputs and outputs memory planned and not (the
+    session's lowering, see conftest's ``mlp_pte_bytes``)."""
     paths = []
-    for planned in (True, False):
-        path = tmp_path / f"mlp_{'planned' if planned else 'unplanned'}.pte"
-        path.write_bytes(lower(StatefulMLP(), EXAMPLE, planned_inputs=planned, planned_outputs=planned))
+    for name in ("planned", "unplanned"):
+        path = tmp_path / f"mlp_{name}.pte"
+        path.write_bytes(mlp_pte_bytes[name])
         paths.append(path)
     return paths
 
