@@ -722,13 +722,7 @@ class PyBackend final : public etr::BackendInterface {
       return;
     }
     // BufferError: a view of the memoryview is still alive; the blob lives with it.
-    PyObject* type = nullptr;
-    PyObject* value = nullptr;
-    PyObject* trace = nullptr;
-    PyErr_Fetch(&type, &value, &trace);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(trace);
+    PyErr_Clear();
   }
 
   etr::Error execute(

@@ -235,7 +235,6 @@ struct FileMapping {
   char* base;     // whole pages, from the one holding the range's first byte
   size_t length;
   size_t slot;    // kNoSlot once copied into memory of its own
-  bool resident;  // the constant segment, mapped for the program's life
 };
 
 // Constant segments from this size on are mapped, not read (see the top).
@@ -429,7 +428,7 @@ class FileLoader final : public etr::DataLoader {
       ::munmap(base, length);
       return std::nullopt;
     }
-    auto* mapping = new FileMapping{this, static_cast<char*>(base), length, slot, resident};
+    auto* mapping = new FileMapping{this, static_cast<char*>(base), length, slot};
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (resident) {
