@@ -145,3 +145,41 @@ def test_kernel_failing_at_run_time_names_its_logged_reason_in_the_cell_and_the_
     assert "0x12 (Special case in-place index_put requires values to match index length" in failed
     assert rows["stock+xnnpack"].error is None and len(rows["stock+xnnpack"].times) == 2
     assert rows["stock+xnnpack"].copies == 1  # the 256 B cache copied back whole every call
+
+
+def test_bench_model_times_with_one_model_of_weights_alive_the_export_and_lowerings_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real-size model's weights must not be held once per contender: while the rounds are
+    timed, the only model alive is the eager row's (the shared export and each lowering are
+    dropped, the programs run from their files)."""
+    import gc
+    import weakref
+
+    from writeback import bench_model
+
+    base = decoder_case(DecoderConfig(layers=2))
+    built: list[list[weakref.ref[torch.Tensor]]] = []
+
+    def build() -> torch.nn.Module:
+        module = base.build()
+        built.append([weakref.ref(p) for p in module.parameters()])
+        return module
+
+    alive: list[list[int]] = []
+    timed = bench_model._time_model_rounds
+
+    def counting(*args: object, **kwargs: object) -> None:
+        gc.collect()
+        alive.append([sum(ref() is not None for ref in refs) for refs in built])
+        timed(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench_model, "_time_model_rounds", counting)
+    case = dataclasses.replace(base, build=build)
+    contenders = ["eager", "stock+xnnpack", "writeback+xnnpack"]
+    result = run_model_bench(load_registry(), case, steps=1, contenders=contenders)
+    assert [(row.name, row.error) for row in result.rows] == [(name, None) for name in contenders]
+    per_model = len(built[0])
+    # Built: the eager reference, the shared export, writeback's lowering, the eager row.
+    assert len(built) == 4 and per_model == len(list(base.build().parameters()))
+    assert alive == [[0, 0, 0, per_model]], f"parameters alive per built model while timing: {alive}"

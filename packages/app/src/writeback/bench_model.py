@@ -18,9 +18,11 @@ from __future__ import annotations
 import gc
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,12 +133,13 @@ def _program_copies(program: Any) -> tuple[int, int]:
 
 
 def _stock_model_call(
-    case: ModelCase, exported: Any, partitioner: str | None, reinplace: bool
+    case: ModelCase, exported: Any, partitioner: str | None, reinplace: bool, path: Path
 ) -> tuple[Call, int, int]:
-    """Lower ``exported`` the stock way (``partitioner``: ``"xnnpack"`` or none) and load it in
-    stock ``executorch.runtime``. Caller-owned state is fed in every call and its new value,
-    which that runtime returns as an output instead of writing it, copied back (timed: a
-    stock user pays it)."""
+    """Lower ``exported`` the stock way (``partitioner``: ``"xnnpack"`` or none), write it to
+    ``path`` and load that file in stock ``executorch.runtime``, as ExecuTorch users save and
+    load a program (the runtime maps the file: no joined copy of the weights in memory).
+    Caller-owned state is fed in every call and its new value, which that runtime returns as
+    an output instead of writing it, copied back (timed: a stock user pays it)."""
     from executorch.exir import ExecutorchBackendConfig
 
     with known_warnings_ignored():
@@ -148,9 +151,10 @@ def _stock_model_call(
             else ExecutorchBackendConfig()
         )
         program = stock_program(exported, partitioner == "xnnpack", config)
-        data = bytes(program.buffer)
+        with open(path, "wb") as handle:
+            program.write_to_file(handle)
         # A stock Method reads freed memory once its Program is collected: keep both.
-        loaded = Runtime.get().load_program(data)
+        loaded = Runtime.get().load_program(path)
         method = loaded.load_method("forward")
     final = program.exported_program()
     from torch.export.graph_signature import OutputKind
@@ -158,6 +162,7 @@ def _stock_model_call(
     mutated = sum(1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION)
     state = case.make_state()
     count, nbytes = _program_copies(program)
+    del program, final  # the lowering's copies of the weights: the loaded file is what runs
 
     signature = InputSignature.of(exported)
 
@@ -198,7 +203,7 @@ def _flat(value: Any) -> list[Any]:
     return [value]
 
 
-def _upstream_row(name: str, case: ModelCase, exported: Callable[[], Any]) -> ModelRow:
+def _upstream_row(name: str, case: ModelCase, exported: Callable[[], Any], folder: Path) -> ModelRow:
     row = ModelRow(name)
     try:
         if name == EAGER:
@@ -207,19 +212,30 @@ def _upstream_row(name: str, case: ModelCase, exported: Callable[[], Any]) -> Mo
             return row
         partitioner = None if name == STOCK else "xnnpack"
         row.call, row.copies, row.copied_bytes = _stock_model_call(
-            case, exported(), partitioner, reinplace=name == XNNPACK_REINPLACE
+            case, exported(), partitioner, reinplace=name == XNNPACK_REINPLACE, path=_pte_path(folder, name)
         )
     except Exception as error:  # reported in its cell; the other contenders go on
         row.error = f"failed to lower or load: {short_error(error)}"
     return row
 
 
-def _writeback_row(name: str, case: ModelCase, registry: Registry, backend: str) -> tuple[ModelRow, Session | None]:
+def _pte_path(folder: Path, name: str) -> Path:
+    return folder / (re.sub(r"[^A-Za-z0-9.-]+", "_", name) + ".pte")
+
+
+def _writeback_row(
+    name: str, case: ModelCase, registry: Registry, backend: str, folder: Path
+) -> tuple[ModelRow, Session | None]:
+    """Lowered as ``writeback run`` lowers: written to a file in ``folder``, the lowering's
+    copies of the weights released, then that file loaded."""
     row = ModelRow(name)
     try:
         pipeline = assemble(registry, backend)
         lowered = lower(case, pipeline)
-        session = Session.open(pipeline, lowered)
+        path = _pte_path(folder, name)
+        lowered.write_pte(path)
+        lowered.release()
+        session = Session.open(pipeline, lowered, path=path)
     except Exception as error:
         row.error = f"failed to lower or load: {short_error(error)}"
         return row, None
@@ -233,11 +249,13 @@ def _writeback_row(name: str, case: ModelCase, registry: Registry, backend: str)
     return row, session
 
 
-def _contender_row(name: str, case: ModelCase, make: Callable[[], Any]) -> ModelRow:
+def _contender_row(name: str, case: ModelCase, make: Callable[[], Any], folder: Path) -> ModelRow:
     """A case's own upstream contender: its program lowered with XNNPACK, stock runtime."""
     row = ModelRow(name, note="the model's own export, lowered with XNNPACK, stock runtime")
     try:
-        row.call, row.copies, row.copied_bytes = _stock_model_call(case, make(), "xnnpack", reinplace=False)
+        row.call, row.copies, row.copied_bytes = _stock_model_call(
+            case, make(), "xnnpack", reinplace=False, path=_pte_path(folder, name)
+        )
     except Exception as error:
         row.error = f"failed to lower or load: {short_error(error)}"
     return row
@@ -341,28 +359,38 @@ def run_model_bench(
         return exported_once[0]
 
     reference = _model_reference(case, start)
-    rows: list[ModelRow] = []
+    found: dict[str, ModelRow] = {}
     task = progress.add_task("lower", total=len(chosen)) if progress is not None else None
+    # Memory (a real-size model's weights are held by each loaded program, by the shared export
+    # and by the eager row): the shared export is dropped after its last user, and the eager
+    # row, which keeps a model for the whole bench, is built after every lowering.
+    order = sorted(chosen, key=lambda name: name == EAGER)
+    last_export_user = max((i for i, name in enumerate(order) if name in UPSTREAM and name != EAGER), default=-1)
     # The runtimes' C++ log goes through a file: a failing kernel's reason goes into its row's
     # cell, the stock runtime's start-up lines are dropped, any other line is printed at the end.
-    with native_stderr_captured() as log:
-        for name in chosen:
+    with native_stderr_captured() as log, tempfile.TemporaryDirectory(prefix="writeback-bench-") as folder:
+        for index, name in enumerate(order):
             session = None
             if name in UPSTREAM:
-                row = _upstream_row(name, case, exported)
+                row = _upstream_row(name, case, exported, Path(folder))
             elif name.startswith(WRITEBACK_PREFIX) and name not in case.contenders:
-                row, session = _writeback_row(name, case, registry, name.removeprefix(WRITEBACK_PREFIX))
+                row, session = _writeback_row(name, case, registry, name.removeprefix(WRITEBACK_PREFIX), Path(folder))
             else:
-                row = _contender_row(name, case, case.contenders[name])
+                row = _contender_row(name, case, case.contenders[name], Path(folder))
+            if index == last_export_user:
+                exported_once.clear()
+            gc.collect()
             if row.error is None:
                 _warm_up_row(row, session, reference, start, log)
-            rows.append(row)
+            found[name] = row
+            session = None  # the row's call holds it
             if progress is not None and task is not None:
                 progress.advance(task)
+        rows = [found[name] for name in chosen]
         _time_model_rounds(rows, steps, start + WARMUP, log)
-    for row in rows:
-        row.call = None
-    gc.collect()
+        for row in rows:
+            row.call = None
+        gc.collect()
     return ModelBenchResult(case, rows, steps, start)
 
 
