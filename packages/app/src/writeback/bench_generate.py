@@ -79,31 +79,46 @@ def _stdout_silenced() -> Iterator[None]:
             os.close(saved)
 
 
-def _stock_pte(program: Any, methods: dict[str, Any]) -> bytes:
-    return bytes(stock_program(program, xnnpack=True, constant_methods=methods).buffer)
+def _write_stock_pte(program: Any, methods: dict[str, Any], path: Path) -> None:
+    # Streamed to the file as ExecuTorch's export scripts save it: no joined copy of the weights.
+    with open(path, "wb") as handle:
+        stock_program(program, xnnpack=True, constant_methods=methods).write_to_file(handle)
 
 
-def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Callable[[], bytes]]]:
-    """(row name, what the program is, how to make its ``.pte``) for every contender."""
+# A contender's .pte: written to the path given (returned), or a file of its own (returned, the path ignored).
+WritePte = Callable[[Path], Path]
+
+
+def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, WritePte]]:
+    """(row name, what the program is, how to write its ``.pte``) for every contender."""
     from writeback.lowering import export_case, lower
     from writeback.pipeline import assemble
 
     methods = dict(case.constant_methods)
-    rows: list[tuple[str, str, Callable[[], bytes]]] = []
+    rows: list[tuple[str, str, WritePte]] = []
 
-    def stock(make: Callable[[], Any]) -> Callable[[], bytes]:
-        return lambda: _stock_pte(make(), methods)
+    def stock(make: Callable[[], Any]) -> WritePte:
+        def write(path: Path) -> Path:
+            _write_stock_pte(make(), methods, path)
+            return path
+
+        return write
 
     for label, make in case.contenders.items():
         rows.append((f"stock+xnnpack ({label})", label, stock(make)))
-    rows.append((STOCK_SAME, case.description, lambda: _stock_pte(export_case(case), methods)))
+    rows.append((STOCK_SAME, case.description, stock(lambda: export_case(case))))
 
-    def ours() -> bytes:
+    def ours(path: Path) -> Path:
         pipeline = assemble(registry, "xnnpack")
-        return lower(export_case(case), pipeline.registry, pipeline.backend, "state", case).pte
+        lower(export_case(case), pipeline.registry, pipeline.backend, "state", case).write_pte(path)
+        return path
 
     rows.append((WRITEBACK, case.description, ours))
     return rows
+
+
+def _given(path: Path) -> WritePte:
+    return lambda _unused: path
 
 
 def _prompt(tokenizer: Path, tokens: int) -> str:
@@ -145,6 +160,8 @@ def bench_generation(
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     from writeback_core.llm_runner import load_runner_kernels
 
+    from writeback.lowering import return_freed_memory
+
     load_runner_kernels()
     torch.set_num_threads(threads)
     with contextlib.suppress(ImportError, AttributeError):
@@ -156,15 +173,18 @@ def bench_generation(
     rows: list[GenerationRow] = []
     runners: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="writeback-bench-generate-") as folder:
-        given = [(name, f"file {path.name}", path.read_bytes) for name, path in files]
+        given = [(name, f"file {path.name}", _given(path)) for name, path in files]
         own = [] if only_files else _programs(registry, case)
-        for name, what, make in [*own, *given]:
+        for name, what, write in [*own, *given]:
             row = GenerationRow(name, what)
             rows.append(row)
             say(f"lowering {name}")
             try:
-                path = Path(folder) / f"{len(rows)}.pte"
-                path.write_bytes(make())
+                path = write(Path(folder) / f"{len(rows)}.pte")
+                # The lowering's copies of the weights are garbage now (some held by the
+                # toolchain's caches): gone before the runner, which maps the file, takes its
+                # own and the next contender lowers.
+                return_freed_memory()
                 runners[name] = TextLLMRunner(str(path), str(tokenizer))
             except Exception as error:  # a contender that cannot lower or load is reported, not fatal
                 row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"

@@ -44,6 +44,7 @@ from writeback.bench_common import (
     short_error,
     stock_program,
 )
+from writeback.lowering import return_freed_memory
 from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 
 __all__ = [
@@ -379,7 +380,7 @@ def run_model_bench(
                 row = _contender_row(name, case, case.contenders[name], Path(folder))
             if index == last_export_user:
                 exported_once.clear()
-            gc.collect()
+            return_freed_memory()
             if row.error is None:
                 _warm_up_row(row, session, reference, start, log)
             found[name] = row
