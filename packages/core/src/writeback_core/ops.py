@@ -19,6 +19,7 @@ __all__ = [
     "normalize_dim",
     "normalize_index",
     "op_name",
+    "overload_name",
     "packet_name",
     "schema_of",
     "write_back_copies",
@@ -81,12 +82,18 @@ def aten_op(target: Any) -> Any:
     return target
 
 
-def op_name(target: Any) -> str:
-    """A stable printable name such as ``aten.index_put.default``."""
+def overload_name(target: Any) -> str | None:
+    """``"aten.mm.default"`` for an op overload or its edge wrapper; ``None`` for anything
+    else (``operator.getitem``, a Python function): the key backends' op tables use."""
     op = aten_op(target)
-    if isinstance(op, torch._ops.OpOverload):
-        return str(op)
-    return getattr(target, "__name__", repr(target))
+    return str(op) if isinstance(op, torch._ops.OpOverload) else None
+
+
+def op_name(target: Any) -> str:
+    """A stable printable name such as ``aten.index_put.default``, for any target (a
+    function's ``__name__`` when it is not an op overload)."""
+    name = overload_name(target)
+    return name if name is not None else getattr(target, "__name__", repr(target))
 
 
 def schema_of(target: Any) -> torch.FunctionSchema | None:

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx
-from writeback_core.ops import aten_op, node_value, normalize_dim
+from writeback_core.ops import node_value, normalize_dim, overload_name
 
 from writeback_mlx_backend.op_checks import literal_reason, tensor_check
 from writeback_mlx_backend.op_handler import OpHandler
@@ -32,9 +32,9 @@ __all__ = ["OPS", "SPLIT", "op_key", "split_parts", "unsupported_reason"]
 
 
 def op_key(target: Any) -> str:
-    """``"aten.mm.default"`` for an aten op or its edge wrapper; ``""`` for anything else."""
-    op = aten_op(target)
-    return str(op) if isinstance(op, torch._ops.OpOverload) else ""
+    """The :data:`OPS` key of ``target``: ``"aten.mm.default"`` for an op or its edge
+    wrapper (core's ``overload_name``); ``""`` for anything else, which no entry names."""
+    return overload_name(target) or ""
 
 
 OPS: dict[str, OpHandler] = {**MATH_OPS, **SHAPE_OPS, **INDEXING_OPS}

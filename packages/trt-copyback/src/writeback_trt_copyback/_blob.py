@@ -40,7 +40,7 @@ from writeback_core.blob import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from writeback_core.ops import aten_op
+from writeback_core.ops import overload_name
 
 FORMAT = "writeback-kv-alias/2"  # 2: constants as raw bytes with dtype and shape (1 held torch.save bytes)
 DELEGATE = "kv-alias"
@@ -184,14 +184,18 @@ def _check_dim_order(read: BlobReader, value: Any, field: str) -> None:
 _ENTRY_CHECKS: dict[str, Callable[[BlobReader, Any, str], None]] = {"dim_order": _check_dim_order}
 
 
-def op_key(target: Any) -> str:
-    """``aten.add.Tensor`` for an aten (or edge-wrapped) op; ``getitem`` for ``operator.getitem``."""
+def engine_op_key(target: Any) -> str:
+    """The name the engine's blob gives a step: ``aten.add.Tensor`` for an op (or its edge
+    wrapper), ``getitem`` for ``operator.getitem``; the engine runs nothing else.
+
+    :raises TypeError: ``target`` is neither.
+    """
     if target is operator.getitem:
         return "getitem"
-    op = aten_op(target)
-    if isinstance(op, torch._ops.OpOverload):
-        return str(op)
-    raise TypeError(f"the kv-alias engine cannot run {target!r}")
+    name = overload_name(target)
+    if name is None:
+        raise TypeError(f"the kv-alias engine cannot run {target!r}")
+    return name
 
 
 # The ops the engine runs, as ``namespace.name.overload``: the partitioner hands the

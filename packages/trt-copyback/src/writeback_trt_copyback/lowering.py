@@ -18,7 +18,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core import meta
 from writeback_core.ops import decomposed_from, packet_name
 
-from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, op_key, ops
+from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, engine_op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones
 from writeback_trt_copyback.derive import Bounds, engine_write, resolve_bounds
 from writeback_trt_copyback.engine import BACKEND_ID, KVAliasEngine, op_excluded
@@ -59,7 +59,7 @@ class _Support(OperatorSupportBase):
             source = node.args[0]
             return isinstance(source, torch.fx.Node) and self.is_node_supported(submodules, source)
         try:
-            key = op_key(node.target)
+            key = engine_op_key(node.target)
         except TypeError:
             return False
         # The runtime delegate runs only the ops of its allow-list (views under their own names).
@@ -246,7 +246,7 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
                     "kwargs": encode_arg({}),
                 }
             else:
-                key = op_key(node.target)
+                key = engine_op_key(node.target)
                 step = {
                     "name": node.name,
                     "op": _VIEW_OF_COPY.get(key, key),
