@@ -4,10 +4,15 @@ passes, pybind-runtime), checked against eager PyTorch computed here."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar, final
 
 import pytest
 import torch
 from click.testing import CliRunner
+from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
+from torch.export import ExportedProgram
 from writeback.cli import main
 from writeback.pipeline import Session, assemble, lower
 from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
@@ -246,3 +251,68 @@ def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_the
     gc.collect()
     alive = [ref() for ref in delegates if ref() is not None]
     assert not alive, f"{len(alive)} of {len(delegates)} XNNPACK delegates outlive Lowered.release"
+
+
+@final
+class WritebackTestRecordingBackend(BackendDetails):  # type: ignore[misc]  # executorch is untyped: its bases are Any
+    """exir side of a test delegate: ``preprocess`` records the program it is handed (its
+    graph module and the storage of each weight) and returns a fixed blob."""
+
+    handed: ClassVar[list[tuple[torch.fx.GraphModule, dict[str, int]]]] = []
+
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
+        storages = {name: t.untyped_storage().data_ptr() for name, t in edge_program.state_dict.items()}
+        WritebackTestRecordingBackend.handed.append((edge_program.graph_module, storages))
+        return PreprocessResult(processed_bytes=b"recorded")
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _TakeEverything(Partitioner):  # type: ignore[misc]  # executorch is untyped: its bases are Any
+    """One partition for the recording backend: every operator and every weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delegation = DelegationSpec(WritebackTestRecordingBackend.__name__, [])
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        weights = exported_program.graph_signature.inputs_to_parameters
+        for node in exported_program.graph_module.graph.nodes:
+            if node.op == "call_function" or node.name in weights:
+                node.meta["delegation_tag"] = "recording_0"
+        return PartitionResult(
+            tagged_exported_program=exported_program, partition_tags={"recording_0": self.delegation}
+        )
+
+
+def test_a_delegates_preprocess_shares_its_partitions_weights_instead_of_a_copy() -> None:
+    """exir copies every partition before the first ``preprocess`` runs; writeback's lowering
+    hands the backend a copy whose graph is its own and whose weights are the partition's
+    (exir's default copy clones them: on a 0.5B decoder lowered to XNNPACK, 1.97 GB beside
+    the serialized weights, which set ``writeback run``'s peak). Outside the lowering, exir's
+    own copy is back."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from writeback.lowering import partition
+    from writeback_core.program import export_model
+    from writeback_core.types import BackendSpec
+
+    program = export_model(_Mlp(), (torch.randn(2, 8),), name="mlp")
+    spec = BackendSpec("recording", WritebackTestRecordingBackend.__name__, lambda registry, **_: _TakeEverything())
+    WritebackTestRecordingBackend.handed.clear()
+    edge = partition(program, load_registry(), spec).edge
+    ((_, lowered_module, _),) = get_lowered_submodules(edge.exported_program().graph_module)
+    taken = lowered_module.original_module  # the partition exir copied for preprocess
+    ((graph, storages),) = WritebackTestRecordingBackend.handed
+    assert graph is not taken.graph_module
+    assert sorted(storages) == ["down.bias", "down.weight", "up.bias", "up.weight"]
+    assert storages == {name: t.untyped_storage().data_ptr() for name, t in taken.state_dict.items()}
+    copied = WritebackTestRecordingBackend.copy_exported_program_for_preprocess(taken, [])
+    assert all(copied.state_dict[n].data_ptr() != t.data_ptr() for n, t in taken.state_dict.items())

@@ -20,11 +20,13 @@ the fuzzer certifies is byte for byte what users get.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
@@ -70,6 +72,7 @@ __all__ = [
     "lower",
     "partition",
     "pass_names",
+    "preprocess_shares_constants",
     "state_places",
     "to_executorch",
 ]
@@ -173,7 +176,7 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
-            with known_warnings_ignored():
+            with known_warnings_ignored(), preprocess_shares_constants():
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner | None = arguments["partitioner"][0]
         else:
@@ -195,6 +198,47 @@ def partition(
     decisions = {d.target: d for d in wrapped.decisions} if wrapped is not None else {}
     decisions.update(in_place_decisions(edge.exported_program()))
     return Partitioned(edge, decisions)
+
+
+def _copy_sharing_constants(cls: type, edge_program: ExportedProgram, compile_specs: Any) -> ExportedProgram:
+    """``edge_program`` deep-copied but for its weights and constants: the copy's graph,
+    signature and tables are its own, its tensors are the program's."""
+    shared = {
+        id(tensor): tensor
+        for table in (edge_program.state_dict, edge_program.constants)
+        for tensor in table.values()
+        if isinstance(tensor, torch.Tensor)
+    }
+    return copy.deepcopy(edge_program, shared)
+
+
+@contextmanager
+def preprocess_shares_constants() -> Iterator[None]:
+    """While the block runs, a delegate's ``preprocess`` gets a copy of its partition that
+    shares the partition's weights and constants (exir's default copy clones them).
+
+    exir hands every backend that keeps its default ``copy_exported_program_for_preprocess``
+    a deep copy of each partition, all made before the first ``preprocess`` runs: on a 0.5B
+    decoder lowered to XNNPACK, a second copy of every delegated weight (1.97 GB) beside the
+    serialized one, which set ``writeback run``'s peak (6.44 GB; 5.58 GB sharing them). The
+    copy is there so that a backend may change its graph; a backend that changes a weight
+    puts a new tensor in the table (XNNPACK's passes, writeback's backends) rather than
+    writing into the old one, as ExecuTorch's CUDA backend says when it shares them the same
+    way in its low-memory mode. A backend that defines its own copy keeps it. The ``.pte``
+    is the same byte for byte (a script lowering through ``to_edge_arguments`` writes it
+    with exir's copy). Process-wide while the block runs."""
+    from executorch.exir.backend.backend_details import BackendDetails
+
+    name = "copy_exported_program_for_preprocess"
+    default = BackendDetails.__dict__.get(name)
+    if default is None:  # an exir without the hook copies as it does
+        yield
+        return
+    setattr(BackendDetails, name, classmethod(_copy_sharing_constants))
+    try:
+        yield
+    finally:
+        setattr(BackendDetails, name, default)
 
 
 def to_executorch(
