@@ -29,12 +29,9 @@ from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 from writeback_core.ops import aten_op, packet_name
 
-from writeback_passes.reinplace_state_writes import _val
+from writeback_passes.graph import MATMULS, VIEWS_AND_EXPANDS, tensor_value
 
 __all__ = ["ScaleReport", "scale_smaller_operand", "scale_smaller_operand_pass"]
-
-_MATMULS = frozenset({"bmm", "mm"})
-_RESHAPES = frozenset({"view_copy", "expand_copy"})
 
 
 @dataclass
@@ -50,7 +47,7 @@ class ScaleReport:
 
 
 def _numel(node: Any) -> int | None:
-    val = _val(node)
+    val = tensor_value(node)
     if val is None or not all(isinstance(d, int) for d in val.shape):
         return None
     return int(val.numel())
@@ -60,7 +57,7 @@ def _scaled_source(operand: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node
     """``(mul node, the node whose only reader is ...)`` when ``operand`` is a scalar multiply
     reached through single-reader reshapes; ``None`` otherwise."""
     node = operand
-    while packet_name(node.target) in _RESHAPES and node.op == "call_function":
+    while packet_name(node.target) in VIEWS_AND_EXPANDS and node.op == "call_function":
         inner = node.args[0] if node.args else None
         if not isinstance(inner, torch.fx.Node) or len(inner.users) != 1:
             return None
@@ -76,7 +73,7 @@ def _scaled_source(operand: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node
 
 def _same_dtype(*nodes: torch.fx.Node) -> bool:
     """Whether every node has a known ``val`` of one dtype."""
-    dtypes = {val.dtype if val is not None else None for val in map(_val, nodes)}
+    dtypes = {val.dtype if val is not None else None for val in map(tensor_value, nodes)}
     return len(dtypes) == 1 and None not in dtypes
 
 
@@ -84,7 +81,7 @@ def _product(other: torch.fx.Node, scale: Any, target: Any) -> torch.Tensor | No
     """The fake ``val`` of ``target(other, scale)``, computed in ``other``'s fake mode."""
     from torch._guards import detect_fake_mode
 
-    val = _val(other)
+    val = tensor_value(other)
     fake = detect_fake_mode([val])
     if val is None or fake is None:
         return None
@@ -99,7 +96,7 @@ def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> Sc
     graph = gm.graph
     report = ScaleReport(gm)
     for node in list(graph.nodes):
-        if node.op != "call_function" or packet_name(node.target) not in _MATMULS or len(node.args) != 2:
+        if node.op != "call_function" or packet_name(node.target) not in MATMULS or len(node.args) != 2:
             continue
         for big, small in ((1, 0), (0, 1)):
             operand, other = node.args[big], node.args[small]

@@ -58,6 +58,8 @@ from torch.export.graph_signature import InputKind
 from writeback_core import ProgramPass
 from writeback_core.ops import schema_of
 
+from writeback_passes.graph import arg_value
+
 __all__ = ["BoundReport", "bound_attention", "bound_attention_pass"]
 
 _aten = torch.ops.aten
@@ -96,12 +98,6 @@ class BoundReport:
 
 class _Refused(Exception):
     pass
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def _written_in_place(node: torch.fx.Node) -> bool:
@@ -171,7 +167,7 @@ def _check_causal(name: str, table: torch.Tensor) -> None:
 def _moves_key_axis(node: torch.fx.Node) -> bool:
     """Whether ``node`` (one of ``_ALONG``) may change the key axis (dim -2) of its input."""
     if node.target is _aten.repeat_interleave.self_int:
-        dim = _arg(node, 2, "dim", None)
+        dim = arg_value(node, 2, "dim", None)
         rank = len(_shape(node))
         return dim is None or not isinstance(dim, int) or dim % max(rank, 1) == rank - 2
     if node.target is _aten.expand.default:
@@ -211,11 +207,11 @@ def _shape(node: torch.fx.Node) -> tuple[Any, ...]:
 def _plan(program: ExportedProgram, node: torch.fx.Node) -> tuple[Any, Any]:
     """``(start, n)`` when the attention ``node`` may read keys ``[0, start + n)`` only."""
     key, value = node.args[1:3]
-    if _arg(node, 4, "dropout_p", 0.0) != 0.0:
+    if arg_value(node, 4, "dropout_p", 0.0) != 0.0:
         raise _Refused("dropout_p is not 0")
-    if _arg(node, 5, "is_causal", False):
+    if arg_value(node, 5, "is_causal", False):
         raise _Refused("is_causal is set (the kernel adds its own mask)")
-    name, table, start, length = _mask_table(program, _arg(node, 3, "attn_mask", None))
+    name, table, start, length = _mask_table(program, arg_value(node, 3, "attn_mask", None))
     for what, operand in (("key", key), ("value", value)):
         _cache_of(program, operand, what)
     key_shape = _shape(key) if isinstance(key, torch.fx.Node) else ()
@@ -266,7 +262,7 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
             report.refused[node.name] = str(why)
             continue
         query, key, value = node.args[:3]
-        mask = _arg(node, 3, "attn_mask", None)
+        mask = arg_value(node, 3, "attn_mask", None)
         with graph.inserting_before(node):
             end = _insert(graph, operator.add, (start, length), _meta_value(start) + _meta_value(length))
             key_part = _narrowed(graph, key, len(_shape(key)) - 2, end)

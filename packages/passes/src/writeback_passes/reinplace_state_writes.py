@@ -45,6 +45,7 @@ from writeback_core.partition import DELEGATION_TAG as _TAG
 from writeback_core.registry import InPlaceDecision
 
 from writeback_passes.early_write_back import _Storage
+from writeback_passes.graph import arg_value, tensor_value
 
 __all__ = [
     "IN_PLACE_KERNEL",
@@ -96,17 +97,6 @@ class _Write:
     fix: str | None
 
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _same(a: Any, b: Any) -> bool:
     """Sizes equal for sure (symbolic sizes compare by expression)."""
     return bool(a == b) if isinstance(a, int) and isinstance(b, int) else str(a) == str(b)
@@ -114,7 +104,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _fit(values: torch.fx.Node, shape: Sequence[Any]) -> tuple[str | None, str | None]:
     """How ``values`` reaches ``shape``: ``(fix, None)`` or ``(None, reason)``."""
-    val = _val(values)
+    val = tensor_value(values)
     if val is None:
         return None, f"the values {values.name!r} have no known shape"
     have = list(val.shape)
@@ -133,7 +123,7 @@ def _fit(values: torch.fx.Node, shape: Sequence[Any]) -> tuple[str | None, str |
 
 
 def _kernel_shape(dest: torch.fx.Node, dim: int, length: Any) -> tuple[Any, ...] | None:
-    val = _val(dest)
+    val = tensor_value(dest)
     if val is None:
         return None
     shape = list(val.shape)
@@ -142,19 +132,19 @@ def _kernel_shape(dest: torch.fx.Node, dim: int, length: Any) -> tuple[Any, ...]
 
 
 def _plan_index_put(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    indices = list(_arg(node, 1, "indices", []))
-    if bool(_arg(node, 3, "accumulate", False)):
+    indices = list(arg_value(node, 1, "indices", []))
+    if bool(arg_value(node, 3, "accumulate", False)):
         return "index_put with accumulate=True has no in-place kernel (index_put_ refuses accumulate)"
     present = [k for k, i in enumerate(indices) if i is not None]
     if len(present) != 1:
         return f"index_put with {len(present)} index tensors; the in-place kernel takes exactly one"
     dim = present[0]
     index = indices[dim]
-    val = _val(index)
+    val = tensor_value(index)
     if not isinstance(index, torch.fx.Node) or val is None or val.dim() != 1 or val.dtype not in _INDEX_DTYPES:
         what = "unknown" if val is None else f"{val.dim()}-d {val.dtype}"
         return f"index_put's index is {what}; the in-place kernel takes one 1-d int64/int32 index tensor"
-    state = _val(dest)
+    state = tensor_value(dest)
     if state is None or dim >= state.dim():
         return f"{dest.name!r} has no known shape"
     if not isinstance(state.shape[dim], int):
@@ -171,19 +161,19 @@ def _from_index_copy(node: torch.fx.Node) -> bool:
 
 
 def _plan_index_copy(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(_arg(node, 1, "dim", 0), dest, "index_copy")
+    dim = _dim(arg_value(node, 1, "dim", 0), dest, "index_copy")
     if isinstance(dim, str):
         return dim
-    index = _arg(node, 2, "index", None)
-    val = _val(index)
+    index = arg_value(node, 2, "index", None)
+    val = tensor_value(index)
     if not isinstance(index, torch.fx.Node) or val is None or val.dim() != 1 or val.dtype not in _INDEX_DTYPES:
         return "index_copy's index is not one 1-d int64/int32 tensor"
-    return _finish(node, dest, dim, _Index(node=index), _arg(node, 3, "source", None), val.shape[0])
+    return _finish(node, dest, dim, _Index(node=index), arg_value(node, 3, "source", None), val.shape[0])
 
 
 def _dim(dim: Any, dest: torch.fx.Node, op: str) -> int | str:
     """``dim`` of a write into ``dest`` in ``[0, rank)`` (eager's rule), or why not."""
-    val = _val(dest)
+    val = tensor_value(dest)
     if val is None:
         return f"{op} into {dest.name!r}, whose rank is unknown"
     try:
@@ -238,11 +228,11 @@ def _within(start: Any, end: Any, size: Any) -> bool:
 
 
 def _plan_slice_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(_arg(node, 2, "dim", 0), dest, "slice_scatter")
+    dim = _dim(arg_value(node, 2, "dim", 0), dest, "slice_scatter")
     if isinstance(dim, str):
         return dim
-    start, end, step = _arg(node, 3, "start", None), _arg(node, 4, "end", None), _arg(node, 5, "step", 1)
-    val, src = _val(dest), _val(node.args[1])
+    start, end, step = arg_value(node, 3, "start", None), arg_value(node, 4, "end", None), arg_value(node, 5, "step", 1)
+    val, src = tensor_value(dest), tensor_value(node.args[1])
     if val is None or src is None:
         return "slice_scatter with no known shapes"
     if not isinstance(step, int) or step < 1:
@@ -267,11 +257,11 @@ def _plan_slice_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | st
 
 
 def _plan_select_scatter(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
-    dim = _dim(_arg(node, 2, "dim", 0), dest, "select_scatter")
+    dim = _dim(arg_value(node, 2, "dim", 0), dest, "select_scatter")
     if isinstance(dim, str):
         return dim
-    position = _arg(node, 3, "index", None)
-    val = _val(dest)
+    position = arg_value(node, 3, "index", None)
+    val = tensor_value(dest)
     if not isinstance(position, int):
         return "select_scatter at a position known only at run time"
     if val is None or not isinstance(val.shape[dim], int):
@@ -299,7 +289,7 @@ def _finish(
     if shape is None:
         return f"{dest.name!r} has no known shape"
     if select:
-        have = _val(values)
+        have = tensor_value(values)
         if not all(isinstance(s, int) for s in shape):
             return "select_scatter into state of a shape known only at run time"
         if have is None or list(have.shape) != [s for k, s in enumerate(shape) if k != dim]:
@@ -308,7 +298,7 @@ def _finish(
     fix, reason = _fit(values, shape)
     if reason is not None:
         return reason
-    dest_val, values_val = _val(dest), _val(values)
+    dest_val, values_val = tensor_value(dest), tensor_value(values)
     if dest_val is not None and values_val is not None and dest_val.dtype != values_val.dtype:
         return f"values of dtype {values_val.dtype} written into {dest_val.dtype} state"
     return _Write(node, dest, dim, index, values, shape, fix)
@@ -353,7 +343,7 @@ def _plan_where(node: torch.fx.Node, dest: torch.fx.Node) -> _Write | str:
     refusal = "the new value comes from where, not an indexed write"
     expand = node.args[1] if len(node.args) == 3 else None
     unsqueeze = expand.args[0] if isinstance(expand, torch.fx.Node) and expand.args else None
-    val = _val(dest)
+    val = tensor_value(dest)
     if (
         val is None
         or packet_name(getattr(expand, "target", None)) != "expand_copy"
@@ -765,9 +755,9 @@ def _guard_index_copies(graph: torch.fx.Graph) -> list[str]:
     for node in list(graph.nodes):
         if node.op != "call_function" or packet_name(node.target) != "index_put" or not _from_index_copy(node):
             continue
-        indices = list(_arg(node, 1, "indices", []))
+        indices = list(arg_value(node, 1, "indices", []))
         present = [k for k, i in enumerate(indices) if i is not None]
-        state, index = _val(node.args[0]), indices[present[0]] if len(present) == 1 else None
+        state, index = tensor_value(node.args[0]), indices[present[0]] if len(present) == 1 else None
         if not isinstance(index, torch.fx.Node) or state is None or present[0] >= state.dim():
             continue
         size = state.shape[present[0]]

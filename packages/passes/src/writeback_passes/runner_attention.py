@@ -43,7 +43,8 @@ import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 
-from writeback_passes.bounded_attention import _arg, _input_of, _plan, _Refused, _shape
+from writeback_passes.bounded_attention import _input_of, _plan, _Refused, _shape
+from writeback_passes.graph import arg_value
 
 __all__ = ["RunnerAttentionReport", "attention_to_runner_kernels", "runner_attention_pass"]
 
@@ -124,7 +125,7 @@ def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: s
     between = []
     seen = node
     if isinstance(seen, torch.fx.Node) and seen.target is _aten.repeat_interleave.self_int:
-        if _arg(seen, 2, "dim", None) != 1 or len(seen.users) != 1:
+        if arg_value(seen, 2, "dim", None) != 1 or len(seen.users) != 1:
             raise _Refused(f"the {what} is repeated other than over its heads")
         between.append(seen)
         seen = seen.args[0]
@@ -269,7 +270,7 @@ def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionRepo
     for node in attentions:
         try:
             start, length = _plan(program, node)
-            mask = _arg(node, 3, "attn_mask", None)
+            mask = arg_value(node, 3, "attn_mask", None)
             table = _input_of(program, mask.args[0])
             assert table is not None and table[2] is not None
             if not _exactly_causal(table[2]):
@@ -282,7 +283,7 @@ def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionRepo
             report.refused[node.name] = str(why)
             continue
         query = node.args[0]
-        scale = _arg(node, 6, "scale", None)
+        scale = arg_value(node, 6, "scale", None)
         fake = query.meta["val"]
         for cache in (key, value):
             _relayout(program, cache.buffer)

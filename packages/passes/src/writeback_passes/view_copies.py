@@ -49,7 +49,7 @@ from writeback_core import ProgramPass, meta
 from writeback_core.alias import AliasAnalysis
 from writeback_core.ops import packet_name
 
-from writeback_passes.reinplace_state_writes import _val
+from writeback_passes.graph import CLONES, UNIT_DIM_RESHAPES, VIEWS_AND_EXPANDS, tensor_value
 
 __all__ = [
     "ViewCopyReport",
@@ -59,9 +59,7 @@ __all__ = [
     "functional_copies_as_views_pass",
 ]
 
-_RESHAPES = frozenset({"unsqueeze_copy", "squeeze_copy"})
-_CLONES = frozenset({"clone", "_clone_dim_order"})
-_VIEW_LIKE = frozenset({"view_copy", "expand_copy", *_RESHAPES, *_CLONES})
+_VIEW_LIKE = VIEWS_AND_EXPANDS | UNIT_DIM_RESHAPES | CLONES
 
 
 @dataclass
@@ -141,10 +139,10 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
                 node.args = (root, *node.args[1:])
                 report.rerooted.append(node.name)
             continue
-        if name != "expand_copy" and name not in _RESHAPES and not (functional and name in _CLONES):
+        if name != "expand_copy" and name not in UNIT_DIM_RESHAPES and not (functional and name in CLONES):
             continue
         base = node.args[0] if node.args else None
-        out, val = _val(node), _val(base)
+        out, val = tensor_value(node), tensor_value(base)
         if not isinstance(base, torch.fx.Node) or out is None or val is None:
             continue
         shape = _static_shape(out)
@@ -152,14 +150,14 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
             continue
         if name == "expand_copy" and tuple(val.shape) != shape:
             continue  # a real broadcast: the copy makes the data
-        if name in _CLONES and not _plain_clone(node, val):
+        if name in CLONES and not _plain_clone(node, val):
             continue  # a clone that changes the layout makes the data
         if functional and _read_from_placeholder(base):
             report.kept[node.name] = "it reads a placeholder, whose old value a later state write may need"
             continue
-        if name in _RESHAPES and node.users and all(_broadcasts(user, shape) for user in node.users):
+        if name in UNIT_DIM_RESHAPES and node.users and all(_broadcasts(user, shape) for user in node.users):
             continue  # feeds only a real broadcast, which copies anyway (and keeps a pattern readable)
-        if name in _RESHAPES and not val.is_contiguous():
+        if name in UNIT_DIM_RESHAPES and not val.is_contiguous():
             report.kept[node.name] = "its input is not contiguous, so the reshape is no view of it"
             continue
         if any(user.op == "output" for user in node.users):
@@ -182,7 +180,7 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
             )
             continue
         report.bytes_per_call += _nbytes(out)
-        if name == "expand_copy" or name in _CLONES:
+        if name == "expand_copy" or name in CLONES:
             node.replace_all_uses_with(base)
             graph.erase_node(node)
             report.removed.append(node.name)
@@ -203,7 +201,7 @@ def _copies_as_views(program: ExportedProgram | torch.fx.GraphModule, functional
 
 def _broadcasts(node: torch.fx.Node, shape: tuple[int, ...]) -> bool:
     """Whether ``node`` is an ``expand_copy`` to a shape other than ``shape``."""
-    out = _val(node)
+    out = tensor_value(node)
     return packet_name(node.target) == "expand_copy" and out is not None and tuple(out.shape) != shape
 
 
@@ -232,7 +230,7 @@ def _written_root(node: torch.fx.Node) -> torch.fx.Node:
     wrote, followed down to one that is not such a result."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
         name = packet_name(node.target)
-        inner, val = _val(node.args[0]), _val(node)
+        inner, val = tensor_value(node.args[0]), tensor_value(node)
         if name is None or not name.endswith("_") or inner is None or val is None or inner.shape != val.shape:
             break
         node = node.args[0]
