@@ -159,3 +159,29 @@ def test_cache_mib_for_a_model_without_a_cache_is_a_clear_error_naming_the_sized
 
     with pytest.raises(click.UsageError, match=r"model 'ema' has no cache size to set; .*decoder, .*et-llama"):
         _case(load_registry(), "ema", 2)
+
+
+def test_bench_model_from_step_0_takes_greedy_tokens_from_the_rows_and_builds_no_eager_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`bench --model et-llama` from step 0: the reference and the timed rows hand their logits
+    to the case, so its greedy tokens never need a private eager copy (a real-size model's
+    weights once more). Models built: the eager reference, the export, the eager row."""
+    from writeback.bench_model import run_model_bench
+    from writeback_decoders import et_llama
+
+    built: list[int] = []
+    original = et_llama._build
+
+    def counting(*args: object, **kwargs: object) -> torch.nn.Module:
+        built.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(et_llama, "_build", counting)
+    case = et_llama_case()
+    result = run_model_bench(load_registry(), case, steps=3, contenders=["eager", "writeback+xnnpack"])
+    assert [(row.name, row.error, len(row.times)) for row in result.rows] == [
+        ("eager", None, 3),
+        ("writeback+xnnpack", None, 3),
+    ]
+    assert len(built) == 3, f"{len(built)} models built; a greedy eager copy was built beside the rows"

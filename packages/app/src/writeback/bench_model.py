@@ -274,6 +274,10 @@ def _model_reference(case: ModelCase, start: int) -> list[tuple[list[Any], tuple
     found = []
     for step in range(start, start + WARMUP):
         outputs = _eager_outputs(eager, step)
+        if start == 0 and case.observe is not None:
+            # From step 0 this is the run greedy decoding makes: the case takes its next
+            # inputs from it instead of building an eager copy of its own (a model's weights).
+            case.observe(step, outputs)
         found.append(
             (
                 [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs],
@@ -388,31 +392,44 @@ def run_model_bench(
             if progress is not None and task is not None:
                 progress.advance(task)
         rows = [found[name] for name in chosen]
-        _time_model_rounds(rows, steps, start + WARMUP, log)
+        # From step 0, the rows' own outputs give a greedy case its next tokens (as run does).
+        observe = case.observe if start == 0 else None
+        _time_model_rounds(rows, steps, start + WARMUP, log, observe)
         for row in rows:
             row.call = None
         gc.collect()
     return ModelBenchResult(case, rows, steps, start)
 
 
-def _time_model_rounds(rows: Sequence[ModelRow], steps: int, first: int, log: NativeLog | None = None) -> None:
+def _time_model_rounds(
+    rows: Sequence[ModelRow],
+    steps: int,
+    first: int,
+    log: NativeLog | None = None,
+    observe: Callable[[int, Sequence[Any]], None] | None = None,
+) -> None:
     """One call of each live row per round, the order rotated each round; a row that
-    raises keeps its error and leaves the rounds."""
+    raises keeps its error and leaves the rounds. ``observe(step, outputs)`` gets the
+    outputs of each round's first row that answered (untimed), before the next round."""
     live = [r for r in rows if r.error is None and r.call is not None]
     gc.collect()
     gc.disable()
     try:
         for round_ in range(steps):
+            observed = False
             shift = round_ % max(1, len(live))
             for row in live[shift:] + live[:shift]:
                 assert row.call is not None
                 mark = log.mark() if log is not None else 0
                 try:
-                    seconds, _ = row.call(first + round_)
+                    seconds, outputs = row.call(first + round_)
                 except Exception as error:
                     row.error = _run_failure(error, log, mark)
                     continue
                 row.times.append(seconds)
+                if observe is not None and not observed:
+                    observe(first + round_, outputs)
+                    observed = True
             live = [r for r in live if r.error is None]
     finally:
         gc.enable()
