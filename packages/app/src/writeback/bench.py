@@ -184,9 +184,9 @@ def _bench_model(
 ) -> None:
     """``bench --model``: resolve the model as ``writeback run`` does, check the contender names
     and the plot path before anything is lowered, then time and print."""
-    from writeback.run import _case
+    from writeback.run import resolve_case
 
-    case = _case(registry, model, cache_mib)
+    case = resolve_case(registry, model, cache_mib)
     offered = model_contenders(registry, case)
     chosen = None
     if contender_names is not None:

@@ -50,7 +50,7 @@ from writeback.pipeline import (
     state_nbytes,
 )
 
-__all__ = ["RunReport", "StepRefused", "place_text", "run_command", "run_model", "state_lines"]
+__all__ = ["RunReport", "StepRefused", "place_text", "resolve_case", "run_command", "run_model", "state_lines"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
@@ -80,7 +80,11 @@ class RunReport:
         return [(r, c) for r, c in self.steps if c is not None and not c.ok]
 
 
-def _case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
+def resolve_case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
+    """``--model`` and ``--cache-mib`` of ``run`` and ``bench`` as a case (sized when asked).
+
+    :raises click.UsageError: ``--cache-mib`` for a model without a cache size, naming those with one.
+    """
     case = resolve_model_option(registry, model)
     if cache_mib is None:
         return case
@@ -366,7 +370,7 @@ def run_command(
         pipeline = assemble(registry, backend, runtime_name)
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
-    case = quantized_case(_case(registry, model, cache_mib), quantize)
+    case = quantized_case(resolve_case(registry, model, cache_mib), quantize)
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:

@@ -38,6 +38,7 @@ __all__ = [
     "HF_ARCHITECTURES",
     "HFArchitecture",
     "TransformersMissingError",
+    "config_of",
     "hf_available",
     "hf_case",
     "hf_config",
@@ -190,7 +191,8 @@ def _call(module: nn.Module, token: int, position: int) -> torch.Tensor:
     return logits
 
 
-def _config_of(source: Any) -> Any:
+def config_of(source: Any) -> Any:
+    """The transformers config of ``source``: a model folder's (read as data), or a config given as is."""
     if isinstance(source, (str, os.PathLike)):
         transformers = require_transformers("a Hugging Face model")
         folder = Path(source)
@@ -325,12 +327,12 @@ def _case(
         observe=lambda step, outputs: greedy.observe(step, outputs[0]),
         strict=strict,
         exported=exported,
-        constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len)),
+        constant_methods=_Deferred(lambda: runner_metadata_of(config_of(source()), max_cache_len)),
     )
     if quantization is None:
 
         def quantized(name: str) -> ModelCase:
-            chosen = scheme(name, getattr(_config_of(source()).get_text_config(), "hidden_size", None))
+            chosen = scheme(name, getattr(config_of(source()).get_text_config(), "hidden_size", None))
             return _case(
                 source,
                 f"{case.name}-{name}",
@@ -364,7 +366,7 @@ def _case(
             case,
             description=f"{description}; token dimension dynamic up to {max_cache_len} (prompt prefilled in one call)",
             exported=lambda: _prefill_export(build, max_cache_len, name, strict),
-            constant_methods=_Deferred(lambda: runner_metadata_of(_config_of(source()), max_cache_len, True)),
+            constant_methods=_Deferred(lambda: runner_metadata_of(config_of(source()), max_cache_len, True)),
             dynamic_prefill=None,
             contenders=contenders,
         )
@@ -420,7 +422,7 @@ def hf_case(
     require_transformers("hf_case")
     if attention not in ("static", "custom-ops"):
         raise ValueError(f"attention must be 'static' or 'custom-ops', got {attention!r}")
-    config = _config_of(source)
+    config = config_of(source)
     text = config.get_text_config()
     if attention == "custom-ops":
         from writeback_decoders.custom_ops import CustomOpsUnsupported, custom_ops_refusal

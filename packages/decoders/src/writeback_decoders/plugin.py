@@ -30,7 +30,7 @@ def writeback_model_from_path(path: str) -> ModelCase | None:
     if not (Path(path) / "config.json").is_file():
         return None
     from writeback_decoders.custom_ops import custom_ops_refusal
-    from writeback_decoders.hf import _config_of, hf_case
+    from writeback_decoders.hf import config_of, hf_case
 
-    supported = custom_ops_refusal(_config_of(path)) is None
+    supported = custom_ops_refusal(config_of(path)) is None
     return hf_case(path, attention="custom-ops" if supported else "static")

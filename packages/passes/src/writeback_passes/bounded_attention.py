@@ -60,7 +60,15 @@ from writeback_core.ops import schema_of
 
 from writeback_passes.graph import arg_value
 
-__all__ = ["BoundReport", "bound_attention", "bound_attention_pass"]
+__all__ = [
+    "AttentionRefused",
+    "BoundReport",
+    "bound_attention",
+    "bound_attention_pass",
+    "input_of",
+    "read_bound",
+    "shape_of",
+]
 
 _aten = torch.ops.aten
 _SDPA = _aten.scaled_dot_product_attention.default
@@ -96,8 +104,8 @@ class BoundReport:
     refused: dict[str, str] = field(default_factory=dict)
 
 
-class _Refused(Exception):
-    pass
+class AttentionRefused(Exception):
+    """Why an attention is left as it is (raised by the checks, caught by the passes)."""
 
 
 def _written_in_place(node: torch.fx.Node) -> bool:
@@ -113,7 +121,7 @@ def _written_in_place(node: torch.fx.Node) -> bool:
     return False
 
 
-def _input_of(program: ExportedProgram, node: torch.fx.Node) -> tuple[InputKind, bool, torch.Tensor | None] | None:
+def input_of(program: ExportedProgram, node: torch.fx.Node) -> tuple[InputKind, bool, torch.Tensor | None] | None:
     """``(kind, written, value)`` of the program input ``node``: ``written`` when the program
     writes it (an in-place op, or a functional program's mutation output); ``value`` for a
     weight, buffer or constant. ``None``: not an input."""
@@ -134,19 +142,19 @@ _NOT_ROWS = "the mask is not rows [start, start + n) of a constant table (narrow
 def _mask_table(program: ExportedProgram, mask: Any) -> tuple[str, torch.Tensor, Any, Any]:
     """``(name, table, start, n)`` of a mask that is ``table.narrow(0, start, n)``."""
     if not isinstance(mask, torch.fx.Node) or mask.target is not _NARROW:
-        raise _Refused(_NOT_ROWS)
+        raise AttentionRefused(_NOT_ROWS)
     table, dim, start, length = mask.args
     if dim not in (0, -2) or not isinstance(table, torch.fx.Node) or table.op != "placeholder":
-        raise _Refused(_NOT_ROWS)
-    found = _input_of(program, table)
+        raise AttentionRefused(_NOT_ROWS)
+    found = input_of(program, table)
     if found is None or found[0] == InputKind.USER_INPUT or found[2] is None:
-        raise _Refused(f"the mask table {table.name!r} is not a constant of the program")
+        raise AttentionRefused(f"the mask table {table.name!r} is not a constant of the program")
     _, written, value = found
     if written:
-        raise _Refused(f"the mask table {table.name!r} is written by the program")
+        raise AttentionRefused(f"the mask table {table.name!r} is written by the program")
     assert value is not None
     if value.dim() != 2:
-        raise _Refused(f"the mask table {table.name!r} has {value.dim()} dims, not 2")
+        raise AttentionRefused(f"the mask table {table.name!r} has {value.dim()} dims, not 2")
     return table.name, value, start, length
 
 
@@ -158,7 +166,7 @@ def _check_causal(name: str, table: torch.Tensor) -> None:
     if bool(opened.any()):
         i, j = (int(x) for x in opened.nonzero()[0])
         closed = "False" if table.dtype == torch.bool else "-inf"
-        raise _Refused(
+        raise AttentionRefused(
             f"mask table {name!r} row {i} opens column {j} past its own position "
             f"(value {table[i, j].item()!r}; only {closed} closes a column exactly)"
         )
@@ -168,11 +176,11 @@ def _moves_key_axis(node: torch.fx.Node) -> bool:
     """Whether ``node`` (one of ``_ALONG``) may change the key axis (dim -2) of its input."""
     if node.target is _aten.repeat_interleave.self_int:
         dim = arg_value(node, 2, "dim", None)
-        rank = len(_shape(node))
+        rank = len(shape_of(node))
         return dim is None or not isinstance(dim, int) or dim % max(rank, 1) == rank - 2
     if node.target is _aten.expand.default:
         source = node.args[0]
-        return not isinstance(source, torch.fx.Node) or _shape(source)[-2:-1] != _shape(node)[-2:-1]
+        return not isinstance(source, torch.fx.Node) or shape_of(source)[-2:-1] != shape_of(node)[-2:-1]
     return False
 
 
@@ -181,48 +189,51 @@ def _cache_of(program: ExportedProgram, node: Any, what: str) -> torch.fx.Node:
     seen = node
     while isinstance(seen, torch.fx.Node) and seen.op == "call_function":
         if seen.target not in _WRITES and seen.target not in _ALONG:
-            raise _Refused(f"the {what} is computed by {seen.name} ({seen.target}), not read from a cache buffer")
+            raise AttentionRefused(
+                f"the {what} is computed by {seen.name} ({seen.target}), not read from a cache buffer"
+            )
         if _moves_key_axis(seen):
-            raise _Refused(f"the {what} is reshaped along its key axis ({seen.name})")
+            raise AttentionRefused(f"the {what} is reshaped along its key axis ({seen.name})")
         seen = seen.args[0]
     if not isinstance(seen, torch.fx.Node) or seen.op != "placeholder":
-        raise _Refused(f"the {what} is not read from a cache buffer")
-    found = _input_of(program, seen)
+        raise AttentionRefused(f"the {what} is not read from a cache buffer")
+    found = input_of(program, seen)
     if found is None or found[0] != InputKind.BUFFER:
-        raise _Refused(
+        raise AttentionRefused(
             f"the {what} is read from input {seen.name!r}, not a buffer the program owns (a caller's cache may "
             "hold non-finite values in the rows the mask closes)"
         )
     value = found[2]
     if value is not None and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise _Refused(f"the {what}'s buffer {seen.name!r} starts with non-finite values")
+        raise AttentionRefused(f"the {what}'s buffer {seen.name!r} starts with non-finite values")
     return seen
 
 
-def _shape(node: torch.fx.Node) -> tuple[Any, ...]:
+def shape_of(node: torch.fx.Node) -> tuple[Any, ...]:
+    """The traced shape of ``node``; ``()`` when it has no traced tensor."""
     val = node.meta.get("val")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-def _plan(program: ExportedProgram, node: torch.fx.Node) -> tuple[Any, Any]:
+def read_bound(program: ExportedProgram, node: torch.fx.Node) -> tuple[Any, Any]:
     """``(start, n)`` when the attention ``node`` may read keys ``[0, start + n)`` only."""
     key, value = node.args[1:3]
     if arg_value(node, 4, "dropout_p", 0.0) != 0.0:
-        raise _Refused("dropout_p is not 0")
+        raise AttentionRefused("dropout_p is not 0")
     if arg_value(node, 5, "is_causal", False):
-        raise _Refused("is_causal is set (the kernel adds its own mask)")
+        raise AttentionRefused("is_causal is set (the kernel adds its own mask)")
     name, table, start, length = _mask_table(program, arg_value(node, 3, "attn_mask", None))
     for what, operand in (("key", key), ("value", value)):
         _cache_of(program, operand, what)
-    key_shape = _shape(key) if isinstance(key, torch.fx.Node) else ()
-    value_shape = _shape(value) if isinstance(value, torch.fx.Node) else ()
+    key_shape = shape_of(key) if isinstance(key, torch.fx.Node) else ()
+    value_shape = shape_of(value) if isinstance(value, torch.fx.Node) else ()
     if len(key_shape) < 2 or len(value_shape) < 2 or not isinstance(key_shape[-2], int):
-        raise _Refused("the key axis has no static size")
+        raise AttentionRefused("the key axis has no static size")
     positions = key_shape[-2]
     if value_shape[-2] != positions:
-        raise _Refused(f"keys have {positions} positions and values {value_shape[-2]}")
+        raise AttentionRefused(f"keys have {positions} positions and values {value_shape[-2]}")
     if table.shape[1] != positions or table.shape[0] > positions:
-        raise _Refused(
+        raise AttentionRefused(
             f"the mask table is {list(table.shape)}; its columns must be the {positions} key positions "
             "and its rows at most as many"
         )
@@ -257,16 +268,16 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
         if node.op != "call_function" or node.target is not _SDPA:
             continue
         try:
-            start, length = _plan(program, node)
-        except _Refused as why:
+            start, length = read_bound(program, node)
+        except AttentionRefused as why:
             report.refused[node.name] = str(why)
             continue
         query, key, value = node.args[:3]
         mask = arg_value(node, 3, "attn_mask", None)
         with graph.inserting_before(node):
             end = _insert(graph, operator.add, (start, length), _meta_value(start) + _meta_value(length))
-            key_part = _narrowed(graph, key, len(_shape(key)) - 2, end)
-            value_part = _narrowed(graph, value, len(_shape(value)) - 2, end)
+            key_part = _narrowed(graph, key, len(shape_of(key)) - 2, end)
+            value_part = _narrowed(graph, value, len(shape_of(value)) - 2, end)
             mask_part = _narrowed(graph, mask, 1, end)
         rest = dict(node.kwargs)
         rest.pop("attn_mask", None)

@@ -19,7 +19,7 @@ from torch.export.graph_signature import OutputKind
 from writeback_core import AliasAnalysis, meta
 from writeback_core.ops import aten_op, packet_name, write_back_copies
 
-__all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early"]
+__all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early", "user_input_test"]
 
 # Ops that exir turns into real views after the passes of ``ExecutorchBackendConfig``
 # run (``ReplaceViewCopyWithViewPass``, keyed on ``view_copy.default``). At the time
@@ -257,7 +257,7 @@ def _state_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
     return current if current is not None and current.op == "placeholder" else None
 
 
-def _user_input_test(graph: torch.fx.Graph, program: object) -> Callable[[torch.fx.Node], bool]:
+def user_input_test(graph: torch.fx.Graph, program: object) -> Callable[[torch.fx.Node], bool]:
     """Tell user-input placeholders from buffers: from the signature of an
     ``ExportedProgram``, else from the mark ``writeback_passes.to_executorch`` puts on
     them; a bare ``GraphModule`` with no mark falls back on ``torch.export``'s
@@ -292,7 +292,7 @@ def _name_states_at_output(graph: torch.fx.Graph, program: object) -> bool:
     """
     output = graph.output_node()
     renamed: dict[str, str] = {}
-    is_user_input = _user_input_test(graph, program)
+    is_user_input = user_input_test(graph, program)
     for node in list(output.all_input_nodes):
         placeholder = _state_placeholder(node)
         if placeholder is not None and placeholder is not node and is_user_input(placeholder):

@@ -26,7 +26,7 @@ from writeback_core.blob import encode_in_place_outputs, in_place_outputs
 from writeback_core.ops import packet_name, schema_of, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
-from writeback_passes.early_write_back import _user_input_test
+from writeback_passes.early_write_back import user_input_test
 
 __all__ = [
     "IN_PLACE_OUTPUTS_SPEC",
@@ -317,7 +317,7 @@ def reinplace_delegate_input_mutations(
     """
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
     graph = gm.graph
-    is_user_input = _user_input_test(graph, program)
+    is_user_input = user_input_test(graph, program)
     report = ReinplaceReport()
     for copy in write_back_copies(graph):
         placeholder = copy.args[0]

@@ -43,7 +43,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 
-from writeback_passes.bounded_attention import _input_of, _plan, _Refused, _shape
+from writeback_passes.bounded_attention import AttentionRefused, input_of, read_bound, shape_of
 from writeback_passes.graph import arg_value
 
 __all__ = ["RunnerAttentionReport", "attention_to_runner_kernels", "runner_attention_pass"]
@@ -87,7 +87,7 @@ def _element(node: Any) -> tuple[str, int] | None:
     if not isinstance(picked, torch.fx.Node) or picked.target is not _aten.select.int:
         return None
     source, dim, index = picked.args
-    if not isinstance(source, torch.fx.Node) or source.op != "placeholder" or _shape(source) != (1,):
+    if not isinstance(source, torch.fx.Node) or source.op != "placeholder" or shape_of(source) != (1,):
         return None
     if dim not in (0, -1) or index not in (0, -1):
         return None
@@ -104,20 +104,20 @@ def _owned_cache_write(program: ExportedProgram, node: Any, what: str) -> _Cache
     dim]`` buffer the program owns, read by nothing but ``node`` and written only there, whose
     result has one reader."""
     if not isinstance(node, torch.fx.Node) or node.target is not _aten.index_copy_.default:
-        raise _Refused(f"the {what} is not a cache written by index_copy_")
+        raise AttentionRefused(f"the {what} is not a cache written by index_copy_")
     buffer, dim = node.args[0], node.args[1]
     if not isinstance(buffer, torch.fx.Node) or buffer.op != "placeholder" or dim not in (2, -2):
-        raise _Refused(f"the {what}'s index_copy_ does not write a buffer along its positions")
-    found = _input_of(program, buffer)
+        raise AttentionRefused(f"the {what}'s index_copy_ does not write a buffer along its positions")
+    found = input_of(program, buffer)
     if found is None or found[0] != torch.export.graph_signature.InputKind.BUFFER or found[2] is None:
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is not a buffer the program owns")
+        raise AttentionRefused(f"the {what}'s cache {buffer.name!r} is not a buffer the program owns")
     if found[2].dim() != 4 or found[2].shape[0] != 1:
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is not [1, heads, positions, dim]")
+        raise AttentionRefused(f"the {what}'s cache {buffer.name!r} is not [1, heads, positions, dim]")
     if len(buffer.users) != 1 or len(node.users) != 1:
-        raise _Refused(f"the {what}'s cache {buffer.name!r} is read by more than this attention")
+        raise AttentionRefused(f"the {what}'s cache {buffer.name!r} is read by more than this attention")
     new = node.args[3]
     if not isinstance(new, torch.fx.Node):
-        raise _Refused(f"the {what}'s new rows are not a tensor of the graph")
+        raise AttentionRefused(f"the {what}'s new rows are not a tensor of the graph")
     return _Cache(buffer, node, new, [])
 
 
@@ -126,13 +126,13 @@ def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: s
     seen = node
     if isinstance(seen, torch.fx.Node) and seen.target is _aten.repeat_interleave.self_int:
         if arg_value(seen, 2, "dim", None) != 1 or len(seen.users) != 1:
-            raise _Refused(f"the {what} is repeated other than over its heads")
+            raise AttentionRefused(f"the {what} is repeated other than over its heads")
         between.append(seen)
         seen = seen.args[0]
     cache = _owned_cache_write(program, seen, what)
     index = cache.write.args[2]
     if between and cache.write.users.keys() != {between[0]}:
-        raise _Refused(f"the {what}'s cache {cache.buffer.name!r} is read by more than this attention")
+        raise AttentionRefused(f"the {what}'s cache {cache.buffer.name!r} is read by more than this attention")
     if (
         not isinstance(index, torch.fx.Node)
         or index.target is not _aten.add.Tensor
@@ -141,14 +141,14 @@ def _cache(program: ExportedProgram, node: Any, start: Any, length: Any, what: s
         or index.args[0].args[0] is not length
         or not _same_element(index.args[1], start)
     ):
-        raise _Refused(f"the {what}'s rows are not written at arange(n) + start of the mask's start")
+        raise AttentionRefused(f"the {what}'s rows are not written at arange(n) + start of the mask's start")
     cache.between = between
     return cache
 
 
 def _swaps_heads_and_positions(node: Any) -> bool:
     """Whether ``node`` is ``x.transpose(1, 2)`` (or the same permute) of a 4-D ``x``."""
-    if not isinstance(node, torch.fx.Node) or len(_shape(node)) != 4:
+    if not isinstance(node, torch.fx.Node) or len(shape_of(node)) != 4:
         return False
     if node.target is _aten.transpose.int:
         return {d % 4 for d in node.args[1:3] if isinstance(d, int)} == {1, 2}
@@ -211,7 +211,7 @@ def _transposed_cache(program: ExportedProgram, node: Any, what: str) -> tuple[l
         chain.append(seen)
         seen = seen.args[0]
     if not _swaps_heads_and_positions(seen) or len(_readers(seen)) != 1:
-        raise _Refused(f"the {what} is not a cache transposed (1, 2) for this attention alone")
+        raise AttentionRefused(f"the {what} is not a cache transposed (1, 2) for this attention alone")
     chain.append(seen)
     return chain, _owned_cache_write(program, seen.args[0], what)
 
@@ -234,7 +234,7 @@ def _untranspose_caches(program: ExportedProgram, report: RunnerAttentionReport)
         try:
             key = _transposed_cache(program, node.args[1], "key")
             value = _transposed_cache(program, node.args[2], "value")
-        except _Refused as why:
+        except AttentionRefused as why:
             report.refused[node.name] = str(why)
             continue
         fake = node.meta["val"]
@@ -269,17 +269,17 @@ def attention_to_runner_kernels(program: ExportedProgram) -> RunnerAttentionRepo
         return report
     for node in attentions:
         try:
-            start, length = _plan(program, node)
+            start, length = read_bound(program, node)
             mask = arg_value(node, 3, "attn_mask", None)
-            table = _input_of(program, mask.args[0])
+            table = input_of(program, mask.args[0])
             assert table is not None and table[2] is not None
             if not _exactly_causal(table[2]):
-                raise _Refused("the mask table is not exactly causal (custom_sdpa computes is_causal only)")
+                raise AttentionRefused("the mask table is not exactly causal (custom_sdpa computes is_causal only)")
             if _element(start) is None:
-                raise _Refused("the mask's start is not an element of a one-element input")
+                raise AttentionRefused("the mask's start is not an element of a one-element input")
             key = _cache(program, node.args[1], start, length, "key")
             value = _cache(program, node.args[2], start, length, "value")
-        except _Refused as why:
+        except AttentionRefused as why:
             report.refused[node.name] = str(why)
             continue
         query = node.args[0]
