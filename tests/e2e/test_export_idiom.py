@@ -5,6 +5,8 @@ leaves a whole-state copy warns, naming each buffer. Real torch.export, exir, pl
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,15 @@ from writeback_core import CopyLeftWarning, Mutation, PartitionView, hookimpl, l
 from writeback_core.types import ModelCase
 
 
-def _idiom_bytes(case: ModelCase, backend: str, partitioner: Any = None) -> bytes:
-    """A user's script with writeback's two lines: the arguments of to_edge, and to_executorch."""
-    ep = export_case(case)
-    edge = to_edge_transform_and_lower(
-        ep, **to_edge_arguments(backend, partitioner), constant_methods=dict(case.constant_methods) or None
-    )
+def _idiom_bytes(case: ModelCase, backend: str, partitioner: Any = None, edge: Any = None) -> bytes:
+    """A user's script with writeback's two lines: the arguments of to_edge, and to_executorch
+    (of ``edge`` when given: that script's edge program, which to_executorch changes)."""
+    if edge is None:
+        edge = to_edge_transform_and_lower(
+            export_case(case),
+            **to_edge_arguments(backend, partitioner),
+            constant_methods=dict(case.constant_methods) or None,
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CopyLeftWarning)  # the refusals lower() also keeps
         return bytes(writeback_passes.to_executorch(edge).buffer)
@@ -35,18 +40,46 @@ def _lower_bytes(case: ModelCase, backend: str) -> bytes:
     return lower(export_case(case), registry, registry.backends()[backend], case=case).pte
 
 
+@functools.cache
+def _zoo_lower_bytes(model: str, backend: str) -> bytes:
+    """lower()'s ``.pte`` of a zoo model, made once per process (bytes: nothing can change it)."""
+    return _lower_bytes(builtin_models()[model], backend)
+
+
+@functools.cache
+def _zoo_idiom(model: str, backend: str) -> tuple[Any, tuple[str, dict[str, Any]], Any]:
+    """A zoo model exported, its program as it was before the idiom's to_edge (graph, state),
+    and that edge program, made once per process: a test takes a copy of the edge program
+    (to_executorch changes it)."""
+    case = builtin_models()[model]
+    ep = export_case(case)
+    before = str(ep.graph_module.graph), dict(ep.state_dict)
+    edge = to_edge_transform_and_lower(
+        ep, **to_edge_arguments(backend), constant_methods=dict(case.constant_methods) or None
+    )
+    return ep, before, edge
+
+
+@pytest.fixture(scope="module")
+def bare_xnnpack_edge() -> Any:
+    """The decoder through ExecuTorch's bare XnnpackPartitioner (each test takes a copy)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return to_edge_transform_and_lower(export_case(builtin_models()["decoder"]), partitioner=[XnnpackPartitioner()])
+
+
 @pytest.mark.parametrize("backend", ["xnnpack", "mlx"])
 @pytest.mark.parametrize("model", ["decoder", "decoder-caller-cache"])
 def test_the_two_line_idiom_writes_lowers_bytes(model: str, backend: str) -> None:
-    case = builtin_models()[model]
-    assert _idiom_bytes(case, backend) == _lower_bytes(case, backend)
+    edge = copy.deepcopy(_zoo_idiom(model, backend)[2])
+    assert _idiom_bytes(builtin_models()[model], backend, edge=edge) == _zoo_lower_bytes(model, backend)
 
 
 def test_executorchs_own_xnnpack_partitioner_wrapped_writes_lowers_bytes() -> None:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
     case = builtin_models()["decoder"]
-    assert _idiom_bytes(case, "xnnpack", XnnpackPartitioner()) == _lower_bytes(case, "xnnpack")
+    assert _idiom_bytes(case, "xnnpack", XnnpackPartitioner()) == _zoo_lower_bytes("decoder", "xnnpack")
 
 
 @pytest.mark.slow
@@ -62,10 +95,7 @@ def test_the_two_line_idiom_writes_lowers_bytes_for_a_hugging_face_llama_folder(
 
 
 def test_the_idiom_leaves_the_callers_program_unchanged() -> None:
-    case = builtin_models()["decoder"]
-    ep = export_case(case)
-    before = str(ep.graph_module.graph), dict(ep.state_dict)
-    to_edge_transform_and_lower(ep, **to_edge_arguments("xnnpack"))
+    ep, before, _ = _zoo_idiom("decoder", "xnnpack")  # before: as it was before to_edge_transform_and_lower
     assert (str(ep.graph_module.graph), dict(ep.state_dict)) == before
 
 
@@ -91,13 +121,11 @@ def _cache_names(case: ModelCase) -> list[str]:
     return [name for name, _ in module.named_buffers() if "cache" in name]
 
 
-def test_an_unwrapped_partitioner_warns_naming_every_cache_left_copied() -> None:
+def test_an_unwrapped_partitioner_warns_naming_every_cache_left_copied(bare_xnnpack_edge: Any) -> None:
     """ExecuTorch's bare XnnpackPartitioner, then writeback's to_executorch: nothing recorded
     an in-place decision, so every cache keeps its copy; one warning names each."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
     case = builtin_models()["decoder"]
-    edge = to_edge_transform_and_lower(export_case(case), partitioner=[XnnpackPartitioner()])
+    edge = copy.deepcopy(bare_xnnpack_edge)
     messages = _copy_warnings(lambda: writeback_passes.to_executorch(edge))
     assert len(messages) == 1, messages
     caches = _cache_names(case)
@@ -138,10 +166,8 @@ def test_a_bare_mlx_partitioner_inside_writebacks_idiom_does_not_warn() -> None:
     assert _copy_warnings(lambda: writeback_passes.to_executorch(edge)) == []
 
 
-def test_the_copy_warning_is_silenced_by_the_standard_filter() -> None:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-    edge = to_edge_transform_and_lower(export_case(builtin_models()["decoder"]), partitioner=[XnnpackPartitioner()])
+def test_the_copy_warning_is_silenced_by_the_standard_filter(bare_xnnpack_edge: Any) -> None:
+    edge = copy.deepcopy(bare_xnnpack_edge)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", category=CopyLeftWarning)

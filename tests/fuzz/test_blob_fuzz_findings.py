@@ -100,10 +100,9 @@ def test_kv_alias_dim_order_exir_cannot_map_is_blob_error_not_escaping_assertion
 @pytest.fixture(scope="module")
 def mlx_seed() -> object:
     """The MLX delegate's blob of the fuzzer's cache-write program, with its call."""
-    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
-    from writeback_testing.blobfuzz import _registry as registry
+    from writeback_testing.blobfuzz import seeds_of
 
-    return next(s for s in build_seeds(registry(DEFAULT_PLUGINS), "backend:mlx") if s.program == "cache-write#0")
+    return next(s for s in seeds_of("backend:mlx") if s.program == "cache-write#0")
 
 
 def _mlx_init(seed: object, change: object) -> None:
@@ -138,11 +137,10 @@ def test_kv_alias_index_copy_dim_past_the_caches_rank_refused_by_name_nothing_wr
     """Found by the blob fuzzer (``engine:kv-alias`` seed 0 mutant 74): an in-place
     ``index_copy`` update whose dim lies outside the cache's rank reached ``index_copy_`` as
     is (``ValueError: Overflow when unpacking long long`` for a huge one)."""
-    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
-    from writeback_testing.blobfuzz import _registry as registry
+    from writeback_testing.blobfuzz import seeds_of
     from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
 
-    seed = next(s for s in build_seeds(registry(DEFAULT_PLUGINS), "engine:kv-alias") if s.program == "cache-write#0")
+    seed = next(s for s in seeds_of("engine:kv-alias") if s.program == "cache-write#0")
     tree = json.loads(seed.blob)
     updates = [step for step in tree["steps"] if step.get("update") == "index_copy"]
     assert updates, "the seed writes its cache with an in-place index_copy"

@@ -35,11 +35,16 @@ starts from real ones and changes one field at a time:
    (any other exception type, Python's own messages such as ``list index out of
    range`` or ``invalid literal for int()``, or an MLX error surfacing as is),
    ``crash`` (the process died: signal, abort) and ``hang``.
-4. **Workers.** Mutants run in a worker subprocess (``python -m
-   writeback_testing.blobfuzz worker``) that builds the seeds once and runs a
-   range of mutants, printing each mutant's index and path before running it;
-   when it dies the parent records the crash with that mutant's reproduction
-   and starts a new worker after it.
+4. **Workers.** Mutants run in a worker process that runs a range of mutants,
+   printing each mutant's index and path before running it; when it dies the
+   parent records the crash with that mutant's reproduction and starts a new
+   worker after it. Workers are forked by a fork server (``python -m
+   writeback_testing.blobfuzz serve``, one per set of plugins and environment,
+   living as long as the process that started it), which imports torch and exir
+   and builds each target's seeds once: a new worker, after a crash or for the
+   next run, costs a fork, not a fresh interpreter and a lowering.
+   (``python -m writeback_testing.blobfuzz worker`` runs a range in a process
+   of its own.)
 
 Reproduce one mutant in the current process:
 ``python -m writeback_testing.blobfuzz repro --target TARGET --seed S --index I``.
@@ -48,6 +53,7 @@ Reproduce one mutant in the current process:
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import json
 import linecache
@@ -55,6 +61,7 @@ import math
 import os
 import random
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -79,6 +86,7 @@ __all__ = [
     "make_mutant",
     "run_blob_fuzz",
     "run_mutant",
+    "seeds_of",
 ]
 
 # The plugins whose backends, engines and runtime the fuzzer reaches (by module name,
@@ -363,6 +371,22 @@ def build_seeds(registry: Any, target: str) -> list[Seed]:
             else:
                 raise ValueError(f"unknown target {target!r}: expected pte, backend:NAME or engine:NAME")
     return seeds
+
+
+# Seeds built in this process, by (plugins, target): see seeds_of.
+_SEEDS: dict[tuple[tuple[str, ...], str], list[Seed]] = {}
+
+
+def seeds_of(target: str, plugins: Sequence[str] = DEFAULT_PLUGINS) -> list[Seed]:
+    """:func:`build_seeds` of ``target`` with a registry of ``plugins``, built once per process
+    (seeds are deterministic: fixed weights and inputs); each call returns its own copy.
+
+    :raises ValueError: as :func:`build_seeds`.
+    """
+    key = (tuple(plugins), target)
+    if key not in _SEEDS:
+        _SEEDS[key] = build_seeds(_registry(plugins), target)
+    return copy.deepcopy(_SEEDS[key])
 
 
 def targets_of(registry: Any) -> list[str]:
@@ -688,10 +712,10 @@ def _answer_differs(seed: Seed, args: Sequence[Any], outputs: Sequence[Any] | No
 class _Runner:
     """Runs mutants of one target through the real path, reusing delegates and runtime."""
 
-    def __init__(self, registry: Any, target: str) -> None:
+    def __init__(self, registry: Any, target: str, seeds: list[Seed] | None = None) -> None:
         self.target = target
         self.registry = registry
-        self.seeds = build_seeds(registry, target)
+        self.seeds = build_seeds(registry, target) if seeds is None else seeds
         if not self.seeds:
             raise ValueError(f"target {target!r}: no seed program lowers to it")
         self.delegates = registry.runtime_delegates()
@@ -751,13 +775,15 @@ def _registry(plugins: Sequence[str]) -> Any:
     return load_registry(entry_points=False, plugins=[importlib.import_module(m) for m in plugins])
 
 
-def _worker(target: str, seed: int, start: int, stop: int, plugins: Sequence[str]) -> int:
+def _worker(
+    target: str, seed: int, start: int, stop: int, plugins: Sequence[str], seeds: list[Seed] | None = None
+) -> int:
     """Run mutants ``[start, stop)``: print ``> i path`` before each, ``= i kind detail`` after."""
     from writeback_core.quiet import quiet_upstream_noise
 
     quiet_upstream_noise()
     out = sys.stdout
-    runner = _Runner(_registry(plugins), target)
+    runner = _Runner(_registry(plugins), target, seeds)
     # Check the seeds themselves first: each unchanged program must give eager's answer.
     if start == 0:
         for k, s in enumerate(runner.seeds):
@@ -805,6 +831,122 @@ class _Lines:
         return line.decode("utf-8", "replace")
 
 
+def _serve(plugins: Sequence[str]) -> int:
+    """The fork server (``serve`` mode): imports torch, exir and the plugins once and keeps
+    each target's seeds; per request line on stdin (``{"target", "seed", "start", "stop",
+    "stderr"}``) it forks a worker that prints ``pid N``, then runs as :func:`_worker` with
+    those seeds, its stderr going to the request's file. When the worker ends (or dies) the
+    server prints ``exit CODE`` (negative for a signal, as ``subprocess`` gives it)."""
+    import torch
+    from writeback_core.quiet import quiet_upstream_noise
+
+    quiet_upstream_noise()
+    # OpenMP (libgomp) is not fork-safe: a worker forked after the server ran a parallel
+    # region hangs in its own first one. The server runs on one thread (no OpenMP team is
+    # made); each worker goes back to the threads a fresh interpreter has.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        code = _serve_request(request, plugins, threads)
+        sys.stdout.write(f"exit {code}\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _serve_request(request: dict[str, Any], plugins: Sequence[str], threads: int) -> int:
+    own_stderr = os.dup(2)
+    try:
+        with open(request["stderr"], "ab") as err:
+            os.dup2(err.fileno(), 2)
+        try:
+            seeds = seeds_of(request["target"], plugins)
+        except Exception:
+            traceback.print_exc()
+            sys.stderr.flush()
+            return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        import torch
+
+        pid = os.fork()
+        if pid == 0:  # the worker: run the range, then exit without the server's cleanup
+            code = 1
+            try:
+                sys.stdout.write(f"pid {os.getpid()}\n")
+                torch.set_num_threads(threads)
+                code = _worker(request["target"], request["seed"], request["start"], request["stop"], plugins, seeds)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        os.dup2(own_stderr, 2)
+        os.close(own_stderr)
+
+
+class _Server:
+    """A fork server (:func:`_serve`) of this process, for one set of plugins and one environment."""
+
+    def __init__(self, plugins: Sequence[str], env: dict[str, str] | None, stderr_path: str) -> None:
+        command = [sys.executable, "-m", "writeback_testing.blobfuzz", "serve", "--plugins", ",".join(plugins)]
+        # Until its first request redirects it, the server's stderr (imports) is that request's.
+        with open(stderr_path, "wb") as err_file:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file, env=env
+            )
+        assert self.process.stdout is not None
+        self.lines = _Lines(self.process.stdout)
+
+    def request(self, **fields: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps(fields) + "\n").encode())
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        """End the server (it exits when its stdin closes; killed if it does not)."""
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# This process's fork servers, by plugins and environment (``None``: this process's, as
+# it was when the server started); ended at exit.
+_SERVERS: dict[tuple[tuple[str, ...], tuple[tuple[str, str], ...] | None], _Server] = {}
+
+
+def _server(plugins: Sequence[str], env: dict[str, str] | None, stderr_path: str) -> _Server:
+    key = (tuple(plugins), None if env is None else tuple(sorted(env.items())))
+    server = _SERVERS.get(key)
+    if server is None or server.process.poll() is not None:
+        if not _SERVERS:
+            atexit.register(_close_servers)
+        server = _SERVERS[key] = _Server(plugins, env, stderr_path)
+    return server
+
+
+def _end_server(server: _Server) -> None:
+    """Kill ``server`` (mid-request: its worker hung or the caller failed) and forget it."""
+    for key in [k for k, v in _SERVERS.items() if v is server]:
+        del _SERVERS[key]
+    server.process.kill()
+    server.close()
+
+
+def _close_servers() -> None:
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
+
+
 def _stderr_tail(path: str) -> str:
     with open(path, "rb") as handle:
         handle.seek(0, os.SEEK_END)
@@ -823,11 +965,14 @@ def run_blob_fuzz(
     progress: Callable[[str, int], None] | None = None,
 ) -> BlobFuzzReport:
     """Run ``mutants`` mutants of each target (default: every target the plugins offer) in
-    worker subprocesses; a worker that dies or hangs is recorded as a finding and
-    replaced by one starting after that mutant.
+    worker processes (forked by a fork server that outlives the call: the next call with
+    the same plugins and environment reuses it); a worker that dies or hangs is recorded
+    as a finding and replaced by one starting after that mutant.
 
-    :param timeout: seconds a worker may take to build its seeds, and then per mutant.
-    :param env: the workers' environment (default: this process's).
+    :param timeout: seconds a worker may take to start (the fork server to start and
+        build the seeds), and then per mutant.
+    :param env: the workers' environment (default: this process's, as it was when the
+        first call started the fork server).
     :param progress: called with ``(target, mutants done)`` as results arrive.
     """
     report = BlobFuzzReport()
@@ -855,28 +1000,23 @@ def _run_worker(
     counts: Counter[str],
     progress: Callable[[str, int], None] | None,
 ) -> int:
-    """One worker over ``[start, stop)``; returns where the next worker starts."""
-    command = [sys.executable, "-m", "writeback_testing.blobfuzz", "worker", "--target", target]
-    command += ["--seed", str(seed), "--start", str(start), "--stop", str(stop), "--plugins", ",".join(plugins)]
+    """One worker over ``[start, stop)``, forked by this process's fork server for ``plugins``
+    and ``env``; returns where the next worker starts."""
     with tempfile.NamedTemporaryFile(prefix="blobfuzz-", suffix=".stderr", delete=False) as err:
         stderr_path = err.name
+    server: _Server | None = None
+    worker: int | None = None
+    finished = False
     try:
-        with open(stderr_path, "wb") as err_file:
-            worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err_file, env=env)
-    except OSError:
-        os.unlink(stderr_path)
-        raise
-    try:
-        assert worker.stdout is not None
-        lines = _Lines(worker.stdout)
+        server = _server(plugins, env, stderr_path)
+        server.request(target=target, seed=seed, start=start, stop=stop, stderr=stderr_path)
         current: tuple[int, str] | None = None
         ready = False
-        while True:
+        code: int | None = None
+        while code is None:
             try:
-                line = lines.next(timeout)
+                line = server.lines.next(timeout)
             except TimeoutError:
-                worker.kill()
-                worker.wait()
                 if current is None:
                     raise RuntimeError(
                         f"the {target} worker did not start in {timeout:.0f} s: {_stderr_tail(stderr_path)}"
@@ -887,9 +1027,14 @@ def _run_worker(
                 )
                 report.restarts += 1
                 return current[0] + 1
-            if line is None:
-                break
-            if line == "ready":
+            if line is None:  # the server itself died
+                code = server.process.wait()
+            elif line.startswith("exit "):
+                code = int(line[5:])
+                finished = True
+            elif line.startswith("pid "):
+                worker = int(line[4:])
+            elif line == "ready":
                 ready = True
             elif line.startswith("> "):
                 number, _, path = line[2:].partition(" ")
@@ -904,7 +1049,6 @@ def _run_worker(
                         progress(target, record["i"] + 1)
                 if outcome.kind in _FINDINGS:
                     report.findings.append(Finding(target, seed, record["i"], record["path"], outcome))
-        code = worker.wait()
         if current is not None:
             signal_text = f"signal {-code}" if code < 0 else f"exit {code}"
             counts["crash"] += 1
@@ -918,11 +1062,14 @@ def _run_worker(
             )
         return stop
     finally:
-        if worker.stdout is not None:
-            worker.stdout.close()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        if not finished:  # a hang, or an error here: end the worker and its server
+            if worker is not None:
+                try:
+                    os.kill(worker, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if server is not None:
+                _end_server(server)
         os.unlink(stderr_path)
 
 
@@ -937,7 +1084,7 @@ def _repro(target: str, seed: int, index: int, plugins: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m writeback_testing.blobfuzz", description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["worker", "repro", "run"])
+    parser.add_argument("mode", choices=["worker", "serve", "repro", "run"])
     parser.add_argument("--target", action="append", help="pte, backend:NAME or engine:NAME (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", type=int, default=0)
@@ -949,6 +1096,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins = [p for p in options.plugins.split(",") if p]
     if options.mode == "worker":
         return _worker(options.target[0], options.seed, options.start, options.stop, plugins)
+    if options.mode == "serve":
+        return _serve(plugins)
     if options.mode == "repro":
         return _repro(options.target[0], options.seed, options.index, plugins)
     report = run_blob_fuzz(options.target, options.mutants, options.seed, plugins)
