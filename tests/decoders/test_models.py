@@ -146,19 +146,19 @@ def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
 def test_cache_mib_of_run_and_bench_sizes_a_plugins_model() -> None:
     # `writeback run et-llama --cache-mib 2` and `bench --model et-llama --cache-mib 2` resolve
     # the model through run's resolution, which asks the offered case to size itself.
-    from writeback.run import _case
+    from writeback.run import resolve_case
 
-    case = _case(load_registry(), "et-llama", 2)
+    case = resolve_case(load_registry(), "et-llama", 2)
     assert cache_bytes(case.build()) == 2 * (1 << 20)
     assert "32 positions" in case.description
 
 
 def test_cache_mib_for_a_model_without_a_cache_is_a_clear_error_naming_the_sized_models() -> None:
     import click
-    from writeback.run import _case
+    from writeback.run import resolve_case
 
     with pytest.raises(click.UsageError, match=r"model 'ema' has no cache size to set; .*decoder, .*et-llama"):
-        _case(load_registry(), "ema", 2)
+        resolve_case(load_registry(), "ema", 2)
 
 
 def test_bench_model_from_step_0_takes_greedy_tokens_from_the_rows_and_builds_no_eager_copy(
