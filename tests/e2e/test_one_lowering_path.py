@@ -53,3 +53,38 @@ def test_the_oracle_refuses_a_case_exported_its_own_way_rather_than_check_anothe
     case = dataclasses.replace(builtin_models()["ema"], **how)  # type: ignore[arg-type]  # each field's own type
     with pytest.raises(ValueError, match="model 'ema' says how it is exported"):
         built_from_case(case)
+
+
+@pytest.mark.parametrize(("backend", "xnnpack"), [("xnnpack", True), ("none", False)])
+def test_lower_decomposes_the_models_graph_as_often_as_stock_lowering_does(
+    monkeypatch: pytest.MonkeyPatch, backend: str, xnnpack: bool
+) -> None:
+    """A decomposition of the whole graph is the costliest step of a lowering at real size:
+    ``lower`` runs as many as ExecuTorch's own ``to_edge_transform_and_lower`` +
+    ``to_executorch`` of the same program (its mutations are read from the edge program
+    the partitioner gets, not from a decomposition of its own)."""
+    from torch.export import ExportedProgram
+    from writeback.bench_common import stock_program
+    from writeback.lowering import export_case, lower
+    from writeback.pipeline import assemble
+
+    case = builtin_models()["decoder"]
+    exported = export_case(case)
+    size = len(exported.graph.nodes)
+    counted: list[int] = []
+    original = ExportedProgram.run_decompositions
+
+    def counting(self: ExportedProgram, *args: object, **kwargs: object) -> ExportedProgram:
+        if len(self.graph.nodes) >= size // 2:  # the model's graph (not a backend's small pattern graphs)
+            counted.append(len(self.graph.nodes))
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExportedProgram, "run_decompositions", counting)
+    stock_program(exported, xnnpack=xnnpack)
+    stock = len(counted)
+    counted.clear()
+    pipeline = assemble(load_registry(), backend)
+    lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
+    assert stock >= 1
+    assert len(counted) == stock, f"writeback decomposed the graph {len(counted)} times, stock {stock}"
+    assert {m.target for m in lowered.mutations} == {"blocks.0.k_cache", "blocks.0.v_cache"}

@@ -148,6 +148,7 @@ class Partitioned:
 
     edge: EdgeProgramManager
     decisions: dict[str, InPlaceDecision]
+    mutations: list[Mutation]  # find_mutations of the edge program before any delegate took a write
 
 
 def partition(
@@ -178,7 +179,9 @@ def partition(
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
             with known_warnings_ignored(), preprocess_shares_constants():
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
-            wrapped: LoweringPartitioner | None = arguments["partitioner"][0]
+            wrapped: LoweringPartitioner = arguments["partitioner"][0]
+            mutations = wrapped.mutations
+            decisions = {d.target: d for d in wrapped.decisions}
         else:
             # No delegate: the passes for no backend, at the same points, without a partitioner.
             own = run_exported_passes(program, registry, None) if registry else own_tables(program)
@@ -189,15 +192,14 @@ def partition(
                 edge = to_edge_transform_and_lower(
                     own, transform_passes=transforms or None, partitioner=[], constant_methods=methods
                 )
-            wrapped = None
+            mutations, decisions = find_mutations(edge.exported_program()), {}
     except InPlaceConflictError:
         raise  # the plugins' disagreement, named by core: not a failure of the lowering
     except Exception as error:
         name = backend.name if backend is not None else "none"
         raise LoweringError(f"partitioning for backend {name!r} failed: {type(error).__name__}: {error}") from error
-    decisions = {d.target: d for d in wrapped.decisions} if wrapped is not None else {}
     decisions.update(in_place_decisions(edge.exported_program()))
-    return Partitioned(edge, decisions)
+    return Partitioned(edge, decisions, mutations)
 
 
 def _copy_sharing_constants(cls: type, edge_program: ExportedProgram, compile_specs: Any) -> ExportedProgram:
@@ -561,14 +563,11 @@ def lower(
     ``exported`` is not changed. :raises LoweringError: a step failed; the message names it.
     """
     start = time.perf_counter()
-    with known_warnings_ignored():
-        mutations = find_mutations(exported.run_decompositions())
-    # The decomposed copy and the partitioner's working copies are cyclic garbage: freed here,
-    # before serialization copies the weights, they do not add to the lowering's peak.
-    return_freed_memory()
     if constant_methods is None and case is not None:
         constant_methods = case.constant_methods
     partitioned = partition(exported, registry, backend, constant_methods)
+    # The partitioner's working copies are cyclic garbage: freed here, before serialization
+    # copies the weights, they do not add to the lowering's peak.
     return_freed_memory()
     name = backend.name if backend is not None else None
     program = to_executorch(partitioned.edge, registry, plan, backend=name)
@@ -576,7 +575,7 @@ def lower(
     signature = final.graph_signature
     return Lowered(
         exported=exported,
-        mutations=mutations,
+        mutations=partitioned.mutations,
         decisions=partitioned.decisions,
         program=program,
         write_back_bytes=write_back_bytes(final),

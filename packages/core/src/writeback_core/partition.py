@@ -35,7 +35,7 @@ import torch
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
 
-from writeback_core.mutations import find_mutations
+from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.types import PartitionView
 
 if TYPE_CHECKING:
@@ -79,7 +79,12 @@ def partition_views(program: ExportedProgram, backend: str, tags: Iterable[str])
 
 
 def record_in_place_decisions(
-    program: ExportedProgram, backend: str, registry: Registry, tags: Iterable[str], kernels: bool = False
+    program: ExportedProgram,
+    backend: str,
+    registry: Registry,
+    tags: Iterable[str],
+    kernels: bool = False,
+    mutations: list[Mutation] | None = None,
 ) -> list[InPlaceDecision]:
     """Decide and record, per partition tagged with one of ``tags``, every mutation it touches.
 
@@ -92,6 +97,7 @@ def record_in_place_decisions(
     :param tags: the delegation tags the partitioner returned (``PartitionResult.partition_tags``).
     :param kernels: also decide the mutations no partition touches, with a view of the
         operators outside every partition (``PartitionView.kernels``), last.
+    :param mutations: ``find_mutations(program)`` when the caller has it already.
     :return: the decisions, partition by partition, each in ``find_mutations`` order.
     :raises writeback_core.registry.InPlaceConflictError: two plugins disagree on a mutation.
     """
@@ -99,7 +105,8 @@ def record_in_place_decisions(
     views = partition_views(program, backend, tags)
     if not views and not kernels:
         return []
-    mutations = find_mutations(program)
+    if mutations is None:
+        mutations = find_mutations(program)
     graph = program.graph_module.graph
     decisions: list[InPlaceDecision] = []
     untouched = list(mutations)
@@ -121,7 +128,9 @@ class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is
     """A backend's partitioner whose in-place decisions core records (see the module docstring).
 
     ``partitioner`` is the backend's own; every other ``Partitioner`` method is
-    its. ``decisions`` holds the decisions of the last ``partition`` call.
+    its. ``decisions`` holds the decisions of the last ``partition`` call and ``mutations``
+    the mutations of the edge program it partitioned (:func:`find_mutations`, before any
+    delegate took a write): the lowering reports them without decomposing the program again.
     """
 
     def __init__(self, partitioner: Partitioner, backend: str, registry: Registry) -> None:
@@ -130,6 +139,7 @@ class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is
         self.backend = backend
         self.registry = registry
         self.decisions: list[InPlaceDecision] = []
+        self.mutations: list[Mutation] = []
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         """The backend's own transform, unchanged."""
@@ -159,7 +169,10 @@ class AnnotatingPartitioner(Partitioner):  # type: ignore[misc]  # executorch is
         program = result.tagged_exported_program
         spec = self.registry.backends().get(self.backend)
         kernels = spec is not None and spec.kernel_writes
-        self.decisions = record_in_place_decisions(program, self.backend, self.registry, result.partition_tags, kernels)
+        self.mutations = find_mutations(program)
+        self.decisions = record_in_place_decisions(
+            program, self.backend, self.registry, result.partition_tags, kernels, self.mutations
+        )
         return result
 
 
