@@ -2,7 +2,7 @@
 use (:mod:`writeback.bench_cache`, :mod:`writeback.bench_model`), their warm-up
 count, the timed call, the text of their cells, and :func:`stock_program`, the stock
 ExecuTorch lowering every bench compares writeback with (``bench-generate`` and
-``bench_attention`` included).
+``bench_attention`` included), with :func:`write_stock_pte` saving it as users do.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ __all__ = [
     "format_ratio",
     "short_error",
     "stock_program",
+    "write_stock_pte",
 ]
 
 STOCK = "stock"
@@ -53,6 +54,18 @@ def stock_program(
         partitioners.append(XnnpackPartitioner())
     edge = to_edge_transform_and_lower(exported, partitioner=partitioners, constant_methods=constant_methods)
     return edge.to_executorch(config)
+
+
+def write_stock_pte(
+    exported: Any, path: Any, xnnpack: bool, config: Any = None, constant_methods: dict[str, Any] | None = None
+) -> Any:
+    """:func:`stock_program` of ``exported`` streamed to the file ``path`` as ExecuTorch's
+    export scripts save a program (exir's ``write_to_file``: the serialized pieces one after
+    the other, never one joined copy of the weights in memory). Returns the program manager."""
+    program = stock_program(exported, xnnpack, config, constant_methods)
+    with open(path, "wb") as handle:
+        program.write_to_file(handle)
+    return program
 
 
 def short_error(error: BaseException) -> str:

@@ -42,7 +42,7 @@ from writeback.bench_common import (
     format_ms,
     format_ratio,
     short_error,
-    stock_program,
+    write_stock_pte,
 )
 from writeback.lowering import return_freed_memory
 from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
@@ -151,9 +151,7 @@ def _stock_model_call(
             if reinplace
             else ExecutorchBackendConfig()
         )
-        program = stock_program(exported, partitioner == "xnnpack", config)
-        with open(path, "wb") as handle:
-            program.write_to_file(handle)
+        program = write_stock_pte(exported, path, partitioner == "xnnpack", config)
         # A stock Method reads freed memory once its Program is collected: keep both.
         loaded = Runtime.get().load_program(path)
         method = loaded.load_method("forward")

@@ -138,12 +138,10 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     # Each .pte is streamed to its file from exir's serialized pieces (exir's write_to_file, as
     # ExecuTorch's export scripts save it), never joined into one bytes object first.
     if contender == STOCK:
-        from writeback.bench_common import stock_program
+        from writeback.bench_common import write_stock_pte
 
         with known_warnings_ignored():
-            program = stock_program(exported, xnnpack=True, constant_methods=dict(case.constant_methods))
-            with open(pte, "wb") as handle:
-                program.write_to_file(handle)
+            write_stock_pte(exported, pte, xnnpack=True, constant_methods=dict(case.constant_methods))
     else:
         from writeback.lowering import lower
         from writeback.pipeline import assemble
