@@ -233,7 +233,13 @@ def test_export_refuses_a_program_with_two_outputs_naming_it_and_writing_nothing
     assert not (tmp_path / "m.pte").exists()
 
 
-def test_bench_generate_times_every_contender_in_the_runner_all_giving_the_static_cache_programs_text(
+def _mapped_bench_ptes() -> set[str]:
+    """The bench's ``.pte`` files this process maps now (a loaded runner maps its program)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split()[-1] for line in lines if "writeback-bench-generate-" in line and line.endswith(".pte")}
+
+
+def test_bench_generate_times_each_contender_in_a_runner_of_its_own_one_loaded_at_a_time_all_giving_one_text(
     folder: tuple[Path, list[str]],
 ) -> None:
     from writeback.bench_generate import STOCK_SAME, WRITEBACK, bench_generation
@@ -244,7 +250,21 @@ def test_bench_generate_times_every_contender_in_the_runner_all_giving_the_stati
     registry = load_registry()
     case = resolve_model_option(registry, str(model))
     assert case.dynamic_prefill is not None
-    rows = bench_generation(registry, case.dynamic_prefill(), model / "tokenizer.json", 3, NEW_TOKENS, rounds=2)
+    mapped: list[tuple[str, set[str]]] = []
+    rows = bench_generation(
+        registry,
+        case.dynamic_prefill(),
+        model / "tokenizer.json",
+        3,
+        NEW_TOKENS,
+        rounds=2,
+        on_progress=lambda line: mapped.append((line, _mapped_bench_ptes())),
+    )
+    # Before each generation no contender's program is loaded: each generation loads its own
+    # runner and drops it after (three 0.5B contenders loaded together passed 16 GB).
+    generations = [(line, files) for line, files in mapped if line.startswith("generating ")]
+    assert len(generations) == 6
+    assert [files for _, files in generations] == [set()] * 6, generations
     names = [r.name for r in rows]
     assert names == ["stock+xnnpack (transformers StaticCache)", STOCK_SAME, WRITEBACK]
     for row in rows:

@@ -11,7 +11,9 @@ same prompt with greedy decoding:
   ``to_executorch()``);
 - ``writeback+xnnpack``: what ``writeback export MODEL`` writes.
 
-Rounds run the contenders one after the other, in an order rotated each round, so a noisy
+Each generation loads its contender's ``.pte`` into a runner of its own, dropped after it,
+so one contender's weights are in memory at a time (a 0.5B model's three contenders held
+together passed 16 GB). Rounds run the contenders one after the other, in an order rotated each round, so a noisy
 machine slows them alike. XNNPACK's thread pool and PyTorch run one thread unless asked.
 The runner's own statistics give prefill (prompt tokens / prefill time) and decode
 (generated tokens / decode time) speeds; ratios are against the first stock row.
@@ -34,7 +36,7 @@ from rich.console import Console
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import stock_program
+from writeback.bench_common import write_stock_pte
 from writeback.cli import resolve_model_option
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
@@ -79,12 +81,6 @@ def _stdout_silenced() -> Iterator[None]:
             os.close(saved)
 
 
-def _write_stock_pte(program: Any, methods: dict[str, Any], path: Path) -> None:
-    # Streamed to the file as ExecuTorch's export scripts save it: no joined copy of the weights.
-    with open(path, "wb") as handle:
-        stock_program(program, xnnpack=True, constant_methods=methods).write_to_file(handle)
-
-
 # A contender's .pte: written to the path given (returned), or a file of its own (returned, the path ignored).
 WritePte = Callable[[Path], Path]
 
@@ -99,7 +95,7 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Write
 
     def stock(make: Callable[[], Any]) -> WritePte:
         def write(path: Path) -> Path:
-            _write_stock_pte(make(), methods, path)
+            write_stock_pte(make(), path, xnnpack=True, constant_methods=methods)
             return path
 
         return write
@@ -171,7 +167,8 @@ def bench_generation(
     say = on_progress or (lambda _line: None)
     prompt = _prompt(tokenizer, prompt_tokens)
     rows: list[GenerationRow] = []
-    runners: dict[str, Any] = {}
+    paths: dict[str, Path] = {}
+    config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=0.0)
     with tempfile.TemporaryDirectory(prefix="writeback-bench-generate-") as folder:
         given = [(name, f"file {path.name}", _given(path)) for name, path in files]
         own = [] if only_files else _programs(registry, case)
@@ -182,36 +179,50 @@ def bench_generation(
             try:
                 path = write(Path(folder) / f"{len(rows)}.pte")
                 # The lowering's copies of the weights are garbage now (some held by the
-                # toolchain's caches): gone before the runner, which maps the file, takes its
-                # own and the next contender lowers.
+                # toolchain's caches): gone before the runner loads and the next contender lowers.
                 return_freed_memory()
-                runners[name] = TextLLMRunner(str(path), str(tokenizer))
+                # Made once here (it reads the .pte's metadata) so that a .pte the runner refuses
+                # is reported before any round; each generation has a runner of its own.
+                TextLLMRunner(str(path), str(tokenizer))
+                paths[name] = path
             except Exception as error:  # a contender that cannot lower or load is reported, not fatal
                 row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-        config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=0.0)
         live = [r for r in rows if r.error is None]
         for round_ in range(rounds):
             say(f"round {round_ + 1} of {rounds}")
             for row in live[round_ % len(live) :] + live[: round_ % len(live)] if live else []:
-                runner = runners[row.name]
-                runner.reset()
-                pieces: list[str] = []
-                stats: list[Any] = []
-                try:
-                    with _stdout_silenced():
-                        runner.generate(prompt, config, token_callback=pieces.append, stats_callback=stats.append)
-                except RuntimeError as error:
-                    row.error = f"generation failed: {error}"
-                    continue
-                s = stats[-1]
-                prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)
-                decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)
-                row.prefill.append(s.num_prompt_tokens / prefill_ms * 1e3)
-                row.decode.append(s.num_generated_tokens / decode_ms * 1e3)
-                row.prompt_tokens = int(s.num_prompt_tokens)
-                row.text = "".join(pieces)
+                say(f"generating {row.name}")
+                _generate(row, paths[row.name], tokenizer, prompt, config)
             live = [r for r in live if r.error is None]
     return rows
+
+
+def _generate(row: GenerationRow, path: Path, tokenizer: Path, prompt: str, config: Any) -> None:
+    """One generation of ``row``'s ``.pte`` at ``path`` in a runner of its own, recorded on ``row``.
+
+    The runner is loaded for this generation and dropped after it: one contender's weights
+    (the mapped file and XNNPACK's packed copy) are in memory at a time, never all of them.
+    Its statistics time prefill and decode apart from loading."""
+    from executorch.extension.llm.runner import TextLLMRunner
+
+    runner = TextLLMRunner(str(path), str(tokenizer))
+    pieces: list[str] = []
+    stats: list[Any] = []
+    try:
+        with _stdout_silenced():
+            runner.generate(prompt, config, token_callback=pieces.append, stats_callback=stats.append)
+    except RuntimeError as error:
+        row.error = f"generation failed: {error}"
+        return
+    finally:
+        del runner
+    s = stats[-1]
+    prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)
+    decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)
+    row.prefill.append(s.num_prompt_tokens / prefill_ms * 1e3)
+    row.decode.append(s.num_generated_tokens / decode_ms * 1e3)
+    row.prompt_tokens = int(s.num_prompt_tokens)
+    row.text = "".join(pieces)
 
 
 def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
