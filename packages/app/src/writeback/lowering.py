@@ -330,7 +330,7 @@ class Lowered:
     passes: tuple[str, ...]
     seconds: float
     case: ModelCase | None = None
-    _kept: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _after_release: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _pte: bytes | None = field(default=None, repr=False, compare=False)
     _written_nbytes: int | None = field(default=None, repr=False, compare=False)
 
@@ -366,7 +366,7 @@ class Lowered:
     @property
     def released(self) -> bool:
         """Whether :meth:`release` dropped the program."""
-        return bool(self._kept)
+        return bool(self._after_release)
 
     def release(self) -> None:
         """Drop the exported program, the program manager and the ``.pte`` bytes, three
@@ -376,7 +376,7 @@ class Lowered:
         and :attr:`input_signature` keep answering (worked out before the release)."""
         if self.released:
             return
-        kept = {
+        after_release = {
             "pte_nbytes": self.pte_nbytes,
             "copies_left": self.copies_left,
             "places": state_places(self),
@@ -385,7 +385,7 @@ class Lowered:
         self.exported = cast("ExportedProgram", Released("exported program"))
         self.program = cast("ExecutorchProgramManager", Released("program manager"))
         self._pte = None
-        self._kept = kept
+        self._after_release = after_release
         return_freed_memory()
 
     @property
@@ -395,14 +395,14 @@ class Lowered:
         from writeback.pipeline import InputSignature
 
         if self.released:
-            return cast("InputSignature", self._kept["input_signature"])
+            return cast("InputSignature", self._after_release["input_signature"])
         return InputSignature.of(self.exported)
 
     @property
     def pte_nbytes(self) -> int:
         """The ``.pte``'s size in bytes (after :meth:`release` too)."""
         if self.released:
-            return int(self._kept["pte_nbytes"])
+            return int(self._after_release["pte_nbytes"])
         if self._pte is None and self._written_nbytes is not None:
             return self._written_nbytes
         return len(self.pte)
@@ -418,7 +418,7 @@ class Lowered:
         from writeback_core.copies import copies_left
 
         if self.released:
-            return list(self._kept["copies_left"])
+            return list(self._after_release["copies_left"])
         return copies_left(self.decisions, self.program.exported_program())
 
     @property
@@ -462,7 +462,7 @@ def state_places(lowered: Lowered) -> list[StatePlace]:
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
     if lowered.released:
-        return list(lowered._kept["places"])
+        return list(lowered._after_release["places"])
     final = lowered.program.exported_program()
     signature = final.graph_signature
     delegates = get_lowered_submodules(final.graph_module)

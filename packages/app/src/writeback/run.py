@@ -68,7 +68,7 @@ class RunReport:
     lowered: Lowered
     pte_path: Path
     steps: list[tuple[StepResult, StepCheck | None]]
-    kept: bool = True
+    pte_kept: bool = True  # the .pte stays at pte_path (run --output); else a temporary file
 
     @property
     def checked(self) -> bool:
@@ -252,7 +252,7 @@ def _summary(report: RunReport) -> str:
         f"model {report.case.name}: {report.case.description}",
         f"backend {backend}, runtime {report.pipeline.runtime.name}, "
         f"lowered in {lowered.seconds:.1f} s, {format_bytes(lowered.pte_nbytes)} .pte at {report.pte_path}"
-        + ("" if report.kept else " (temporary: pass --output to keep it)"),
+        + ("" if report.pte_kept else " (temporary: pass --output to keep it)"),
         f"{len(lowered.mutations)} mutated states: {format_bytes(caller)} caller-owned, "
         f"{format_bytes(owned)} in the program; whole-state copies left per call: "
         + (f"{len(copies)} ({format_bytes(sum(p.copy_bytes for p in copies))}/call)" if copies else "none"),
@@ -264,7 +264,7 @@ def _summary(report: RunReport) -> str:
             "return a ModelCase with step_inputs to give each step its own"
         )
     lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
-    if report.kept:
+    if report.pte_kept:
         from writeback.export import where_it_loads  # export's module imports the CLI that imports this one
 
         lines.append(where_it_loads(lowered.backend, report.pte_path))
@@ -375,7 +375,7 @@ def run_command(
         path = output if output is not None else Path(scratch) / "model.pte"
         try:
             ran = run_model(pipeline, case, steps, path, console, check=not no_check)
-            report = dataclasses.replace(ran, kept=output is not None)
+            report = dataclasses.replace(ran, pte_kept=output is not None)
         except PipelineError as error:
             raise click.ClickException(str(error)) from error
         except StepInputError as error:  # the case's step inputs do not fit what it exported
