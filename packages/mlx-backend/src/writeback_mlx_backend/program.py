@@ -106,10 +106,12 @@ def _unique(read: BlobReader, names: list[str], what: str) -> set[str]:
 MAX_HEADER_BYTES = 64 << 20
 
 
-def pack(header: dict[str, Any], data: bytes) -> bytes:
-    """A blob of ``header`` (compressed) and the data section ``data``."""
+def pack(header: dict[str, Any], data: bytes | bytearray | memoryview) -> bytes:
+    """A blob of ``header`` (compressed) and the data section ``data``, made in one
+    allocation: the data section (a model's delegated weights) is copied once, never
+    through intermediate ``bytes`` (each a whole copy of the weights alive at the peak)."""
     text = zlib.compress(json.dumps(header, separators=(",", ":")).encode(), 9)
-    return MAGIC + struct.pack("<Q", len(text)) + text + data
+    return b"".join((MAGIC, struct.pack("<Q", len(text)), text, data))
 
 
 def _inflate(read: BlobReader, packed: bytes | bytearray | memoryview) -> bytes:
@@ -267,7 +269,7 @@ class DelegateProgram:
 
     def to_bytes(self) -> bytes:
         """Serialize as ``MAGIC | len | zlib(JSON) | data``."""
-        return pack(self.header(), bytes(self.data))
+        return pack(self.header(), self.data)
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> DelegateProgram:
