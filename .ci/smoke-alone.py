@@ -118,7 +118,17 @@ def application() -> None:
 
 
 def bench() -> None:
-    for name in ("mlx", "mlx_handwritten", "passes_memory", "passes_scale", "pybind", "pybind_load", "trt"):
+    for name in (
+        "mlx",
+        "mlx_vs",
+        "mlx_vs_calls",
+        "mlx_handwritten",
+        "passes_memory",
+        "passes_scale",
+        "pybind",
+        "pybind_load",
+        "trt",
+    ):
         importlib.import_module(f"writeback_bench.{name}")
     from writeback_bench import passes_memory
 

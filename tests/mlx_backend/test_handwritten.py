@@ -103,7 +103,7 @@ def test_one_core_pins_every_thread_of_the_process_and_restores_each() -> None:
     """The idle rows "one core" run with the caller and MLX's stream thread on one CPU; after
     the block each thread may use the CPUs it had before."""
     import mlx.core as mx
-    from writeback_bench.mlx import one_core
+    from writeback_bench.mlx_vs_calls import one_core
 
     mx.eval(mx.ones(4) + 1)  # MLX's stream thread exists
     threads = [int(t) for t in os.listdir("/proc/self/task")]
