@@ -17,7 +17,7 @@ from writeback.lowering import Lowered, lower
 from writeback_core import find_mutations, load_registry
 from writeback_core.program import MemoryPlan, export_model
 from writeback_passes import plugin as passes_plugin
-from writeback_passes.reinplace_state_writes import in_place_kernel_refusal
+from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
 SHAPE = (1, 2, 16, 8)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from writeback_core.partition import DELEGATION_TAG
-from writeback_passes.reinplace_state_writes import in_place_kernel_refusal
+from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
 aten = torch.ops.aten
 STATE = torch.zeros(4, 3)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from executorch.exir._serialize._program import deserialize_pte_binary, serialize_pte_binary
 from executorch.exir.schema import KernelCall, TensorList
-from writeback_pybind_runtime import ProgramError, _pte
+from writeback_pybind_runtime import ProgramError, _pte, _pte_operators
 
 from .conftest import Lower, stock_method
 
@@ -117,9 +117,9 @@ def test_an_out_list_naming_an_input_counts_as_writing_that_input(lower: Lower, 
 def test_a_kernel_call_takes_the_schema_arguments_then_the_out_arguments_once_more(
     name: str, overload: str, arguments: int
 ) -> None:
-    signature = _pte._signature(name, overload)
+    signature = _pte_operators.kernel_signature(name, overload)
     assert signature is not None and len(signature) == arguments
-    written = _pte._written_positions(name, overload)
+    written = _pte_operators.written_positions(name, overload)
     assert written is not None and arguments - 1 in written
 
 

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from writeback_pybind_runtime import _pte
+from writeback_pybind_runtime import _pte_operators
 
 
 def test_schema_of_a_real_operator_is_found() -> None:
-    schema = _pte._schema("aten::add", "out")
+    schema = _pte_operators._schema("aten::add", "out")
     assert schema is not None and str(schema).startswith("aten::add.out(Tensor self, Tensor other")
-    assert _pte._schema("aten::neg", "default") is not None
+    assert _pte_operators._schema("aten::neg", "default") is not None
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_operator_name_walking_attributes_finds_nothing_no_code_runs(
     marker = tmp_path / "ran"
     (tmp_path / "__call__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    _pte._schema.cache_clear()
-    assert _pte._schema(name, overload) is None
+    _pte_operators._schema.cache_clear()
+    assert _pte_operators._schema(name, overload) is None
     assert not marker.exists()
     sys.modules.pop("__call__", None)

@@ -32,14 +32,14 @@ if TYPE_CHECKING:
         reinplace_delegate_pass,
     )
     from writeback_passes.reinplace_state_writes import (
-        IN_PLACE_KERNEL,
         KeptStateWrite,
         ReinplacedStateWrite,
         StateWriteReport,
-        in_place_kernel_refusal,
         reinplace_state_writes,
         state_writes_pass,
     )
+    from writeback_passes.state_write_plans import IN_PLACE_KERNEL
+    from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
 __all__ = [
     "IN_PLACE_KERNEL",
@@ -82,13 +82,13 @@ _LAZY = {
     "ReinplaceReport": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_input_mutations": "writeback_passes.reinplace_delegate",
     "reinplace_delegate_pass": "writeback_passes.reinplace_delegate",
-    "IN_PLACE_KERNEL": "writeback_passes.reinplace_state_writes",
     "KeptStateWrite": "writeback_passes.reinplace_state_writes",
     "ReinplacedStateWrite": "writeback_passes.reinplace_state_writes",
     "StateWriteReport": "writeback_passes.reinplace_state_writes",
-    "in_place_kernel_refusal": "writeback_passes.reinplace_state_writes",
     "reinplace_state_writes": "writeback_passes.reinplace_state_writes",
     "state_writes_pass": "writeback_passes.reinplace_state_writes",
+    "IN_PLACE_KERNEL": "writeback_passes.state_write_plans",
+    "in_place_kernel_refusal": "writeback_passes.state_write_refusals",
 }
 
 

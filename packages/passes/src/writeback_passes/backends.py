@@ -6,7 +6,7 @@ links. ``xnnpack`` is ExecuTorch's own ``XnnpackPartitioner``, unchanged. XNNPAC
 writes a state in place inside its delegate (its runtime has no write into a graph
 input), so every state write it computes keeps its copy; the writes that run on the
 kernels outside it are made in place when :func:`in_place_kernel_refusal
-<writeback_passes.reinplace_state_writes.in_place_kernel_refusal>` allows: after the
+<writeback_passes.state_write_refusals.in_place_kernel_refusal>` allows: after the
 delegate's last read of the old value, and never into a state consumed into the
 delegate as constant data.
 """

@@ -77,7 +77,7 @@ def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[s
     """``{"stock kernels": ...}`` for one explain row: what ``--backend portable`` (and
     ``xnnpack``, for a write outside its delegate) does with this state.
 
-    Decided by :func:`~writeback_passes.reinplace_state_writes.in_place_kernel_refusal`
+    Decided by :func:`~writeback_passes.state_write_refusals.in_place_kernel_refusal`
     (the rule the backends answer ``writeback_accepts_in_place`` with) over the
     decomposed program. A caller-owned state written in place says where that holds:
     stock ``executorch.runtime`` does not write a mutated input back into the caller's
@@ -85,7 +85,8 @@ def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[s
     """
     from writeback_core import MutationKind
 
-    from writeback_passes.reinplace_state_writes import IN_PLACE_KERNEL, in_place_kernel_refusal
+    from writeback_passes.state_write_plans import IN_PLACE_KERNEL
+    from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
     decomposed = _DECOMPOSED.get(program)
     if decomposed is None:

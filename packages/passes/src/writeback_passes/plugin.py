@@ -68,7 +68,7 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
         return None
     if not partition.kernels:
         return False
-    from writeback_passes.reinplace_state_writes import in_place_kernel_refusal
+    from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
     if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
         return False
