@@ -308,3 +308,37 @@ def test_bench_generate_refuses_a_bad_pte_option_with_exit_2_before_lowering(
     result = CliRunner().invoke(main, ["bench-generate", str(model), *options])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
+
+
+def test_bench_generate_quantize_lowers_every_contender_of_the_model_with_8da4w_weights_all_giving_one_text(
+    folder: tuple[Path, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench-generate --quantize 8da4w`: the stock contenders (transformers' StaticCache, the same
+    export) are quantized as writeback's program is, so the rows compare like with like."""
+    import writeback.bench_generate as bench
+    from transformers import AutoModelForCausalLM
+
+    model, _ = folder
+    sizes: dict[str, int] = {}
+    generate = bench._generate
+
+    def measured(row: Any, path: Path, *rest: Any) -> None:  # the real generation, the .pte's size noted
+        sizes[row.name] = path.stat().st_size
+        generate(row, path, *rest)
+
+    monkeypatch.setattr(bench, "_generate", measured)
+    command = ["bench-generate", str(model), "--quantize", "8da4w", "--rounds", "1", "--prompt-tokens", "3"]
+    result = CliRunner().invoke(main, [*command, "--new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert "4-bit weights in groups of 32" in " ".join(result.output.split())
+    rows = [line for line in result.output.splitlines() if line.startswith(("stock+xnnpack", "writeback+xnnpack"))]
+    assert len(rows) == 3, result.output
+    assert [line.rstrip().endswith("same as writeback") for line in rows] == [True, True, False], result.output
+    plain = AutoModelForCausalLM.from_pretrained(model)
+    weights = sum(p.numel() * 4 for p in plain.parameters())
+    linear = sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    assert len(sizes) == 3, sizes
+    # 4-bit weights keep about a sixth of the linear layers' bytes; a stock program also carries its
+    # caches' initial values. Unquantized, every .pte holds at least all the weights.
+    for name, size in sizes.items():
+        assert size < weights - 0.5 * linear, (name, size, weights, linear)

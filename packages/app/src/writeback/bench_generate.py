@@ -37,7 +37,7 @@ from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
 from writeback.bench_common import write_stock_pte
-from writeback.cli import resolve_model_option
+from writeback.cli import quantize_option, quantized_case, resolve_model_option
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
 
@@ -274,6 +274,10 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
 @click.option(
     "--baseline", default=None, metavar="NAME", help="The row ratios are against (default: the first stock row)."
 )
+@quantize_option(
+    "Quantize the model's linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before "
+    "export, for every contender of MODEL alike (not the --pte files)."
+)
 @click.pass_context
 def bench_generate_command(
     ctx: click.Context,
@@ -286,6 +290,7 @@ def bench_generate_command(
     files: tuple[str, ...],
     only_pte: bool,
     baseline: str | None,
+    quantize: str | None,
 ) -> None:
     """Time whole generations of MODEL in ExecuTorch's LLM runner for every contender, interleaved.
 
@@ -294,7 +299,7 @@ def bench_generate_command(
     writeback's."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
-    case = resolve_model_option(registry, model)
+    case = quantized_case(resolve_model_option(registry, model), quantize)
     if case.dynamic_prefill is not None:
         case = case.dynamic_prefill()
     if not case.constant_methods:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from writeback.cli import quantize_option
+
 if TYPE_CHECKING:
     from writeback_core.types import ModelCase
 
@@ -308,12 +310,9 @@ _DEFAULT = LlamaShape()
     show_default=True,
     help="writeback backends to run beside stock (repeatable).",
 )
-@click.option(
-    "--quantize",
-    type=click.Choice(["8da4w"]),
-    default=None,
-    help="Quantize the linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before export, "
-    "for stock and writeback alike.",
+@quantize_option(
+    "Quantize the linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before export, "
+    "for stock and writeback alike."
 )
 def bench_scale_command(steps: int, backends: tuple[str, ...], quantize: str | None, **sizes: int) -> None:
     """Export, lower, load and decode a Llama of the given shape (random fp32 weights), stock

@@ -15,9 +15,10 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -113,6 +114,11 @@ QUANTIZE_HELP = (
     "weights in groups of 32, as ExecuTorch's Llama export does (XNNPACK runs them). Steps are then compared "
     "with eager PyTorch running the same quantized model, at the scheme's tolerance."
 )
+
+
+def quantize_option(help: str = QUANTIZE_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--quantize`` option of every command that exports a model (``run``, ``export``, the benches)."""
+    return click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=help)
 
 
 def _model_from_path(registry: Registry, path: str) -> ModelCase:

@@ -22,7 +22,7 @@ from writeback_core.registry import Registry
 from writeback_core.units import format_bytes
 
 from writeback._files import WriteFailed
-from writeback.cli import QUANTIZE_HELP, quantized_case, resolve_model_option, writable_file
+from writeback.cli import quantize_option, quantized_case, resolve_model_option, writable_file
 from writeback.lowering import Lowered, export_case, lower, state_places
 from writeback.pipeline import PipelineError, assemble
 from writeback.run import state_lines
@@ -130,7 +130,7 @@ def _tokenizer_of(model: str) -> Path | None:
     help="Export one token per call (the runner then prefills a prompt token by token) even where the model and "
     "backend take a dynamic token dimension.",
 )
-@click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=QUANTIZE_HELP)
+@quantize_option()
 @click.pass_context
 def export_command(
     ctx: click.Context, model: str, backend: str | None, output: Path, token_by_token: bool, quantize: str | None

@@ -26,10 +26,10 @@ from writeback_core.units import format_bytes
 
 from writeback._files import WriteFailed
 from writeback.cli import (
-    QUANTIZE_HELP,
     CacheMiB,
     UserCodeError,
     progress_bar,
+    quantize_option,
     quantized_case,
     resolve_model_option,
     writable_file,
@@ -343,7 +343,7 @@ def _execution_paths(pipeline: Pipeline) -> list[str]:
     help="Build no eager model beside the program (a second copy of the weights) and compare nothing: "
     "for models whose two copies do not fit in memory.",
 )
-@click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=QUANTIZE_HELP)
+@quantize_option()
 @click.pass_context
 def run_command(
     ctx: click.Context,
