@@ -15,7 +15,7 @@ from writeback_testing.contract import (
     check_backend_contract,
     zoo_cases,
 )
-from writeback_testing.oracle import InvalidProgram
+from writeback_testing.observations import InvalidProgram
 from writeback_testing.program import ProgramSpec, Read, Source, State, Write
 from writeback_testing.strategies import programs
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from writeback.cli import main
 from writeback.zoo import builtin_models
 from writeback_core.registry import load_registry
-from writeback_testing.oracle import Lowerings, built_from_case
+from writeback_testing.lowerings import Lowerings
+from writeback_testing.oracle import built_from_case
 
 
 @pytest.mark.parametrize(("model", "backend"), [("ema", "none"), ("decoder-caller-cache", "mlx"), ("decoder", "mlx")])

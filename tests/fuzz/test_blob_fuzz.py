@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from writeback_testing.blobfuzz import DEFAULT_PLUGINS, BlobFuzzReport, run_blob_fuzz, targets_of
+from writeback_testing.blobfuzz import BlobFuzzReport, run_blob_fuzz
+from writeback_testing.blobseeds import DEFAULT_PLUGINS, targets_of
 
 # Mutants the slow tier runs per CI run, over all targets (split by _SHARE). Measured on
 # the 2-core machine: ~40/s for .pte and the kv-alias and example blobs, ~4/s for MLX

@@ -100,16 +100,16 @@ def test_kv_alias_dim_order_exir_cannot_map_is_blob_error_not_escaping_assertion
 @pytest.fixture(scope="module")
 def mlx_seed() -> object:
     """The MLX delegate's blob of the fuzzer's cache-write program, with its call."""
-    from writeback_testing.blobfuzz import seeds_of
+    from writeback_testing.blobseeds import seeds_of
 
     return next(s for s in seeds_of("backend:mlx") if s.program == "cache-write#0")
 
 
 def _mlx_init(seed: object, change: object) -> None:
     from writeback_mlx_backend import MLXDelegate
-    from writeback_testing.blobfuzz import _codec
+    from writeback_testing.blobmutants import codec_of
 
-    codec = _codec(seed.blob)  # type: ignore[attr-defined]  # a blobfuzz Seed
+    codec = codec_of(seed.blob)  # type: ignore[attr-defined]  # a blobfuzz Seed
     assert codec is not None and codec.prefix
     tree = json.loads(json.dumps(codec.tree))
     change(tree)  # type: ignore[operator]  # a callable
@@ -137,7 +137,7 @@ def test_kv_alias_index_copy_dim_past_the_caches_rank_refused_by_name_nothing_wr
     """Found by the blob fuzzer (``engine:kv-alias`` seed 0 mutant 74): an in-place
     ``index_copy`` update whose dim lies outside the cache's rank reached ``index_copy_`` as
     is (``ValueError: Overflow when unpacking long long`` for a huge one)."""
-    from writeback_testing.blobfuzz import seeds_of
+    from writeback_testing.blobseeds import seeds_of
     from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
 
     seed = next(s for s in seeds_of("engine:kv-alias") if s.program == "cache-write#0")

@@ -11,7 +11,8 @@ import pytest
 from writeback_core.registry import load_registry
 from writeback_testing.engines import engine_targets
 from writeback_testing.fuzz import FuzzConfig, run_fuzz, summary
-from writeback_testing.oracle import check_source, registry_runtime
+from writeback_testing.oracle import check_source
+from writeback_testing.targets import registry_runtime
 
 from .conftest import ENGINE_PLUGINS
 

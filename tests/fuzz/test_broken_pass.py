@@ -8,7 +8,8 @@ import importlib
 import pytest
 from writeback_core.registry import load_registry
 from writeback_testing.fuzz import FuzzConfig, run_fuzz, summary
-from writeback_testing.oracle import StockTarget, check_source
+from writeback_testing.oracle import check_source
+from writeback_testing.targets import StockTarget
 
 from .conftest import FUZZ_PLUGINS
 

@@ -8,19 +8,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from writeback_core.registry import Registry
-from writeback_testing.oracle import (
-    Observation,
-    StockTarget,
-    Target,
-    check_program,
-    check_source,
-    compare_observations,
-    eager_run,
-    registry_runtime,
-    runtime_targets,
-)
+from writeback_testing.observations import Observation, compare_observations, eager_run
+from writeback_testing.oracle import check_program, check_source
 from writeback_testing.program import POS_MODES, ProgramSpec, Read, Source, State, Write, build, render_source
 from writeback_testing.strategies import programs
+from writeback_testing.targets import StockTarget, Target, registry_runtime, runtime_targets
 
 
 def _targets(registry: Registry) -> list[Target]:

@@ -10,16 +10,9 @@ import torch
 import torch.fx
 from writeback_core import ProgramPass, hookimpl
 from writeback_core.registry import Registry, load_registry
-from writeback_testing.oracle import (
-    ProgramMismatch,
-    StockTarget,
-    TargetError,
-    check_program,
-    check_source,
-    registry_runtime,
-    runtime_targets,
-)
+from writeback_testing.oracle import ProgramMismatch, TargetError, check_program, check_source
 from writeback_testing.program import ProgramSpec, Read, Source, State, Write, build
+from writeback_testing.targets import StockTarget, registry_runtime, runtime_targets
 
 from .conftest import FUZZ_PLUGINS
 

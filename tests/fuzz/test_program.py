@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from writeback_testing.oracle import InvalidProgram, check_program, eager_run
+from writeback_testing.observations import InvalidProgram, eager_run
+from writeback_testing.oracle import check_program
 from writeback_testing.overlap import OverlappingWrite
 from writeback_testing.program import (
     Derive,

@@ -216,7 +216,7 @@ def test_delegate_whose_only_results_were_dropped_write_backs_still_runs(planned
     and exir's dead-code elimination deleted it, so the state was never written. The call
     must survive to the .pte with zero write-back copies, and the real runtime must write the
     caller's cache and the buffer as eager PyTorch does, call after call."""
-    from writeback_testing.oracle import registry_runtime
+    from writeback_testing.targets import registry_runtime
 
     registry = _example_registry()
     manager = _lower_to_example(registry, planned)

@@ -106,10 +106,9 @@ def test_int_list_item_out_of_range_refused_at_load_no_crash(
 def seed_pte() -> bytes:
     """The blob fuzzer's cache-write program as a ``.pte`` (writeback's lowering: it has an
     ``et_view``), where it found these crashes."""
-    from writeback_testing.blobfuzz import DEFAULT_PLUGINS, build_seeds
-    from writeback_testing.blobfuzz import _registry as registry
+    from writeback_testing.blobseeds import DEFAULT_PLUGINS, build_seeds, registry_of
 
-    return next(s.blob for s in build_seeds(registry(DEFAULT_PLUGINS), "pte") if s.program == "cache-write")
+    return next(s.blob for s in build_seeds(registry_of(DEFAULT_PLUGINS), "pte") if s.program == "cache-write")
 
 
 def _kernel_calls(pte: bytes) -> list[tuple[int, str, list[int]]]:

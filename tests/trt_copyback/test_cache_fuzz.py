@@ -30,9 +30,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from writeback_core.registry import load_registry
 from writeback_testing.engines import engine_targets
-from writeback_testing.oracle import check_program, registry_runtime
+from writeback_testing.oracle import check_program
 from writeback_testing.program import X_LEN, ProgramSpec, Read, Source, State, Write
 from writeback_testing.strategies import cache_shapes
+from writeback_testing.targets import registry_runtime
 
 from tests.trt_copyback.test_fuzz_target import PLUGINS
 

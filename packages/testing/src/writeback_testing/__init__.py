@@ -11,6 +11,10 @@ ships. Names are imported lazily, so ``writeback_testing.cli`` (which the
 - ``strategies``: :func:`programs`, the hypothesis strategy.
 - ``oracle``: :func:`check_program` (eager against every :class:`Target`),
   :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
+- ``observations``: what a call produced, eager's record of it, and the comparison.
+- ``lowerings``: one program through the lowering path, per memory plan.
+- ``targets``: :class:`Target`, :class:`StockTarget`, :class:`RuntimeTarget`,
+  :func:`runtime_targets`, :func:`registry_runtime`.
 - ``engines``: :func:`engine_targets` (:class:`EngineTarget`: each program
   through an aliasing engine's copy-back path, reached through hooks).
 - ``overlap``: the eager check that refuses in-place writes reading what they write.
@@ -59,16 +63,16 @@ _HOME = {
     "render_source": "program",
     "programs": "strategies",
     "ProgramMismatch": "oracle",
-    "RuntimeTarget": "oracle",
-    "StockTarget": "oracle",
-    "Target": "oracle",
+    "RuntimeTarget": "targets",
+    "StockTarget": "targets",
+    "Target": "targets",
     "TargetSkipped": "oracle",
     "EngineTarget": "engines",
     "engine_targets": "engines",
     "check_program": "oracle",
     "check_source": "oracle",
-    "registry_runtime": "oracle",
-    "runtime_targets": "oracle",
+    "registry_runtime": "targets",
+    "runtime_targets": "targets",
     "ContractViolation": "contract",
     "backend_names": "contract",
     "check_backend_contract": "contract",

@@ -152,7 +152,8 @@ def fuzz_blobs_command(n_mutants: int, seed: int, targets: tuple[str, ...]) -> N
     answer; a crash, a hang, a wrong answer or an internal exception escaping is
     printed with the command that reproduces it. Exit status 1 on any.
     """
-    from writeback_testing.blobfuzz import installed_plugins, run_blob_fuzz
+    from writeback_testing.blobfuzz import run_blob_fuzz
+    from writeback_testing.blobseeds import installed_plugins
 
     if n_mutants < 1:
         raise click.UsageError("--mutants must be at least 1")

@@ -38,19 +38,11 @@ from torch.export.graph_signature import OutputKind
 from writeback_core.program import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
 
-from writeback_testing.oracle import (
-    DEFAULT_CALLS,
-    Lowerings,
-    ProgramMismatch,
-    RuntimeTarget,
-    StockTarget,
-    Target,
-    built_from_case,
-    compare_observations,
-    eager_reference,
-    registry_runtime,
-)
+from writeback_testing.lowerings import Lowerings
+from writeback_testing.observations import DEFAULT_CALLS, compare_observations, eager_reference
+from writeback_testing.oracle import ProgramMismatch, built_from_case
 from writeback_testing.program import Built, ProgramSpec, build
+from writeback_testing.targets import RuntimeTarget, StockTarget, Target, registry_runtime
 
 __all__ = [
     "ContractCase",

@@ -29,15 +29,10 @@ from typing import Any
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 
-from writeback_testing.oracle import (
-    LoweringError,
-    Lowerings,
-    Observation,
-    RuntimeTarget,
-    StockTarget,
-    TargetSkipped,
-    export_built,
-)
+from writeback_testing.lowerings import Lowerings, export_built
+from writeback_testing.observations import Observation
+from writeback_testing.oracle import LoweringError, TargetSkipped
+from writeback_testing.targets import RuntimeTarget, StockTarget
 
 __all__ = [
     "ENGINE_VERDICTS",
@@ -66,7 +61,7 @@ class EngineTarget:
     ``registry`` supplies the engine, its lowering and its delegate (it must
     hold the plugin owning the engine, whatever registry the oracle lowers
     with); ``runtime`` loads programs with that registry's delegates
-    (:class:`~writeback_testing.oracle.RegistryRuntime`). The stock
+    (:class:`~writeback_testing.targets.RegistryRuntime`). The stock
     variant loads each program through ``runtime`` once first, which registers
     the delegate, then runs it in stock ``executorch.runtime``.
     """

@@ -115,7 +115,7 @@ def _registry(config: FuzzConfig) -> Any:
 
 
 def _runtime(config: FuzzConfig, registry: Any) -> Any:
-    from writeback_testing.oracle import registry_runtime
+    from writeback_testing.targets import registry_runtime
 
     if config.runtime == "":
         return None
@@ -142,17 +142,10 @@ def _run_share(config: FuzzConfig, job: int, count: int, progress: Callable[[int
     from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
     from writeback_testing.contract import ContractViolation, check_backend_contract
-    from writeback_testing.oracle import (
-        InvalidProgram,
-        LoweringError,
-        ProgramMismatch,
-        StockTarget,
-        Target,
-        TargetError,
-        check_program,
-        runtime_targets,
-    )
+    from writeback_testing.observations import InvalidProgram
+    from writeback_testing.oracle import LoweringError, ProgramMismatch, TargetError, check_program
     from writeback_testing.strategies import programs
+    from writeback_testing.targets import StockTarget, Target, runtime_targets
 
     # torch's pytree deprecation, raised while exir deep-copies programs (the root pytest
     # configuration filters the same one); it would print once per program.
