@@ -135,7 +135,9 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
 
 
 # XNNPACK's partitioner lowers each zoo model in tens of seconds: its contract runs in the slow tier.
-_SLOW_BACKENDS = {"xnnpack": (pytest.mark.slow,)}
+# The example backend's fast-tier check is test_example_backend_keeps_its_contract_on_the_zoo
+# (the same check, its registry built by hand); through the entry points it runs in the slow tier.
+_SLOW_BACKENDS = {"xnnpack": (pytest.mark.slow,), "example": (pytest.mark.slow,)}
 
 
 def _installed_params() -> list[object]:

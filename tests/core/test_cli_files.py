@@ -104,8 +104,9 @@ def test_run_output_written_atomically_old_file_intact_on_failure(tmp_path: Path
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     script = Path(sys.executable).with_name("writeback")
+    run = ["run", "decoder-caller-cache", "--backend", "none", "--steps", "1", "--no-check", "--output", str(pte)]
     done = subprocess.run(
-        [str(script), "run", "decoder-caller-cache", "--backend", "none", "--steps", "1", "--output", str(pte)],
+        [str(script), *run],
         capture_output=True,
         text=True,
         timeout=900,

@@ -179,9 +179,10 @@ def test_bench_model_from_step_0_takes_greedy_tokens_from_the_rows_and_builds_no
 
     monkeypatch.setattr(et_llama, "_build", counting)
     case = et_llama_case()
-    result = run_model_bench(load_registry(), case, steps=3, contenders=["eager", "writeback+xnnpack"])
+    # The greedy tokens come from the rows whatever the backend: the portable kernels lower fastest.
+    result = run_model_bench(load_registry(), case, steps=3, contenders=["eager", "writeback+portable"])
     assert [(row.name, row.error, len(row.times)) for row in result.rows] == [
         ("eager", None, 3),
-        ("writeback+xnnpack", None, 3),
+        ("writeback+portable", None, 3),
     ]
     assert len(built) == 3, f"{len(built)} models built; a greedy eager copy was built beside the rows"

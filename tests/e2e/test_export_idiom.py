@@ -68,8 +68,16 @@ def bare_xnnpack_edge() -> Any:
     return to_edge_transform_and_lower(export_case(builtin_models()["decoder"]), partitioner=[XnnpackPartitioner()])
 
 
-@pytest.mark.parametrize("backend", ["xnnpack", "mlx"])
-@pytest.mark.parametrize("model", ["decoder", "decoder-caller-cache"])
+# Each backend with each kind of cache once in the fast tier; the other two pairs in the slow tier.
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [
+        ("decoder", "xnnpack"),
+        ("decoder-caller-cache", "mlx"),
+        pytest.param("decoder-caller-cache", "xnnpack", marks=pytest.mark.slow),
+        pytest.param("decoder", "mlx", marks=pytest.mark.slow),
+    ],
+)
 def test_the_two_line_idiom_writes_lowers_bytes(model: str, backend: str) -> None:
     edge = copy.deepcopy(_zoo_idiom(model, backend)[2])
     assert _idiom_bytes(builtin_models()[model], backend, edge=edge) == _zoo_lower_bytes(model, backend)

@@ -16,7 +16,10 @@ from writeback_testing.lowerings import Lowerings
 from writeback_testing.oracle import built_from_case
 
 
-@pytest.mark.parametrize(("model", "backend"), [("ema", "none"), ("decoder-caller-cache", "mlx"), ("decoder", "mlx")])
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [("ema", "none"), ("decoder-caller-cache", "mlx"), pytest.param("decoder", "mlx", marks=pytest.mark.slow)],
+)
 def test_run_writes_byte_for_byte_the_pte_the_oracle_checks(tmp_path: Path, model: str, backend: str) -> None:
     pte = tmp_path / f"{model}.pte"
     result = CliRunner().invoke(main, ["run", model, "--backend", backend, "--steps", "1", "--output", str(pte)])

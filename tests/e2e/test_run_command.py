@@ -156,14 +156,14 @@ def test_run_no_check_builds_no_eager_model_and_says_nothing_was_compared(tmp_pa
         return case.build()
 
     counted = dataclasses.replace(case, build=build)
-    pipeline = assemble(load_registry())
+    pipeline = assemble(load_registry(), "none")  # what is built does not depend on the backend
     report = run_model(pipeline, counted, 2, tmp_path / "a.pte", check=False)
     assert len(builds) == 1 and not report.checked and report.failures == []
     assert [check for _, check in report.steps] == [None, None]
     checked = run_model(pipeline, counted, 2, tmp_path / "b.pte")
     assert len(builds) == 3 and checked.checked and checked.failures == []
 
-    result = CliRunner().invoke(main, ["run", "--no-check", "--steps", "2"])
+    result = CliRunner().invoke(main, ["run", "ema", "--backend", "none", "--no-check", "--steps", "2"])
     assert result.exit_code == 0, result.output
     assert "2 steps not compared with eager (--no-check)" in result.output
     assert "2 steps ran; not compared with eager PyTorch (--no-check): outputs and state are unchecked" in result.output
@@ -240,7 +240,7 @@ def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_the
 
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
-    case = decoder_case(DecoderConfig(max_seq=8, layers=2), caller_cache=False)
+    case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
     lowered = lower(case, assemble(load_registry(), "xnnpack"))
     lowered.write_pte(tmp_path / "model.pte")
     module = lowered.program.exported_program().graph_module

@@ -123,7 +123,13 @@ def _report(variant: str) -> BoundReport:
 
 @pytest.mark.parametrize(
     ("variant", "pass_name"),
-    [("window", "bound_attention"), ("float-window", "bound_attention"), ("", RUNNER), ("float", RUNNER)],
+    [
+        ("window", "bound_attention"),
+        # the float-mask window is bounded by the same rule; its run over every prompt is slow-tier
+        pytest.param("float-window", "bound_attention", marks=pytest.mark.slow),
+        ("", RUNNER),
+        ("float", RUNNER),
+    ],
 )
 @pytest.mark.parametrize("backend", ["portable", pytest.param("xnnpack", marks=pytest.mark.slow)])
 def test_attention_answers_as_eager_over_prompts_of_several_lengths(variant: str, pass_name: str, backend: str) -> None:

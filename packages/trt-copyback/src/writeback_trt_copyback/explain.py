@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import weakref
+
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation, MutationKind
 from writeback_core.types import AliasingEngine
 from writeback_core.units import format_bytes
 
-from writeback_trt_copyback.lift import lift_mutated_buffers
+from writeback_trt_copyback.lift import BufferClass, lift_mutated_buffers
 
 __all__ = ["COLUMN", "explain_columns"]
 
 COLUMN = "trt engine"
+
+# explain asks once per mutation row; the program is lifted once per engine kind (only the
+# classes are kept: the lifted program would keep its weights alive).
+_CLASSES: weakref.WeakKeyDictionary[ExportedProgram, dict[type, list[BufferClass]]] = weakref.WeakKeyDictionary()
+
+
+def _buffer_classes(program: ExportedProgram, engine: AliasingEngine) -> list[BufferClass]:
+    per_engine = _CLASSES.setdefault(program, {})
+    if type(engine) not in per_engine:
+        per_engine[type(engine)] = list(lift_mutated_buffers(program, engine).buffers)
+    return per_engine[type(engine)]
 
 
 def explain_columns(program: ExportedProgram, mutation: Mutation, engine: AliasingEngine) -> dict[str, str]:
@@ -26,8 +39,7 @@ def explain_columns(program: ExportedProgram, mutation: Mutation, engine: Aliasi
     """
     if mutation.kind is not MutationKind.BUFFER:
         return {COLUMN: "n/a (input)"}
-    lifted = lift_mutated_buffers(program, engine)
-    cls = next((b for b in lifted.buffers if b.target == mutation.target), None)
+    cls = next((b for b in _buffer_classes(program, engine) if b.target == mutation.target), None)
     if cls is None:
         return {COLUMN: "?"}
     if cls.aliased:
