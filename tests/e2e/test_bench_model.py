@@ -176,9 +176,9 @@ def test_bench_model_times_with_one_model_of_weights_alive_the_export_and_loweri
 
     monkeypatch.setattr(bench_model, "_time_model_rounds", counting)
     case = dataclasses.replace(base, build=build)
-    # Stock's row without XNNPACK: its release is the same code as stock+xnnpack's, at a third
-    # of the lowering time (XNNPACK's own release is tests/e2e/test_run_command.py's).
-    contenders = ["eager", "stock", "writeback+xnnpack"]
+    # The rows on the portable kernels: their release is the same code as the XNNPACK rows', at
+    # a third of the lowering time (XNNPACK delegates' own release: tests/e2e/test_run_command.py).
+    contenders = ["eager", "stock", "writeback+portable"]
     result = run_model_bench(load_registry(), case, steps=1, contenders=contenders)
     assert [(row.name, row.error) for row in result.rows] == [(name, None) for name in contenders]
     per_model = len(built[0])

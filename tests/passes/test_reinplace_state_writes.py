@@ -17,6 +17,7 @@ from writeback.lowering import Lowered, lower
 from writeback_core import find_mutations, load_registry
 from writeback_core.program import MemoryPlan, export_model
 from writeback_passes import plugin as passes_plugin
+from writeback_passes.explain_columns import stock_kernel_columns
 from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
 SHAPE = (1, 2, 16, 8)
@@ -230,13 +231,12 @@ def test_stock_python_runtime_does_not_write_a_caller_owned_cache() -> None:
 
 
 def _kernel_cells(program: Any) -> dict[str, str]:
-    registry = _registry()
-    cells = {}
-    for mutation in find_mutations(program.run_decompositions()):
-        answers = registry.hook.writeback_explain_columns(program=program, mutation=mutation)
-        (cell,) = [a["stock kernels"] for a in answers if a and "stock kernels" in a]
-        cells[mutation.target] = cell
-    return cells
+    """The "stock kernels" cell of each state (the column alone; through `writeback explain`
+    and every plugin's columns: the README's explain block, tests/test_readme_output.py)."""
+    return {
+        mutation.target: stock_kernel_columns(program, mutation)["stock kernels"]
+        for mutation in find_mutations(program.run_decompositions())
+    }
 
 
 def test_explain_column_says_in_place_or_why_the_copy_stays() -> None:
