@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, get_args
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.pass_order import PassOrderError
-from writeback_core.program import stock_lowering, write_back_positions
+from writeback_core.program import write_back_positions
+from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import NO_BACKEND, ProgramPass, Stage
 from writeback_core.units import format_bytes
@@ -34,7 +35,11 @@ class ExplainRow:
 
 def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]:
     """Where stock ``to_edge(...).to_executorch()`` places each write-back, keyed by target."""
-    ep = stock_lowering(program).exported_program()
+    from executorch.exir import to_edge
+
+    with known_warnings_ignored():
+        et = to_edge(program).to_executorch()
+    ep = et.exported_program()
     by_placeholder = write_back_positions(ep.graph_module.graph)
     return {m.target: by_placeholder[m.placeholder] for m in find_mutations(ep) if m.placeholder in by_placeholder}
 

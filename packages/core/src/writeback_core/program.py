@@ -6,15 +6,12 @@ user's own ExecuTorch script share.
 - :func:`run_exported_passes`, :func:`as_exir_pass`, :func:`run_program_passes`: the
   registry's ``writeback_program_passes`` for a backend, each at its stage.
 - :func:`write_back_positions`, :func:`write_back_bytes`: the write-back copies a graph keeps.
-- :func:`stock_lowering`: stock ``to_edge(...).to_executorch()`` of a program, made once for
-  every reader (``writeback explain`` and its plugins' columns compare against it).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -48,7 +45,6 @@ __all__ = [
     "own_tables",
     "run_exported_passes",
     "run_program_passes",
-    "stock_lowering",
     "write_back_bytes",
     "write_back_positions",
 ]
@@ -299,23 +295,6 @@ def run_program_passes(
     _mark_user_inputs(edge)
     added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning", backend)]
     return edge.to_executorch(dataclasses.replace(config, passes=[*config.passes, *added]))
-
-
-_STOCK: weakref.WeakKeyDictionary[ExportedProgram, ExecutorchProgramManager] = weakref.WeakKeyDictionary()
-
-
-def stock_lowering(program: ExportedProgram) -> ExecutorchProgramManager:
-    """Stock ``to_edge(program).to_executorch()``, no partitioner and no writeback pass: what
-    ExecuTorch alone makes of ``program``. Made once per program and shared, so treat it as
-    read-only (explain's core columns and the passes' memory-plan column both read it)."""
-    made = _STOCK.get(program)
-    if made is None:
-        from executorch.exir import to_edge
-
-        with known_warnings_ignored():
-            made = to_edge(program).to_executorch()
-        _STOCK[program] = made
-    return made
 
 
 def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int]]:

@@ -30,13 +30,12 @@ def _plans(program: ExportedProgram) -> tuple[MemoryPlanReport, MemoryPlanReport
     if cached is not None:
         return cached
     from executorch.exir import ExecutorchBackendConfig, to_edge
-    from writeback_core.program import stock_lowering
 
     from writeback_passes.memory_report import memory_plan_report
     from writeback_passes.pipeline import as_exir_pass, early_write_back_pass
 
     with known_warnings_ignored():
-        stock = memory_plan_report(stock_lowering(program))
+        stock = memory_plan_report(to_edge(program).to_executorch())
         config = ExecutorchBackendConfig(passes=[as_exir_pass(early_write_back_pass())])
         early = memory_plan_report(to_edge(program).to_executorch(config))
     _PLANS[program] = (stock, early)
