@@ -338,6 +338,8 @@ MASKS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b\d{4}-\d{2}-\d{2}\b"), "<date>"),
     # a temporary path, were one printed
     (re.compile(r"<tmp>\S*"), "<tmp>"),
+    # a masked time keeps no unit: the same step prints "1.2 ms" on one run and "950 µs" on the next
+    (re.compile(r"<n>\s?(?:ms|µs|us|s)(?![\w/])"), "<n> <time>"),
 )
 # A column is measured when its header names a unit of time or rate ("latency ms").
 _MEASURED_HEADER = re.compile(r"\b(?:ms|s|µs|GB|tok/s|tokens/s|latency)\b")
