@@ -8,6 +8,8 @@ CI fuzz budget (see the README).
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 # pytest's own fixture for testing pytest plugins (writeback-testing's contract plugin).
@@ -30,3 +32,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
         items[:] = kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection made (torch, exir and every test module's objects, alive for the
+    whole run) out of the collector's reach: each later full collection then scans only what
+    the tests make. About 13% of a lowering-heavy test file's time here (measurement log,
+    2026-12-05, seventh session); objects made by a test are collected as before."""
+    gc.collect()
+    gc.freeze()
