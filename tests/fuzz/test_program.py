@@ -9,12 +9,14 @@ from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 from writeback_testing.observations import InvalidProgram, eager_run
 from writeback_testing.oracle import check_program
 from writeback_testing.overlap import OverlappingWrite
 from writeback_testing.program import (
+    Combine,
+    Compute,
     Derive,
     ProgramSpec,
     Read,
@@ -24,7 +26,7 @@ from writeback_testing.program import (
     build,
     render_source,
 )
-from writeback_testing.strategies import ALL_WRITES, programs
+from writeback_testing.strategies import ALL_WRITES, _Scope, _statement, programs
 
 
 def test_import_writeback_core_does_not_import_hypothesis() -> None:
@@ -79,6 +81,32 @@ def test_functional_index_copy_leaves_its_state_unchanged_eagerly() -> None:
     initial = ((torch.arange(12.0) % 5 - 2) * 0.5).reshape(4, 3)
     torch.testing.assert_close(first.state["s0"], initial)
     assert not torch.equal(first.outputs[0], initial)
+
+
+@settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_a_combined_temp_is_declared_with_the_dtype_eager_gives_it_no_float_added_into_an_integer_one(
+    data: st.DataObject,
+) -> None:
+    """``a + b.sum()`` of two views of int64 state is int64 (eager): the generator must know it,
+    or it adds a float into that temp in place, which eager refuses ("result type Float can't be
+    cast to the desired output type Long"; a random draw of the test below found it once).
+    Each drawn combination of an int64 view and a float value is run eagerly."""
+    scope = _Scope({"s0": State("s0", "input", (3,), "int64")}, has_x=True, has_pos=False)
+    reads = (Read(scope.new_temp((3,), "int64", "s0"), "s0", "view"),)
+    reads += (Compute(scope.new_temp((3,), "float32", None), Source("x", (3,))),)
+    combine = data.draw(_statement(scope, ("copy",)))
+    assume(isinstance(combine, Combine))
+    assert isinstance(combine, Combine)
+    spec = ProgramSpec(
+        states=(State("s0", "input", (3,), "int64"),),
+        statements=(*reads, combine),
+        outputs=(combine.result,),
+        has_x=True,
+        temps=tuple((t.name, t.shape) for t in scope.temps),
+    )
+    (observed,) = eager_run(build(spec), calls=1)
+    assert str(observed.outputs[0].dtype) == f"torch.{scope.temps[-1].dtype}", combine
 
 
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -331,7 +331,9 @@ def _statement(draw: st.DrawFn, scope: _Scope, forms: Sequence[str]) -> Statemen
         a = draw(st.sampled_from(scope.temps))
         b = draw(st.sampled_from(scope.temps))
         scale = draw(st.sampled_from((1.0, -0.5))) if scope.has_x else 1.0
-        return Combine(scope.new_temp(a.shape, "float32", None), a.name, b.name, scale)
+        # ``a + b.sum()`` of two integer temps (views of int64 state) stays int64 unless scaled.
+        dtype: DType = "int64" if a.dtype == b.dtype == "int64" and scale == 1.0 else "float32"
+        return Combine(scope.new_temp(a.shape, dtype, None), a.name, b.name, scale)
     temp = draw(st.sampled_from(floats))
     return TempWrite(temp.name, draw(_source(scope, temp.shape)))
 
