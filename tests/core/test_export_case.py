@@ -235,3 +235,34 @@ def test_a_factory_tuple_with_keywords_gives_every_step_fresh_copies_of_the_same
     assert first["scale"] is not second["scale"]  # no step sees another step's writes
     torch.testing.assert_close(second["scale"], torch.tensor(2.0))
     torch.testing.assert_close(case.step_inputs(3)[0], torch.ones(2))
+
+
+def test_decomposed_is_made_once_per_program_its_mutations_named_as_in_core_aten_and_released_with_it() -> None:
+    """``writeback_core.program.decomposed``: the same decomposed program for every caller
+    (explain's rows and each plugin's column), the core ATen one (``add_`` of the buffer is a
+    functional ``add`` written back), and dropped once the exported program is."""
+    import gc
+    import weakref
+
+    from writeback_core.mutations import find_mutations
+    from writeback_core.program import decomposed
+
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("total", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.total.add_(x)
+            return self.total * 2
+
+    program = export_model(Counter(), (torch.ones(3),))
+    shared = decomposed(program)
+    assert decomposed(program) is shared
+    (mutation,) = find_mutations(shared)
+    value = next(n for n in shared.graph_module.graph.nodes if n.name == mutation.value)
+    assert (mutation.target, value.target) == ("total", torch.ops.aten.add.Tensor)
+    program_ref, shared_ref = weakref.ref(program), weakref.ref(shared)
+    del program, shared, value
+    gc.collect()
+    assert program_ref() is None and shared_ref() is None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, get_args
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.pass_order import PassOrderError
-from writeback_core.program import write_back_positions
+from writeback_core.program import decomposed, write_back_positions
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import NO_BACKEND, ProgramPass, Stage
@@ -45,11 +45,12 @@ def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]
 
 
 def explain_rows(program: ExportedProgram) -> list[ExplainRow]:
-    """The core columns of the explain table for ``program`` (an exported aten program)."""
-    decomposed = program.run_decompositions()
+    """The core columns of the explain table for ``program`` (an exported aten program); the
+    mutations are found in :func:`~writeback_core.program.decomposed` ``(program)``, the
+    decomposition plugins read for their columns."""
     rows = []
     stock = stock_positions(program)
-    for mutation in find_mutations(decomposed):
+    for mutation in find_mutations(decomposed(program)):
         where = stock.get(mutation.target)
         placed = f"node {where[0]}/{where[2]} (value ready at {where[1]})" if where else "none"
         rows.append(

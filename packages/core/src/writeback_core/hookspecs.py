@@ -166,7 +166,9 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
     """Called by ``writeback explain`` once per mutation row.
 
     :param program: the exported (aten) program being explained.
-    :param mutation: the row's mutation.
+    :param mutation: the row's mutation, found in
+        :func:`writeback_core.program.decomposed` ``(program)``: its node names are
+        that shared decomposition's (read it there rather than decompose again).
     :return: extra columns for the row, keyed by column title; ``None`` for none.
     """
     raise NotImplementedError

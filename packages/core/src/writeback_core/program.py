@@ -6,12 +6,15 @@ user's own ExecuTorch script share.
 - :func:`run_exported_passes`, :func:`as_exir_pass`, :func:`run_program_passes`: the
   registry's ``writeback_program_passes`` for a backend, each at its stage.
 - :func:`write_back_positions`, :func:`write_back_bytes`: the write-back copies a graph keeps.
+- :func:`decomposed`: one program's core ATen decomposition, made once and shared by
+  everything asked about it (``writeback explain``'s rows and every plugin's columns).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -39,6 +42,7 @@ __all__ = [
     "as_exir_pass",
     "backend_config",
     "check_lifted_state",
+    "decomposed",
     "export_model",
     "initialized_buffers",
     "load_quantized_kernels",
@@ -295,6 +299,27 @@ def run_program_passes(
     _mark_user_inputs(edge)
     added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning", backend)]
     return edge.to_executorch(dataclasses.replace(config, passes=[*config.passes, *added]))
+
+
+# One decomposition per program, dropped with the program (the key is held weakly).
+_DECOMPOSED: weakref.WeakKeyDictionary[ExportedProgram, ExportedProgram] = weakref.WeakKeyDictionary()
+
+
+def decomposed(program: ExportedProgram) -> ExportedProgram:
+    """``program.run_decompositions()`` (core ATen), made once per program and shared.
+
+    ``writeback explain`` finds its rows' mutations in this program, so the node names a
+    :class:`~writeback_core.mutations.Mutation` carries (``value``, ``write.node``) name
+    nodes of the very program a plugin gets here for its column. Every caller gets the
+    same object for as long as ``program`` lives: read it, and change only a copy
+    (``copy.deepcopy``). Decomposing is the costly step of explaining (about a second for
+    a small decoder, more than the columns' own work), which is why it is made once.
+    """
+    found = _DECOMPOSED.get(program)
+    if found is None:
+        with known_warnings_ignored():
+            found = _DECOMPOSED[program] = program.run_decompositions()
+    return found
 
 
 def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int]]:

@@ -139,15 +139,18 @@ class _Plan:
 
 
 def _plan(program: ExportedProgram) -> _Plan:
-    """What the MLX partitioner makes of ``program``, decomposed as explain's mutations were found."""
+    """What the MLX partitioner makes of ``program``'s shared decomposition (the program
+    explain's mutations were found in)."""
     plan = _PLANS.get(program)
     if plan is None:
+        from writeback_core.program import decomposed
+
         from writeback_mlx_backend.partitioner import owned_buffers, propose_tags
 
-        decomposed = program.run_decompositions()
-        tags = propose_tags(decomposed.graph_module)
-        owned = owned_buffers(decomposed, lambda node: tags.get(node.name))
-        plan = _PLANS[program] = _Plan(decomposed.graph_module.graph, tags, owned)
+        aten = decomposed(program)
+        tags = propose_tags(aten.graph_module)
+        owned = owned_buffers(aten, lambda node: tags.get(node.name))
+        plan = _PLANS[program] = _Plan(aten.graph_module.graph, tags, owned)
     return plan
 
 
@@ -159,8 +162,8 @@ _PLANS: weakref.WeakKeyDictionary[ExportedProgram, _Plan] = weakref.WeakKeyDicti
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
     """The "mlx" column: what lowering this state to the MLX backend costs per call.
 
-    Worked out on the partitions MLX's partitioner makes of the decomposed
-    program the row's mutation was found in: a buffer one partition reads and
+    Worked out on the partitions MLX's partitioner makes of the shared decomposition
+    the row's mutation was found in (``writeback_core.program.decomposed``): a buffer one partition reads and
     produces is delegate-owned (:func:`~writeback_mlx_backend.partitioner.owned_buffers`);
     any other state is decided by :func:`in_place_refusal`, the rule
     ``writeback_accepts_in_place`` answers with, over the partition taking its write.

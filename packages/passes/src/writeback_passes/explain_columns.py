@@ -87,10 +87,6 @@ def early_write_back_columns(program: ExportedProgram, mutation: Mutation) -> di
     return {COLUMN: f"{where}; value lives {placed.live_steps} steps, {saved} fewer than stock"}
 
 
-# explain asks once per mutation row; the program is decomposed once.
-_DECOMPOSED: weakref.WeakKeyDictionary[ExportedProgram, ExportedProgram] = weakref.WeakKeyDictionary()
-
-
 def _size(nbytes: int | None) -> str:
     return "?" if nbytes is None else f"{nbytes / 1024:.1f} KiB"
 
@@ -101,20 +97,18 @@ def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[s
 
     Decided by :func:`~writeback_passes.state_write_refusals.in_place_kernel_refusal`
     (the rule the backends answer ``writeback_accepts_in_place`` with) over the
-    decomposed program. A caller-owned state written in place says where that holds:
-    stock ``executorch.runtime`` does not write a mutated input back into the caller's
-    tensor (it returns the new value as an output), writeback's runtime does.
+    program's shared decomposition (:func:`writeback_core.program.decomposed`). A
+    caller-owned state written in place says where that holds: stock
+    ``executorch.runtime`` does not write a mutated input back into the caller's tensor
+    (it returns the new value as an output), writeback's runtime does.
     """
     from writeback_core import MutationKind
+    from writeback_core.program import decomposed
 
     from writeback_passes.state_write_plans import IN_PLACE_KERNEL
     from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
-    decomposed = _DECOMPOSED.get(program)
-    if decomposed is None:
-        with known_warnings_ignored():
-            decomposed = _DECOMPOSED[program] = program.run_decompositions()
-    graph = decomposed.graph_module.graph
+    graph = decomposed(program).graph_module.graph
     refusal = in_place_kernel_refusal(graph, mutation.placeholder, mutation.value)
     if refusal is None and mutation.kind is MutationKind.BUFFER and mutation.also_returned(graph):
         refusal = "its new value is also returned, which must live outside the buffer"
