@@ -9,6 +9,10 @@ CI fuzz budget (see the README).
 from __future__ import annotations
 
 import gc
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -41,3 +45,32 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     2026-12-05, seventh session); objects made by a test are collected as before."""
     gc.collect()
     gc.freeze()
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """One ``ExportedProgram.run_decompositions`` call: the size of the graph decomposed,
+    whether a decomposition table was given (exir's ``to_edge``; none: core ATen, as
+    ``writeback_core.program.decomposed`` asks) and the module that called it."""
+
+    nodes: int
+    table: bool
+    caller: str
+
+
+@pytest.fixture
+def decompositions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Decomposition]]:
+    """Every decomposition of an exported program while the test runs, in order (the costly
+    step of a lowering or of ``writeback explain`` at real size); the real one runs."""
+    from torch.export import ExportedProgram
+
+    seen: list[Decomposition] = []
+    original = ExportedProgram.run_decompositions
+
+    def counted(self: ExportedProgram, *args: Any, **kwargs: Any) -> ExportedProgram:
+        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        seen.append(Decomposition(len(self.graph.nodes), bool(args or kwargs), caller))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ExportedProgram, "run_decompositions", counted)
+    yield seen

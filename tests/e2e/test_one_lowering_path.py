@@ -15,6 +15,8 @@ from writeback_core.registry import load_registry
 from writeback_testing.lowerings import Lowerings
 from writeback_testing.oracle import built_from_case
 
+from tests.conftest import Decomposition
+
 
 @pytest.mark.parametrize(
     ("model", "backend"),
@@ -61,13 +63,12 @@ def test_the_oracle_refuses_a_case_exported_its_own_way_rather_than_check_anothe
 
 @pytest.mark.parametrize(("backend", "xnnpack"), [("xnnpack", True), ("none", False)])
 def test_lower_decomposes_the_models_graph_as_often_as_stock_lowering_does(
-    monkeypatch: pytest.MonkeyPatch, backend: str, xnnpack: bool
+    decompositions: list[Decomposition], backend: str, xnnpack: bool
 ) -> None:
     """A decomposition of the whole graph is the costliest step of a lowering at real size:
     ``lower`` runs as many as ExecuTorch's own ``to_edge_transform_and_lower`` +
     ``to_executorch`` of the same program (its mutations are read from the edge program
     the partitioner gets, not from a decomposition of its own)."""
-    from torch.export import ExportedProgram
     from writeback.bench_common import stock_program
     from writeback.lowering import export_case, lower
     from writeback.pipeline import assemble
@@ -75,20 +76,15 @@ def test_lower_decomposes_the_models_graph_as_often_as_stock_lowering_does(
     case = builtin_models()["decoder"]
     exported = export_case(case)
     size = len(exported.graph.nodes)
-    counted: list[int] = []
-    original = ExportedProgram.run_decompositions
 
-    def counting(self: ExportedProgram, *args: object, **kwargs: object) -> ExportedProgram:
-        if len(self.graph.nodes) >= size // 2:  # the model's graph (not a backend's small pattern graphs)
-            counted.append(len(self.graph.nodes))
-        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+    def of_the_model() -> int:  # the model's graph, not a backend's small pattern graphs
+        return sum(1 for d in decompositions if d.nodes >= size // 2)
 
-    monkeypatch.setattr(ExportedProgram, "run_decompositions", counting)
     stock_program(exported, xnnpack=xnnpack)
-    stock = len(counted)
-    counted.clear()
+    stock = of_the_model()
+    decompositions.clear()
     pipeline = assemble(load_registry(), backend)
     lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
     assert stock >= 1
-    assert len(counted) == stock, f"writeback decomposed the graph {len(counted)} times, stock {stock}"
+    assert of_the_model() == stock, f"writeback decomposed the graph {of_the_model()} times, stock {stock}"
     assert {m.target for m in lowered.mutations} == {"blocks.0.k_cache", "blocks.0.v_cache"}

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from click.testing import CliRunner
 from writeback.cli import main
 from writeback.lowering import export_case
 from writeback.zoo import builtin_models
 from writeback_core import MutationKind, find_mutations, load_registry
 from writeback_passes import plugin
+
+from tests.conftest import Decomposition
 
 _CELL = re.compile(r"node (\d+) \(value ready at (\d+)\); value lives (\d+) steps, (-?\d+) fewer than stock")
 
@@ -56,23 +57,15 @@ def test_explain_command_shows_the_early_write_back_column() -> None:
 
 
 def test_the_early_write_back_column_decomposes_the_program_once_for_both_of_its_lowerings(
-    monkeypatch: pytest.MonkeyPatch,
+    decompositions: list[Decomposition],
 ) -> None:
     """Its stock and early lowerings start from one ``to_edge`` (the decomposition is the
     costly step of a lowering at real size); the second lowers a copy of the graphs."""
-    from torch.export import ExportedProgram
     from writeback_passes.explain_columns import early_write_back_columns
 
     program = export_case(builtin_models()["decoder"])
     mutation = find_mutations(program.run_decompositions())[0]
-    counted: list[int] = []
-    original = ExportedProgram.run_decompositions
-
-    def counting(self: ExportedProgram, *args: object, **kwargs: object) -> ExportedProgram:
-        counted.append(len(self.graph.nodes))
-        return original(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ExportedProgram, "run_decompositions", counting)
+    decompositions.clear()
     cell = early_write_back_columns(program, mutation)["early write-back"]
     assert _CELL.fullmatch(cell), cell
-    assert len(counted) == 1, f"the column decomposed the program {len(counted)} times"
+    assert len(decompositions) == 1, f"the column decomposed the program {len(decompositions)} times"
