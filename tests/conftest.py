@@ -74,3 +74,20 @@ def decompositions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Decompositi
 
     monkeypatch.setattr(ExportedProgram, "run_decompositions", counted)
     yield seen
+
+
+def explain_cells(output: str) -> dict[str, list[str]]:
+    """The cells of ``writeback explain``'s table laid out with a column per state: row label
+    -> one text per state, a cell wrapped over several lines joined with spaces."""
+    cells: dict[str, list[str]] = {}
+    label = ""
+    for line in output.splitlines():
+        if not line.startswith("│"):
+            continue
+        parts = [p.strip() for p in line.strip("│").split("│")]
+        if parts[0]:  # a row's first line; a wrapped cell goes on in the lines below
+            label = parts[0]
+            cells[label] = parts[1:]
+        elif label:
+            cells[label] = [f"{a} {b}".strip() for a, b in zip(cells[label], parts[1:], strict=True)]
+    return cells

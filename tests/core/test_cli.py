@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from writeback.cli import main
 
-from tests.conftest import Decomposition
+from tests.conftest import Decomposition, explain_cells
 
 
 def test_plugins_lists_every_plugin_and_its_hooks() -> None:
@@ -238,3 +238,22 @@ def test_explain_prints_nothing_on_stderr() -> None:
     assert done.returncode == 0, done.stderr
     assert "blocks.0.k_cache" in done.stdout
     assert done.stderr == ""
+
+
+def test_explain_of_caches_written_by_llama_update_cache_shows_them_in_place_with_nothing_copied() -> None:
+    """ExecuTorch's ``llama::update_cache`` writes each cache in place, so no lowering copies
+    it: stock keeps no write-back (0 B), the stock kernels and MLX leave the op writing the
+    program's buffer. explain used to crash on such a model (the stock program's signature
+    still lists each cache, its graph no longer returns it) and, once past that, on its
+    next lowering of the same program (pending unbacked symbols)."""
+    from tests.core import update_cache_model
+
+    result = CliRunner().invoke(main, ["explain", f"{update_cache_model.__file__}:make"])
+    assert result.exit_code == 0, result.output
+    cells = explain_cells(result.output)
+    op = "llama::update_cache"
+    assert cells["write"] == [f"in place by {op}"] * 2, result.output
+    assert cells["stock write-back"] == ["none"] * 2
+    assert cells["stock copies/call"] == ["0 B"] * 2
+    assert cells["stock kernels"] == [f"in place ({op}), any runtime"] * 2
+    assert cells["mlx"] == [f"in place by {op} outside the delegate, 0 B/call"] * 2

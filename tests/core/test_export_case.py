@@ -266,3 +266,28 @@ def test_decomposed_is_made_once_per_program_its_mutations_named_as_in_core_aten
     del program, shared, value
     gc.collect()
     assert program_ref() is None and shared_ref() is None
+
+
+def test_a_program_reading_a_position_from_a_tensor_lowers_again_after_to_edge_no_pending_symbol_error() -> None:
+    """``to_edge`` runs ``llama::update_cache`` (start ``pos[0].item()``) on fake tensors and
+    leaves the unbacked symbols it made pending in the shape environment the program's
+    values share; the next trace of the same program took them for its own and failed
+    (``PendingUnbackedSymbolNotFound``), so ``writeback explain`` of a decoder using
+    ExecuTorch's custom ops crashed at its second lowering. Inside
+    ``unbacked_symbols_settled`` every ``to_edge`` of the program succeeds and gives the same
+    graph, each cache still written by the op."""
+    from executorch.exir import to_edge
+    from writeback_core.program import unbacked_symbols_settled
+    from writeback_core.quiet import known_warnings_ignored
+
+    from tests.core.update_cache_model import make
+
+    program = export_model(*make())
+    graphs = []
+    for _ in range(3):
+        with known_warnings_ignored(), unbacked_symbols_settled(program):
+            edge = to_edge(program).exported_program()
+        calls = [n for n in edge.graph_module.graph.nodes if n.op == "call_function"]
+        graphs.append([f"{n.target}({n.args[0] if n.args else ''})" for n in calls])
+    assert graphs[0] == graphs[1] == graphs[2]
+    assert graphs[0].count("auto_functionalized_v2(llama.update_cache.default)") == 2, graphs[0]

@@ -206,3 +206,28 @@ def test_also_returned_tells_a_returned_new_value_from_a_write_back_only(aten) -
     found = _by_target(program)
     assert found["returned"].also_returned(program.graph)  # written back and returned as output 2
     assert not found["kept"].also_returned(program.graph)  # written back only
+
+
+def test_a_cache_a_custom_op_writes_is_written_in_place_by_that_op_not_a_full_overwrite() -> None:
+    """Functionalization spells ``llama::update_cache(k, cache, start)`` (schema ``Tensor(a!)
+    cache``) as ``auto_functionalized_v2`` and the cache's slot of its results: the write is
+    the op's, in place, on the cache it names (each cache the op's own call, worked out from
+    the model)."""
+    from writeback_core.program import export_model
+
+    from tests.core.update_cache_model import make
+
+    program = export_model(*make()).run_decompositions()
+    found = _by_target(program)
+    assert sorted(found) == ["key_cache", "value_cache"]
+    writers = {}
+    for node in program.graph_module.graph.nodes:
+        if "auto_functionalized" in str(node.target):
+            (base,) = node.kwargs["_all_bases"]
+            writers[base.name] = node.name
+    for mutation in found.values():
+        assert mutation.write.kind is WriteKind.MUTATING_OP, mutation.write
+        assert mutation.write.op == "llama::update_cache"
+        assert mutation.write.node == writers[mutation.placeholder]
+        assert mutation.write.describe() == "in place by llama::update_cache"
+        assert mutation.shape == (1, 8, 2, 4)

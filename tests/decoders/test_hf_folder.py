@@ -10,6 +10,7 @@ import pytest
 import torch
 from writeback_decoders import hf_case, hf_config
 
+from tests.conftest import explain_cells
 from tests.decoders.cases import cache_bytes, fed
 
 pytestmark = pytest.mark.slow
@@ -52,3 +53,25 @@ def test_hf_case_never_unpickles_weights_from_a_folder(tmp_path: Path) -> None:
     case = hf_case(tmp_path)
     with pytest.raises(OSError, match="safetensors"):
         case.build()
+
+
+def test_explain_of_a_folder_shows_each_cache_written_in_place_by_update_cache_nothing_copied(tmp_path: Path) -> None:
+    """A folder's model runs ExecuTorch's custom ops by default: each layer's key and value
+    cache is written by ``llama::update_cache``, in place, so no lowering copies it (before,
+    explain of a folder crashed with a traceback)."""
+    from click.testing import CliRunner
+    from writeback.cli import main
+
+    _saved_llama(tmp_path)
+    result = CliRunner().invoke(main, ["explain", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    cells = explain_cells(result.output)
+    states = [f"{kind}_cache_{layer}" for layer in range(2) for kind in ("key", "value")]  # the config's 2 layers
+    header = next(line for line in result.output.splitlines() if "key_cache_0" in line)
+    assert [p.strip() for p in header.strip("┃").split("┃")][1:] == states, result.output
+    op = "llama::update_cache"
+    assert cells["write"] == [f"in place by {op}"] * 4, result.output
+    assert cells["shape"] == ["1x32x2x16"] * 4  # batch x positions x kv heads x head dim (64 / 4 heads)
+    assert cells["stock copies/call"] == ["0 B"] * 4
+    assert cells["stock kernels"] == [f"in place ({op}), any runtime"] * 4
+    assert cells["mlx"] == [f"in place by {op} outside the delegate, 0 B/call"] * 4

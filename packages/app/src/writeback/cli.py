@@ -309,7 +309,7 @@ def plugins_command(ctx: click.Context) -> None:
 @click.pass_context
 def explain_command(ctx: click.Context, model: str) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
-    from writeback_core.program import LoweringError
+    from writeback_core.program import LoweringError, unbacked_symbols_settled
     from writeback_core.quiet import known_warnings_ignored
 
     from writeback.explain import explain_notes, explain_rows
@@ -323,12 +323,16 @@ def explain_command(ctx: click.Context, model: str) -> None:
         raise click.ClickException(str(error)) from error
     # Columns lower the program their own ways (stock exir, memory plans, an engine's path):
     # the upstream warnings every lowering raises are named in writeback_core.quiet.
+    # Each step leaves the program traceable by the next (unbacked_symbols_settled).
     with known_warnings_ignored():
         rows = explain_rows(program)
         for row in rows:
-            for extra in registry.hook.writeback_explain_columns(program=program, mutation=row.mutation):
+            with unbacked_symbols_settled(program):
+                columns = registry.hook.writeback_explain_columns(program=program, mutation=row.mutation)
+            for extra in columns:
                 row.columns.update(extra or {})
-        notes = explain_notes(program, registry)
+        with unbacked_symbols_settled(program):
+            notes = explain_notes(program, registry)
     console = Console(width=_EXPLAIN_WIDTH)
     if not rows:
         console.print(f"{case.name}: no mutated state")

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, get_args
 
 from torch.export import ExportedProgram
+from torch.export.graph_signature import TensorArgument
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.pass_order import PassOrderError
-from writeback_core.program import decomposed, write_back_positions
+from writeback_core.program import decomposed, unbacked_symbols_settled, write_back_positions
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import NO_BACKEND, ProgramPass, Stage
@@ -34,14 +35,23 @@ class ExplainRow:
 
 
 def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]:
-    """Where stock ``to_edge(...).to_executorch()`` places each write-back, keyed by target."""
+    """Where stock ``to_edge(...).to_executorch()`` places each write-back, keyed by target.
+
+    Read from the write-back copies the final graph keeps, not from its signature: a state an
+    op writes in place (ExecuTorch's ``llama::update_cache``) keeps its ``BUFFER_MUTATION``
+    entry there while the graph no longer returns it, and has no write-back to place.
+    """
     from executorch.exir import to_edge
 
-    with known_warnings_ignored():
+    with known_warnings_ignored(), unbacked_symbols_settled(program):
         et = to_edge(program).to_executorch()
     ep = et.exported_program()
-    by_placeholder = write_back_positions(ep.graph_module.graph)
-    return {m.target: by_placeholder[m.placeholder] for m in find_mutations(ep) if m.placeholder in by_placeholder}
+    targets = {
+        spec.arg.name: spec.target or spec.arg.name
+        for spec in ep.graph_signature.input_specs
+        if isinstance(spec.arg, TensorArgument)
+    }
+    return {targets.get(name, name): where for name, where in write_back_positions(ep.graph_module.graph).items()}
 
 
 def explain_rows(program: ExportedProgram) -> list[ExplainRow]:

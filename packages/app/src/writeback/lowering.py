@@ -47,6 +47,7 @@ from writeback_core.program import (
     own_tables,
     run_exported_passes,
     run_program_passes,
+    unbacked_symbols_settled,
     write_back_bytes,
 )
 from writeback_core.quiet import known_warnings_ignored
@@ -177,7 +178,7 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
-            with known_warnings_ignored(), preprocess_shares_constants():
+            with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
             mutations = wrapped.mutations
@@ -188,7 +189,7 @@ def partition(
             transforms = (
                 [as_exir_pass(p) for p in registry.program_passes("before_partition", None)] if registry else []
             )
-            with known_warnings_ignored():
+            with known_warnings_ignored(), unbacked_symbols_settled(program):
                 edge = to_edge_transform_and_lower(
                     own, transform_passes=transforms or None, partitioner=[], constant_methods=methods
                 )
@@ -256,7 +257,7 @@ def to_executorch(
     load_quantized_kernels(edge)
     config = backend_config(edge, plan)
     try:
-        with known_warnings_ignored():
+        with known_warnings_ignored(), unbacked_symbols_settled(edge.exported_program()):
             if registry is None:
                 return edge.to_executorch(config)
             return run_program_passes(edge, config, registry, backend)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +49,7 @@ class WriteKind(enum.Enum):
     SLICE_SCATTER = "slice_scatter"  # a strided range along one dim: buf[..., a:b:s] = src
     INDEX_PUT = "index_put"  # advanced indexing: buf[i, j] = src (or += with accumulate)
     FULL = "full"  # the whole tensor replaced by a new value
+    MUTATING_OP = "mutating_op"  # an op whose schema writes the tensor (Tensor(a!)), e.g. llama::update_cache
     OTHER = "other"  # a partial write of a form we do not recognise
 
 
@@ -105,6 +107,8 @@ class WriteShape:
             return f"index_put([{names}]{acc})"
         if kind is WriteKind.FULL:
             return "full overwrite" if self.op is None else f"full overwrite ({self.op})"
+        if kind is WriteKind.MUTATING_OP:
+            return f"in place by {self.op}"
         return f"other ({self.op})" if self.op else "other"
 
 
@@ -336,17 +340,56 @@ _OTHER_WRITES = {
 }
 
 
+def _mutating_op_write(node: torch.fx.Node, placeholder: torch.fx.Node) -> WriteShape | None:
+    """``MUTATING_OP`` when ``node`` is the value functionalization gives ``placeholder``
+    after an op that writes it: ``getitem(auto_functionalized[_v2](op, ...), i)`` whose
+    ``i`` is the slot of ``placeholder`` among the op's written arguments."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+
+    if node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    wrapper, index = node.args
+    if not isinstance(wrapper, torch.fx.Node) or wrapper.op != "call_function" or not wrapper.args:
+        return None
+    if wrapper.target is not auto_functionalized and wrapper.target is not auto_functionalized_v2:
+        return None
+    op = wrapper.args[0]
+    schema = getattr(op, "_schema", None)
+    if not isinstance(schema, torch.FunctionSchema) or not isinstance(index, int) or isinstance(index, bool):
+        return None
+    # The wrapper returns the op's own results, then each written tensor: v2 names them
+    # in ``_all_bases``, v1 by the schema's written arguments.
+    if wrapper.target is auto_functionalized_v2:
+        bases = wrapper.kwargs.get("_all_bases")
+        written = list(bases) if isinstance(bases, (list, tuple)) else []
+    else:
+        written = [
+            wrapper.kwargs.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+        ]
+    slot = index - len(schema.returns)
+    if not 0 <= slot < len(written) or _peel(written[slot]) is not placeholder:
+        return None
+    # Named as its schema names it (``llama::update_cache``), the overload only when not the default.
+    name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+    return WriteShape(WriteKind.MUTATING_OP, op=name, node=wrapper.name)
+
+
 def classify_write(value: torch.fx.Node, placeholder: torch.fx.Node) -> WriteShape:
     """Classify how ``value`` (the new state) was produced from ``placeholder`` (the old).
 
     Copies and aliases of the written value are peeled first. A write op whose
     destination is the placeholder is classified by :data:`_WRITE_CLASSIFIERS`;
     a scatter-like op or a chain of writes reaching the placeholder is
-    ``OTHER``; a value not built by writing into the placeholder is ``FULL``.
+    ``OTHER``; the placeholder's slot of a functionalized op that writes it
+    (:func:`_mutating_op_write`) is ``MUTATING_OP``; a value not built by writing into
+    the placeholder is ``FULL``.
     """
     node = _peel(value)
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return WriteShape(WriteKind.FULL)
+    by_op = _mutating_op_write(node, placeholder)
+    if by_op is not None:
+        return by_op
     packet = packet_name(node.target)
     dest = _peel(node.args[0]) if node.args else None
     if packet == "copy" and dest is placeholder and isinstance(node.args[1], torch.fx.Node):

@@ -8,6 +8,9 @@ user's own ExecuTorch script share.
 - :func:`write_back_positions`, :func:`write_back_bytes`: the write-back copies a graph keeps.
 - :func:`decomposed`: one program's core ATen decomposition, made once and shared by
   everything asked about it (``writeback explain``'s rows and every plugin's columns).
+- :func:`unbacked_symbols_settled`: a step that traces a program (``to_edge``,
+  ``to_executorch``) leaves the program's shape environment as it found it, so the next
+  step can trace the same program.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -49,6 +53,7 @@ __all__ = [
     "own_tables",
     "run_exported_passes",
     "run_program_passes",
+    "unbacked_symbols_settled",
     "write_back_bytes",
     "write_back_positions",
 ]
@@ -317,9 +322,43 @@ def decomposed(program: ExportedProgram) -> ExportedProgram:
     """
     found = _DECOMPOSED.get(program)
     if found is None:
-        with known_warnings_ignored():
+        with known_warnings_ignored(), unbacked_symbols_settled(program):
             found = _DECOMPOSED[program] = program.run_decompositions()
     return found
+
+
+def _shape_envs(program: ExportedProgram) -> list[Any]:
+    envs: dict[int, Any] = {}
+    for node in program.graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        fake_mode = getattr(node.meta.get("val"), "fake_mode", None)
+        env = getattr(fake_mode, "shape_env", None)
+        if env is not None:
+            envs[id(env)] = env
+    return list(envs.values())
+
+
+@contextmanager
+def unbacked_symbols_settled(program: ExportedProgram) -> Iterator[None]:
+    """Run a step that traces ``program`` (or a copy, which shares its shape environment)
+    and leave the environment's pending unbacked symbols as they were before it.
+
+    ``torch.export`` gives a value read from a tensor (``input_pos[0].item()``, the start
+    position ExecuTorch's ``llama::update_cache`` takes) a fresh unbacked symbol, which the
+    trace that made it binds to a node. ``to_edge`` and ``to_executorch`` also evaluate
+    such ops outside a trace (running the program on fake tensors, two per cache update
+    of a decoder using ExecuTorch's custom ops), and those symbols stay pending in the
+    environment the program's values share; the next trace of the same program takes
+    them for its own and fails (``PendingUnbackedSymbolNotFound``). Nothing binds them
+    after the step, so dropping them changes nothing a finished step produced.
+    """
+    saved = [(env, list(env.pending_fresh_unbacked_symbols)) for env in _shape_envs(program)]
+    try:
+        yield
+    finally:
+        for env, pending in saved:
+            env.pending_fresh_unbacked_symbols[:] = pending
 
 
 def write_back_positions(graph: torch.fx.Graph) -> dict[str, tuple[int, int, int]]:
