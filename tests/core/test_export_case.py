@@ -291,3 +291,26 @@ def test_a_program_reading_a_position_from_a_tensor_lowers_again_after_to_edge_n
         graphs.append([f"{n.target}({n.args[0] if n.args else ''})" for n in calls])
     assert graphs[0] == graphs[1] == graphs[2]
     assert graphs[0].count("auto_functionalized_v2(llama.update_cache.default)") == 2, graphs[0]
+
+
+def test_graphs_copy_shares_the_weights_and_changing_its_graph_leaves_the_programs_unchanged() -> None:
+    """``writeback_core.program.graphs_copy``: the copy's weights are the program's own tensors
+    (no copy of them at any model size), its graph is its own (a node erased there is still
+    in the program), for an exported program and for exir's edge program manager alike."""
+    from executorch.exir import to_edge
+    from writeback_core.program import graphs_copy
+
+    program = export_model(ListCache(), (torch.ones(1, 4), torch.tensor([1])), strict=True)
+    edge = to_edge(program)
+    pairs = [(program, graphs_copy(program)), (edge.exported_program(), graphs_copy(edge).exported_program())]
+    for original, copied in pairs:
+        for name, tensor in original.state_dict.items():
+            assert copied.state_dict[name] is tensor, name
+        before = [n.name for n in original.graph_module.graph.nodes]
+        graph = copied.graph_module.graph
+        assert [n.name for n in graph.nodes] == before and graph is not original.graph_module.graph
+        output = graph.output_node()
+        output.args = ((),)
+        graph.eliminate_dead_code()
+        assert len(graph.nodes) < len(before)
+        assert [n.name for n in original.graph_module.graph.nodes] == before

@@ -8,6 +8,7 @@ user's own ExecuTorch script share.
 - :func:`write_back_positions`, :func:`write_back_bytes`: the write-back copies a graph keeps.
 - :func:`decomposed`: one program's core ATen decomposition, made once and shared by
   everything asked about it (``writeback explain``'s rows and every plugin's columns).
+- :func:`graphs_copy`: a copy of a program's graphs to change, sharing its weights.
 - :func:`unbacked_symbols_settled`: a step that traces a program (``to_edge``,
   ``to_executorch``) leaves the program's shape environment as it found it, so the next
   step can trace the same program.
@@ -20,7 +21,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 import torch.fx
@@ -48,6 +49,7 @@ __all__ = [
     "check_lifted_state",
     "decomposed",
     "export_model",
+    "graphs_copy",
     "initialized_buffers",
     "load_quantized_kernels",
     "own_tables",
@@ -317,7 +319,7 @@ def decomposed(program: ExportedProgram) -> ExportedProgram:
     :class:`~writeback_core.mutations.Mutation` carries (``value``, ``write.node``) name
     nodes of the very program a plugin gets here for its column. Every caller gets the
     same object for as long as ``program`` lives: read it, and change only a copy
-    (``copy.deepcopy``). Decomposing is the costly step of explaining (about a second for
+    (:func:`graphs_copy`). Decomposing is the costly step of explaining (about a second for
     a small decoder, more than the columns' own work), which is why it is made once.
     """
     found = _DECOMPOSED.get(program)
@@ -325,6 +327,29 @@ def decomposed(program: ExportedProgram) -> ExportedProgram:
         with known_warnings_ignored(), unbacked_symbols_settled(program):
             found = _DECOMPOSED[program] = program.run_decompositions()
     return found
+
+
+@overload
+def graphs_copy(program: ExportedProgram) -> ExportedProgram: ...
+@overload
+def graphs_copy(program: EdgeProgramManager) -> EdgeProgramManager: ...
+
+
+def graphs_copy(program: ExportedProgram | EdgeProgramManager) -> ExportedProgram | EdgeProgramManager:
+    """A deep copy of ``program`` (an ``ExportedProgram`` or exir's ``EdgeProgramManager``)
+    whose weights and constants are ``program``'s own tensors, not copies: graphs to change
+    (``to_executorch`` changes the edge program it lowers) for the cost of the graphs alone,
+    at any model size. Change no tensor of the copy in place."""
+    if isinstance(program, ExportedProgram):
+        programs = [program]
+    else:
+        programs = [program.exported_program(name) for name in program.methods]
+    shared: dict[int, Any] = {}
+    for one in programs:
+        for tensor in (*one.state_dict.values(), *one.constants.values()):
+            if isinstance(tensor, torch.Tensor):
+                shared[id(tensor)] = tensor
+    return copy.deepcopy(program, shared)  # ``shared`` (deepcopy's memo, which keeps every original alive) ends here
 
 
 def _shape_envs(program: ExportedProgram) -> list[Any]:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import TYPE_CHECKING
 
-import torch
 from writeback_core.quiet import known_warnings_ignored
 
 if TYPE_CHECKING:
-    from executorch.exir import EdgeProgramManager
     from torch.export import ExportedProgram
     from writeback_core import Mutation
 
@@ -27,26 +24,13 @@ _PLANS: weakref.WeakKeyDictionary[ExportedProgram, tuple[MemoryPlanReport, Memor
 )
 
 
-def _graphs_copy(edge: EdgeProgramManager) -> EdgeProgramManager:
-    """A deep copy of ``edge`` whose weights and constants are ``edge``'s own tensors, not copies."""
-    shared = {
-        id(tensor): tensor
-        for name in edge.methods
-        for tensor in (
-            *edge.exported_program(name).state_dict.values(),
-            *edge.exported_program(name).constants.values(),
-        )
-        if isinstance(tensor, torch.Tensor)
-    }
-    return copy.deepcopy(edge, shared)  # ``shared`` (deepcopy's memo, which keeps every original alive) ends here
-
-
 def _plans(program: ExportedProgram) -> tuple[MemoryPlanReport, MemoryPlanReport]:
     """(stock, early) memory plans of ``program``, lowered with stock exir otherwise."""
     cached = _PLANS.get(program)
     if cached is not None:
         return cached
     from executorch.exir import ExecutorchBackendConfig, to_edge
+    from writeback_core.program import graphs_copy
 
     from writeback_passes.memory_report import memory_plan_report
     from writeback_passes.pipeline import as_exir_pass, early_write_back_pass
@@ -55,7 +39,7 @@ def _plans(program: ExportedProgram) -> tuple[MemoryPlanReport, MemoryPlanReport
         edge = to_edge(program)
         # to_executorch changes the edge program it lowers: the early lowering gets a copy
         # (the decomposition in to_edge is the costly step, a copy of the graphs is not).
-        graphs_only = _graphs_copy(edge)
+        graphs_only = graphs_copy(edge)
         stock = memory_plan_report(edge.to_executorch())
         del edge
         config = ExecutorchBackendConfig(passes=[as_exir_pass(early_write_back_pass())])

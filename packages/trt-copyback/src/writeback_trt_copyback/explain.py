@@ -6,10 +6,11 @@ import weakref
 
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation, MutationKind
+from writeback_core.program import decomposed, graphs_copy
 from writeback_core.types import AliasingEngine
 from writeback_core.units import format_bytes
 
-from writeback_trt_copyback.lift import BufferClass, lift_mutated_buffers
+from writeback_trt_copyback.lift import BufferClass, lift_decomposed
 
 __all__ = ["COLUMN", "explain_columns"]
 
@@ -23,7 +24,9 @@ _CLASSES: weakref.WeakKeyDictionary[ExportedProgram, dict[type, list[BufferClass
 def _buffer_classes(program: ExportedProgram, engine: AliasingEngine) -> list[BufferClass]:
     per_engine = _CLASSES.setdefault(program, {})
     if type(engine) not in per_engine:
-        per_engine[type(engine)] = list(lift_mutated_buffers(program, engine).buffers)
+        # The decomposition explain's rows were found in, copied: the lift changes its graph.
+        lifted = lift_decomposed(graphs_copy(decomposed(program)), engine)
+        per_engine[type(engine)] = list(lifted.buffers)
     return per_engine[type(engine)]
 
 

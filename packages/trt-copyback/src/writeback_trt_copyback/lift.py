@@ -18,7 +18,7 @@ from writeback_core.types import AliasingEngine
 from writeback_trt_copyback._program import out_spec_of, output_values, rebuild, user_out_spec
 from writeback_trt_copyback.derive import engine_write, old_value_readers, write_node_of
 
-__all__ = ["COPY_BACK_RECORDS", "BufferClass", "Lifted", "Mode", "lift_mutated_buffers"]
+__all__ = ["COPY_BACK_RECORDS", "BufferClass", "Lifted", "Mode", "lift_decomposed", "lift_mutated_buffers"]
 
 # graph_module.meta key of a lifted program: the copy-back records (buffer, value,
 # state) and the model's own output pytree. Written by lift, read by declare.
@@ -242,7 +242,14 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
     User-input mutations are left as they are. Nested buffers keep their fully
     qualified names (``layers.0.attn.k_cache``) throughout.
     """
-    lifted = program.run_decompositions()
+    return lift_decomposed(program.run_decompositions(), engine, mode)
+
+
+def lift_decomposed(lifted: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT) -> Lifted:
+    """:func:`lift_mutated_buffers` of a program already decomposed to core ATen
+    (``run_decompositions()``), which it changes: hand it a copy
+    (:func:`writeback_core.program.graphs_copy` of ``writeback_core.program.decomposed``,
+    as ``writeback explain``'s column does)."""
     found = find_mutations(lifted)
     mutations = [m for m in found if m.kind is MutationKind.BUFFER]
     module = lifted.graph_module
