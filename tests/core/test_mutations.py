@@ -165,6 +165,7 @@ def test_index_copy_before_decomposition_is_recognized(export) -> None:  # type:
     program = program.run_decompositions({})
     m = _by_target(program)["cache"]
     assert (m.write.kind, m.write.dim) == (WriteKind.INDEX_COPY, 1)
+    assert m.written_by_op is None  # index_copy_ is functionalized away: the program's write-back writes it
 
 
 def test_after_to_executorch_the_value_is_what_copy_writes(edge) -> None:  # type: ignore[no-untyped-def]
@@ -230,4 +231,5 @@ def test_a_cache_a_custom_op_writes_is_written_in_place_by_that_op_not_a_full_ov
         assert mutation.write.op == "llama::update_cache"
         assert mutation.write.node == writers[mutation.placeholder]
         assert mutation.write.describe() == "in place by llama::update_cache"
+        assert mutation.written_by_op == "llama::update_cache"
         assert mutation.shape == (1, 8, 2, 4)

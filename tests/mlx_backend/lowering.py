@@ -4,6 +4,7 @@ path (MLX partitioner, registered passes), real pybind-runtime, real MLX."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -105,16 +106,49 @@ def lower_mlx(
     dropped; without, exir alone. ``planned_inputs`` picks the ``"planned"`` memory plan
     over ``"state"`` (caller-owned state unplanned).
     """
+    exported = export_module(module, args)
+    key = None if registry_ is not None else (fingerprint(exported), planned_inputs, own_buffers, passes)
+    if key is not None and key in _LOWERED:
+        # The lowering is shared; the registry (which the runtime's delegates register from) is not.
+        return dataclasses.replace(_LOWERED[key], registry=registry())
     reg = registry_ if registry_ is not None else registry()
     spec = reg.backends()["mlx"]
     if not own_buffers:
         factory = spec.partitioner
         spec = dataclasses.replace(spec, partitioner=lambda r: factory(r, own_buffers=False))
-    partitioned = lowering.partition(export_module(module, args), reg, spec)
+    partitioned = lowering.partition(exported, reg, spec)
     manager = lowering.to_executorch(
         partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state", backend=spec.name
     )
-    return Lowered(manager, list(partitioned.decisions.values()), reg)
+    lowered = Lowered(manager, list(partitioned.decisions.values()), reg)
+    if key is not None:
+        _LOWERED[key] = lowered
+        while len(_LOWERED) > _KEPT:
+            del _LOWERED[next(iter(_LOWERED))]
+    return lowered
+
+
+# Lowerings of this worker, by program: tests that lower the same program (same graph, shapes,
+# weights and options) with the default registry share one, read-only (``Lowered.method`` loads
+# a fresh runtime each time). Lowering is most of an MLX test's time.
+_LOWERED: dict[tuple[str, bool, bool, bool], Lowered] = {}
+_KEPT = 48
+
+
+def fingerprint(exported: ExportedProgram) -> str:
+    """A digest of everything lowering reads from ``exported``: the graph with every node's
+    shape and dtype, the signature, and the bytes of each weight, buffer and constant."""
+    digest = hashlib.sha256(str(exported).encode())
+    tensors = {**exported.state_dict, **exported.constants}
+    for name in sorted(tensors):
+        value = tensors[name]
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}{tuple(value.stride())}".encode())
+            digest.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(type(value)).encode())
+    return digest.hexdigest()
 
 
 def count_kernel_calls(monkeypatch: Any, name: str) -> dict[str, Any]:

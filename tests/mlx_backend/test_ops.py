@@ -1,5 +1,6 @@
-"""Each op of the MLX table against eager PyTorch: one small module per op, lowered so that
-only the delegate runs, executed through the pybind-runtime on seeded random inputs."""
+"""Each op of the MLX table against eager PyTorch: one small module per op, all side by side
+in one program lowered so that only the delegate runs, executed through the pybind-runtime on
+seeded random inputs; each op's result is checked on its own."""
 
 from __future__ import annotations
 
@@ -148,18 +149,53 @@ CASES: dict[str, Case] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_op_matches_eager(name: str) -> None:
-    case = CASES[name]
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    module = case.module()
-    torch.manual_seed(0)
-    args = case.inputs(gen)
-    lowered = lower_mlx(module, args)
-    assert lowered.only_delegate_runs(), lowered.graph_targets()
-    (out,) = lowered.method().execute(list(args))
+NAMES = sorted(CASES)
+# Each case's inputs, from a generator seeded by its name.
+INPUTS = {name: CASES[name].inputs(torch.Generator().manual_seed(sum(map(ord, name)))) for name in NAMES}
+
+
+class EveryCase(torch.nn.Module):
+    """Every case side by side in one program, each on its own inputs, returning each
+    case's result: one lowering serves every case's test (lowering, not running the ops, is
+    most of such a test's time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cases = torch.nn.ModuleList(CASES[name].module() for name in NAMES)
+        self.counts = [len(INPUTS[name]) for name in NAMES]
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs, at = [], 0
+        for case, count in zip(self.cases, self.counts, strict=True):
+            outputs.append(case(*args[at : at + count]))
+            at += count
+        return tuple(outputs)
+
+
+@dataclass
+class Lowered:
+    module: EveryCase
+    only_delegate_runs: bool
+    graph_targets: list[str]
+    outputs: list[torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def every_case() -> Lowered:
+    module = EveryCase()
+    args = [t for name in NAMES for t in INPUTS[name]]
+    lowered = lower_mlx(module, tuple(args))
+    return Lowered(module, lowered.only_delegate_runs(), lowered.graph_targets(), lowered.method().execute(args))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_op_runs_inside_the_delegate_and_matches_eager(name: str, every_case: Lowered) -> None:
+    assert every_case.only_delegate_runs, every_case.graph_targets
+    index = NAMES.index(name)
+    out = every_case.outputs[index]
     with torch.no_grad():
-        expected = module(*args)
+        expected = every_case.module.cases[index](*INPUTS[name])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(out.float().abs().sum()))
 

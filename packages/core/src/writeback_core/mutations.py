@@ -134,6 +134,20 @@ class Mutation:
     dtype: torch.dtype
     user_input_index: int | None = field(default=None)
 
+    @property
+    def written_by_op(self) -> str | None:
+        """The op that writes this buffer in place wherever the program runs, else ``None``.
+
+        A buffer an op's schema declares written (``Tensor(a!)``, ``WriteKind.MUTATING_OP``,
+        e.g. ``llama::update_cache``) is written by that op on the program's own buffer: no
+        backend copies it back, and no write-back of it costs a byte per call. A caller's
+        tensor so written is not covered: whether the runtime writes it into the caller's
+        memory is the runtime's rule.
+        """
+        if self.kind is MutationKind.BUFFER and self.write.kind is WriteKind.MUTATING_OP:
+            return self.write.op
+        return None
+
     def also_returned(self, graph: torch.fx.Graph) -> bool:
         """Whether ``graph`` (the program's, or a partition's view of it) also returns this
         state's new value as an output of its own, besides writing it back.

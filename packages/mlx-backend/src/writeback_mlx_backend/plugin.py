@@ -165,16 +165,16 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
     Worked out on the partitions MLX's partitioner makes of the shared decomposition the
     row's mutation was found in (``writeback_core.program.decomposed``): a buffer one
     partition reads and produces is delegate-owned (:func:`~writeback_mlx_backend.partitioner.owned_buffers`);
-    a buffer an op declared to write it writes (``WriteKind.MUTATING_OP``) is written in place
+    a buffer an op declared to write it writes (``Mutation.written_by_op``) is written in place
     by that op on the runtime; any other state is decided by :func:`in_place_refusal`, the
     rule ``writeback_accepts_in_place`` answers with, over the partition taking its write.
     """
     plan = _plan(program)
     if mutation.kind is MutationKind.BUFFER and mutation.placeholder in plan.owned:
         return {"mlx": "delegate-owned, in place"}
-    if mutation.kind is MutationKind.BUFFER and mutation.write.kind is WriteKind.MUTATING_OP:
+    if mutation.written_by_op is not None:
         # An op no MLX partition takes, run by the runtime on the program's buffer.
-        return {"mlx": f"in place by {mutation.write.op} outside the delegate, 0 B/call"}
+        return {"mlx": f"in place by {mutation.written_by_op} outside the delegate, 0 B/call"}
     write = mutation.write.node
     refusal = in_place_refusal(plan.view(write), mutation)
     if refusal is not None:

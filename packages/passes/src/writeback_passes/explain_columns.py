@@ -82,20 +82,20 @@ def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[s
     Decided by :func:`~writeback_passes.state_write_refusals.in_place_kernel_refusal`
     (the rule the backends answer ``writeback_accepts_in_place`` with) over the
     program's shared decomposition (:func:`writeback_core.program.decomposed`); a buffer
-    an op declared to write it writes (``WriteKind.MUTATING_OP``) is written in place. A
+    an op declared to write it writes (``Mutation.written_by_op``) is written in place. A
     caller-owned state written in place says where that holds: stock
     ``executorch.runtime`` does not write a mutated input back into the caller's tensor
     (it returns the new value as an output), writeback's runtime does.
     """
-    from writeback_core import MutationKind, WriteKind
+    from writeback_core import MutationKind
     from writeback_core.program import decomposed
 
     from writeback_passes.state_write_plans import IN_PLACE_KERNEL
     from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
-    if mutation.kind is MutationKind.BUFFER and mutation.write.kind is WriteKind.MUTATING_OP:
+    if mutation.written_by_op is not None:
         # exir runs an op declared to write its argument on that argument: nothing to copy.
-        return {KERNEL_COLUMN: f"in place ({mutation.write.op}), any runtime"}
+        return {KERNEL_COLUMN: f"in place ({mutation.written_by_op}), any runtime"}
     graph = decomposed(program).graph_module.graph
     refusal = in_place_kernel_refusal(graph, mutation.placeholder, mutation.value)
     if refusal is None and mutation.kind is MutationKind.BUFFER and mutation.also_returned(graph):
