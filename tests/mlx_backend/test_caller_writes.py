@@ -35,7 +35,7 @@ def test_decoder_with_caller_caches_runs_compiled_evaluates_once_and_its_caches_
     allocate: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = DecoderConfig(vocab=32, dim=64, heads=4, max_seq=SIZE, layers=2, hidden=128)
-    mine, eager = CallerCacheDecoder(cfg, seed=3), CallerCacheDecoder(cfg, seed=3)
+    mine, eager = CallerCacheDecoder(cfg), CallerCacheDecoder(cfg)
     lowered = lower_mlx(mine, (torch.tensor([[1]]), torch.tensor([0]), *_caches(cfg, torch.zeros)))
     assert lowered.only_delegate_runs()
     assert lowered.write_backs() == []  # every cache write is the delegate's, in place

@@ -3,6 +3,8 @@ steps through the pybind-runtime: logits and caches equal eager PyTorch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from writeback.zoo import DecoderConfig, decoder_case
@@ -10,7 +12,10 @@ from writeback.zoo import DecoderConfig, decoder_case
 from tests.mlx_backend.lowering import lower_mlx
 
 STEPS = 16
-CONFIG = DecoderConfig(max_seq=16, layers=2)
+# The decoder test_compiled.py runs (the same program: a worker lowers it once, lowering.py).
+CONFIG = DecoderConfig(vocab=32, dim=64, heads=4, max_seq=16, layers=2, hidden=128)
+# With the caches the caller's: the decoder test_caller_writes.py runs.
+CALLER_CONFIG = dataclasses.replace(CONFIG, max_seq=64)
 
 
 def test_decoder_with_delegate_owned_cache_matches_eager() -> None:
@@ -35,7 +40,7 @@ def test_decoder_with_delegate_owned_cache_matches_eager() -> None:
 def test_decoder_with_caller_owned_cache_matches_eager(allocator: bool) -> None:
     from writeback_mlx_backend import empty
 
-    case = decoder_case(CONFIG, caller_cache=True)
+    case = decoder_case(CALLER_CONFIG, caller_cache=True)
     lowered = lower_mlx(case.build(), case.example_args(0), planned_inputs=not allocator)
     assert lowered.only_delegate_runs()
     assert lowered.write_backs() == []
