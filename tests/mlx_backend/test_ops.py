@@ -174,7 +174,9 @@ class EveryCase(torch.nn.Module):
 
 
 @dataclass
-class Lowered:
+class EveryCaseRun:
+    """What one lowering and run of :class:`EveryCase` gave, shared by every case's test."""
+
     module: EveryCase
     only_delegate_runs: bool
     graph_targets: list[str]
@@ -182,15 +184,15 @@ class Lowered:
 
 
 @pytest.fixture(scope="module")
-def every_case() -> Lowered:
+def every_case() -> EveryCaseRun:
     module = EveryCase()
     args = [t for name in NAMES for t in INPUTS[name]]
     lowered = lower_mlx(module, tuple(args))
-    return Lowered(module, lowered.only_delegate_runs(), lowered.graph_targets(), lowered.method().execute(args))
+    return EveryCaseRun(module, lowered.only_delegate_runs(), lowered.graph_targets(), lowered.method().execute(args))
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_op_runs_inside_the_delegate_and_matches_eager(name: str, every_case: Lowered) -> None:
+def test_op_runs_inside_the_delegate_and_matches_eager(name: str, every_case: EveryCaseRun) -> None:
     assert every_case.only_delegate_runs, every_case.graph_targets
     index = NAMES.index(name)
     out = every_case.outputs[index]
