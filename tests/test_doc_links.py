@@ -41,7 +41,8 @@ def _broken(page: str) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_relative_link_reaches_a_file_and_heading(page: str) -> None:
-    assert not _broken(page), f"{page}: " + "; ".join(_broken(page))
+    broken = _broken(page)
+    assert not broken, f"{page}: " + "; ".join(broken)
 
 
 def test_the_anchor_rule_is_githubs() -> None:
