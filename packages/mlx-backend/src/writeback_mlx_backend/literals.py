@@ -16,8 +16,9 @@ program runs, :func:`check_literals`:
 
 A literal that fails raises :class:`~writeback_core.blob.BlobError` naming the step, its
 op, and the dim, index or size with the rank or size it was checked against. A step that
-cannot be traced at all (a scalar input, which has no static value) ends the walk: the
-steps after it are checked when they run, by the same helpers inside each op.
+cannot be traced (one reading a scalar input, which has no static value) has no traced
+value: it, and every step reading its value, is checked when it runs, by the same helpers
+inside each op; the walk goes on with the steps that do not depend on it.
 
 Example it must refuse: ``index_copy(cache, -3, pos, row)`` on a ``[4, 3]`` cache.
 """
@@ -32,7 +33,7 @@ import mlx.core as mx
 from writeback_core.blob import BlobError, resolve
 from writeback_core.ops import normalize_dim, normalize_index
 
-from writeback_mlx_backend._steps import Step, call, resolve_kwargs
+from writeback_mlx_backend._steps import Step, call, refs, resolve_kwargs
 from writeback_mlx_backend.op_handler import MAX_MLX_INT, mlx_dtype
 from writeback_mlx_backend.program import DELEGATE
 
@@ -340,12 +341,13 @@ def check_literals(
     env: dict[str, Any] = {name: _placeholder(name, meta) for name, meta in inputs.items()}
     for name, (shape, dtype) in records.items():
         env[name] = mx.zeros(_shape(shape, f"records[{name!r}]"), dtype=mlx_dtype(dtype))
+    untraced: set[str] = set()
     for position, step in enumerate(steps):
-        try:
-            args = resolve(step.args, env)
-            kwargs = resolve_kwargs(step.kwargs, env)
-        except KeyError:
-            return
+        if untraced & set(refs((step.args, step.kwargs))):
+            untraced.add(step.name)  # its arguments have no traced value: checked when it runs
+            continue
+        args = resolve(step.args, env)
+        kwargs = resolve_kwargs(step.kwargs, env)
         rule = LITERAL_RULES.get(step.op)
         if rule is not None:
             try:
@@ -367,6 +369,7 @@ def check_literals(
                     step.name,
                     f"{step.op}: its arguments' shapes do not fit the op ({message}); nothing was run",
                 ) from None
-            return  # the step's own checks raise again when it runs
-        except Exception:  # the step's own checks raise again when it runs
-            return
+            untraced.add(step.name)  # the step's own checks raise again when it runs
+        except TypeError:
+            # An argument with no static value (a scalar input): checked when it runs.
+            untraced.add(step.name)

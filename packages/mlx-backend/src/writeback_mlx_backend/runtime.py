@@ -35,6 +35,7 @@ a call does whichever path runs it, in ``writeback_mlx_backend.calls``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,9 +63,8 @@ from writeback_mlx_backend.program import (
     TensorRecord,
     float_value,
 )
-from writeback_mlx_backend.traced import placeholder_inputs
 
-__all__ = ["COPY_HISTORY", "IN_PLACE_OUTPUTS_SPEC", "MLXDelegate"]
+__all__ = ["COPY_HISTORY", "IN_PLACE_OUTPUTS_SPEC", "FusionsSkippedWarning", "MLXDelegate"]
 
 
 def _decode(value: Any) -> Any:
@@ -200,19 +200,42 @@ def _fold_constants(steps: Sequence[Step], constants: dict[str, Any], kept: Sequ
     return left
 
 
+class FusionsSkippedWarning(UserWarning):
+    """A step of an MLX blob could not be traced at ``init``: no fusion (RMSNorm, attention,
+    RoPE) is matched over its value or any value made from it; the program still runs,
+    interpreted step by step."""
+
+
 def _lazy_info(
     program: DelegateProgram, steps: Sequence[Step], constants: Mapping[str, Any], state: Mapping[str, Any]
 ) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Each value's shape and dtype, from the traced steps on placeholder inputs, nothing
-    evaluated; it stops at the first step that cannot be traced (the values after it are
-    left out, and no pattern is matched over them)."""
+    evaluated. A scalar input has no static value, so a step reading it (and every step
+    after it reading its value) is left out; a step that raises when traced is left out the
+    same way, with a :class:`FusionsSkippedWarning` naming it. No pattern is matched over
+    the values left out."""
     env: dict[str, Any] = {**constants, **state}
-    try:
-        env.update(zip(program.inputs, placeholder_inputs(program), strict=True))
-        for step in steps:
+    untraced = set()
+    for name, meta in zip(program.inputs, program.input_meta, strict=True):
+        if "scalar" in meta:
+            untraced.add(name)
+        else:
+            env[name] = mx.zeros(meta["shape"], dtype=mlx_dtype(meta["dtype"]))
+    for position, step in enumerate(steps):
+        if untraced & set(refs((step.args, step.kwargs))):
+            untraced.add(step.name)
+            continue
+        try:
             env[step.name] = call_resolved(step, env, True)
-    except Exception:  # the compiled path says why when it traces; here only patterns are lost
-        pass
+        except (ValueError, TypeError, IndexError) as error:
+            untraced.add(step.name)
+            warnings.warn(
+                f"MLX delegate: step {position} {step.name!r} ({step.op}) could not be traced at init "
+                f"({type(error).__name__}: {error}); no RMSNorm, attention or RoPE fusion is matched over "
+                "its value or any value made from it (the program still runs, interpreted)",
+                FusionsSkippedWarning,
+                stacklevel=2,
+            )
     return {k: (tuple(v.shape), v.dtype) for k, v in env.items() if isinstance(v, mx.array)}
 
 
