@@ -10,7 +10,9 @@ import torch
 import torch.fx
 from writeback_core import ProgramPass, hookimpl
 from writeback_core.registry import Registry, load_registry
-from writeback_testing.oracle import ProgramMismatch, TargetError, check_program, check_source
+from writeback_testing.lowerings import Lowerings
+from writeback_testing.observations import Observation
+from writeback_testing.oracle import HarnessError, ProgramMismatch, TargetError, check_program, check_source
 from writeback_testing.program import ProgramSpec, Read, Source, State, Write, build
 from writeback_testing.targets import StockTarget, registry_runtime, runtime_targets
 
@@ -118,3 +120,21 @@ def test_a_program_stock_cannot_load_without_writeback_either_is_an_upstream_err
         check_source(UPSTREAM_LOAD_FAILURE, [StockTarget("stock")], fuzz_registry)
     assert caught.value.upstream is True and caught.value.target == "stock"
     assert "register_buffer('s0'" in str(caught.value)  # the reproducer comes with it
+
+
+class BrokenHarnessTarget:
+    """A target with a bug of its own: it reads an attribute ``Lowerings`` does not have."""
+
+    name = "broken-harness"
+
+    def run(self, lowered: Lowerings, calls: int) -> list[Observation]:
+        return lowered.no_such_attribute  # type: ignore[attr-defined, no-any-return]  # the deliberate bug
+
+
+def test_a_harness_bug_is_a_harness_error_never_an_upstream_skip(fuzz_registry: Registry) -> None:
+    """Hazard from the review: any exception, a harness bug included, failed the bare run
+    too, so it was called "upstream" and the fuzzer skipped the program."""
+    with pytest.raises(HarnessError, match=r"AttributeError: .*no_such_attribute.*a bug of the test harness") as caught:
+        check_program(SPEC, [BrokenHarnessTarget()], fuzz_registry)
+    assert not isinstance(caught.value, TargetError)
+    assert caught.value.target == "broken-harness" and "test_oracle.py:" in caught.value.where

@@ -52,6 +52,7 @@ from typing import Any
 from writeback_core.program import LoweringError
 from writeback_core.registry import Registry
 
+from writeback_testing.failure_origin import HarnessError, failure_origin
 from writeback_testing.lowerings import Lowerings, export_built
 from writeback_testing.observations import (
     DEFAULT_CALLS,
@@ -74,6 +75,7 @@ from writeback_testing.targets import (
 __all__ = [
     "DEFAULT_CALLS",
     "UPSTREAM_VERDICTS",
+    "HarnessError",
     "InvalidProgram",
     "LoweringError",
     "Lowerings",
@@ -220,6 +222,7 @@ def check_program(
         except (LoweringError, ProgramMismatch):
             raise
         except Exception as error:
+            _raise_if_harness(error, target, built)
             upstream = _fails_bare(built, target, calls) if triage else None
             raise TargetError(target.name, error, built.source, upstream) from error
         report.running_seconds += time.perf_counter() - start - (lowered.seconds - seconds_before)
@@ -240,12 +243,24 @@ def check_program(
     return report
 
 
+def _raise_if_harness(error: Exception, target: Target, built: Built) -> None:
+    """:class:`HarnessError` when ``error`` was raised by the harness's own code (this
+    package or the target's module), which no program and no upstream library explains."""
+    harness = frozenset({__name__.split(".", 1)[0], type(target).__module__})
+    origin, where = failure_origin(error, harness)
+    if origin == "harness":
+        raise HarnessError(target.name, error, where, built.source) from error
+
+
 def _fails_bare(built: Built, target: Target, calls: int) -> bool:
-    """Whether ``target`` also fails with an error on the program lowered by exir alone."""
+    """Whether ``target`` also fails with an error on the program lowered by exir alone,
+    raised upstream (torch, ExecuTorch, MLX) or reported in an observation; a failure
+    raised by the harness there raises :class:`HarnessError`."""
     try:
         observed = target.run(Lowerings(built, None, with_passes=False), calls)
-    except Exception:
-        return True
+    except Exception as error:
+        _raise_if_harness(error, target, built)
+        return failure_origin(error, frozenset())[0] == "upstream"
     return any(o.error is not None for o in observed)
 
 
