@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from writeback_trt_copyback import KVAliasEngine, engine_write, lift_mutated_buffers, resolve_bounds
+from writeback_trt_copyback import KVAliasEngine, TensorRTCacheRule, engine_write, lift_mutated_buffers, resolve_bounds
 from writeback_trt_copyback.lowering import _check_slice_source
 from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
 
@@ -129,3 +129,23 @@ def test_untampered_blob_writes_the_one_slot_eager_writes() -> None:
     delegate.execute(handle, args)
     torch.testing.assert_close(args[0], want)
     torch.testing.assert_close(args[3], want.sum(-1) * 2.0)
+
+
+def test_value_longer_than_its_clamped_slice_is_not_aliased_as_tensorrt_expects() -> None:
+    """Ported from Torch-TensorRT's KV-cache fast path: ``slice_scatter`` of an 8-slot value at
+    start -4, end 20 on a 16-slot cache. Torch-TensorRT wraps the start to 12 and aliases only
+    when ``start + value length <= slots`` (12 + 8 = 20 > 16): it takes its scatter fallback,
+    not the aliased layer. The clamped bounds name 4 slots (12..15); the rule must not alias it."""
+    program = export(SliceWrite(SHAPE, (S, S, slice(-4, 20), S)), (_rand(1, 2, 4, 4),)).run_decompositions()
+    (node,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.slice_scatter.default]
+    assert node.args[3:5] == (-4, 20)
+    as_exported = engine_write(node, node.args[0])
+    assert TensorRTCacheRule().alias_refusal(as_exported) is None  # 4 slots, a 4-slot value: aliased
+    node.args[1].meta["val"] = torch.empty(1, 2, 8, 4)  # the graph a pass could leave: 8 slots written
+    longer = engine_write(node, node.args[0])
+    start, length, slots = 16 - 4, 8, 16  # Torch-TensorRT's eligibility, worked out by hand
+    assert start + length > slots
+    refusal = TensorRTCacheRule().alias_refusal(longer)
+    assert refusal is not None and refusal.startswith(
+        "its value has 8 slot(s) along dim 2 but its bounds, clamped to the cache, name 4 from 12"
+    ), refusal

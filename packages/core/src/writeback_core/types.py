@@ -248,7 +248,9 @@ class EngineWrite:
     a slice bound as written lay outside the destination and normalization
     clamped it (an open end ``a:`` is written as ``2**63 - 1``); ``no_alias``
     whether the write carries ``writeback_core.meta.NO_ALIAS``, which forbids
-    aliasing it whatever the rule says.
+    aliasing it whatever the rule says; ``source_shape`` the shape of the value
+    written (``None`` when the graph does not say), which an engine that writes the
+    value's own length from the start compares with the slots the bounds name.
     """
 
     write: WriteShape
@@ -256,6 +258,7 @@ class EngineWrite:
     direct_input: bool
     clamped: bool = False
     no_alias: bool = False
+    source_shape: tuple[int | Dynamic, ...] | None = None
 
 
 @runtime_checkable

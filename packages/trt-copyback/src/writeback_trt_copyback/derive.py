@@ -154,7 +154,17 @@ def engine_write(value: torch.fx.Node, cache: torch.fx.Node) -> EngineWrite:
         direct_input=direct,
         clamped=_clamped(node, shape, size),
         no_alias=meta.get_custom(node, meta.NO_ALIAS) is not None,
+        source_shape=_source_shape(node) if shape.kind is WriteKind.SLICE_SCATTER else None,
     )
+
+
+def _source_shape(node: torch.fx.Node) -> tuple[int | Dynamic, ...] | None:
+    """The shape of the value a ``slice_scatter`` writes (its second argument), if recorded."""
+    src = node.args[1] if len(node.args) > 1 else node.kwargs.get("src")
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(int(s) if isinstance(s, int) else Dynamic(str(s)) for s in val.shape)
 
 
 def resolve_bounds(write: EngineWrite) -> Bounds:

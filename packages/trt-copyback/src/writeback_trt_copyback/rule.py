@@ -42,7 +42,13 @@ class TensorRTCacheRule:
        of 16 slots). TensorRT itself ignores the step and lands a strided write
        in consecutive slots; refusing it sends the write to copy-back, which is
        correct;
-    5. reaches the engine other than as a direct input.
+    5. (slices) writes a value whose length along the dim is not the number of
+       slots the clamped bounds name. TensorRT's layer writes the value's own
+       length from the start, and Torch-TensorRT aliases only when
+       ``start + length <= size``: ``slice_scatter(cache, src, 2, -4, 20)`` on 16
+       slots with an 8-slot ``src`` (start 12, 8 slots, 20 > 16) is not aliased
+       there, so it is not here;
+    6. reaches the engine other than as a direct input.
     """
 
     rank: int = 4
@@ -69,6 +75,13 @@ class TensorRTCacheRule:
                 return f"it is strided (step {bounds.step}); the KV update writes consecutive slots"
             if not bounds.length:
                 return f"it writes no slot once its bounds are clamped to the cache ({write.write.describe()})"
+            written = write.source_shape[bounds.dim] if write.source_shape is not None else bounds.length
+            if written != bounds.length:
+                return (
+                    f"its value has {written} slot(s) along dim {bounds.dim} but its bounds, clamped to the "
+                    f"cache, name {bounds.length} from {bounds.start}; the KV update writes the value's own "
+                    f"length from the start, past the slots eager PyTorch writes ({write.write.describe()})"
+                )
         if not write.direct_input:
             return (
                 "the cache does not reach the engine as a direct input: another node "
