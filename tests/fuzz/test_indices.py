@@ -126,8 +126,12 @@ def test_quantized_read_of_a_new_state_value_matches_eager(fuzz_registry: Regist
 @seed(3)
 @settings(max_examples=300, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(programs())
-def test_generator_draws_every_index_mode_bound_roll_and_op(spec: ProgramSpec) -> None:
+def _draw_and_record(spec: ProgramSpec) -> None:
+    """Not a test of its own (it asserts only that each drawn source is a program):
+    :func:`test_generator_draws_them_all` runs it and checks what it recorded."""
     source = render_source(spec)
+    code = compile(source, "<drawn program>", "exec")  # a SyntaxError fails the draw
+    assert {"FuzzModule", "step_inputs", "make_state"} <= set(code.co_names), code.co_names
     _SEEN.update(k for k, text in _MARKERS.items() if text in source)
 
 
@@ -146,7 +150,7 @@ _SEEN: set[str] = set()
 
 def test_generator_draws_them_all() -> None:
     _SEEN.clear()
-    test_generator_draws_every_index_mode_bound_roll_and_op()
+    _draw_and_record()
     assert _SEEN == set(_MARKERS), set(_MARKERS) - _SEEN
 
 

@@ -1,5 +1,6 @@
 """Mutated inputs land in the caller's tensor; each stock ``executorch.runtime`` defect
-from FACTS.md is shown on the same program, side by side with this runtime."""
+listed in packages/pybind-runtime/README.md is shown on the same program, side by side
+with this runtime."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from writeback_pybind_runtime import Method
 from tests.pybind_runtime.conftest import Lower, stock_method
 
 Load = Callable[[bytes], Method]
+
+# What a failing stock check asks for: the README lists the stock defects this file shows.
+_FIXED_UPSTREAM = "stock defect fixed upstream? update packages/pybind-runtime/README.md"
 
 
 class Accumulate(torch.nn.Module):
@@ -76,7 +80,7 @@ def test_stock_runtime_does_not_update_planned_mutated_input(lower: Lower, load:
     stock_cache, our_cache = torch.zeros(2, 3), torch.zeros(2, 3)
     stock_method(pte).execute([torch.ones(2, 3), stock_cache])
     load(pte)([torch.ones(2, 3), our_cache])
-    assert torch.equal(stock_cache, torch.zeros(2, 3)), "stock defect fixed upstream? update FACTS.md"
+    assert torch.equal(stock_cache, torch.zeros(2, 3)), _FIXED_UPSTREAM
     assert torch.equal(our_cache, torch.ones(2, 3))
 
 
@@ -92,7 +96,7 @@ def test_stock_runtime_is_silently_wrong_with_unplanned_mutated_input(lower: Low
     for got, want in zip(our_outputs, right, strict=True):
         torch.testing.assert_close(got, want)
     # Stock ignores the caller's cache and accumulates in its own buffer.
-    assert not torch.equal(stock_outputs[-1], right[-1]), "stock defect fixed upstream? update FACTS.md"
+    assert not torch.equal(stock_outputs[-1], right[-1]), _FIXED_UPSTREAM
     torch.testing.assert_close(stock_outputs[-1], _eager_accumulate(STEPS).sum(0, keepdim=True))
 
 
@@ -122,7 +126,7 @@ def test_stock_set_inputs_keeps_dangling_pointers_to_temporaries(lower: Lower, l
     (stock_out,) = stock.get_outputs()
     if clobber.data_ptr() == address:
         # The freed block was reused: stock computed from the clobbering tensor.
-        assert stock_out.tolist() == [300.0] * 64, "stock defect fixed upstream? update FACTS.md"
+        assert stock_out.tolist() == [300.0] * 64, _FIXED_UPSTREAM
 
 
 def test_stock_runtime_has_no_set_output(lower: Lower, load: Load) -> None:

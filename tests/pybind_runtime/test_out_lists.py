@@ -67,7 +67,7 @@ def test_chunk_split_and_unbind_programs_load_and_match_eager(lower: Lower, load
         for actual, wanted in zip(outputs[1:], expected, strict=True):
             torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
     if not planned:
-        return  # stock ExecuTorch mishandles unplanned mutated inputs (FACTS.md)
+        return  # stock ExecuTorch mishandles unplanned mutated inputs (packages/pybind-runtime/README.md)
     # The stock runtime loads the same bytes and computes the same values.
     stock = stock_method(pte)
     x = torch.full((8,), 0.5)

@@ -12,7 +12,7 @@ from tests.trt_copyback.models import IndexCopyWrite
 
 REASON = (
     "torch-tensorrt cannot run here: it needs torch 2.14 and CUDA TensorRT libraries and "
-    "raises on import without them (FACTS.md)"
+    "raises on import without them (packages/trt-copyback/README.md)"
 )
 
 
