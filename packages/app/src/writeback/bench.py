@@ -20,7 +20,7 @@ from writeback_core.quiet import native_stderr_filtered
 from writeback_core.registry import Registry
 
 from writeback._files import WriteFailed
-from writeback.bench_cache import failures, goals, run_bench, tables
+from writeback.bench_cache import failures, run_bench, tables
 from writeback.bench_model import BASELINE, model_contenders, model_table, run_model_bench
 from writeback.bench_plot import check_plot, plot, plot_model
 from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
@@ -28,6 +28,8 @@ from writeback.pipeline import PipelineError, choose_backend
 
 __all__ = ["bench_command"]
 
+# The backend the cache-size bench times writeback on unless told: what a user deploys on CPU.
+DEPLOYABLE = "xnnpack"
 # Copies of the K+V cache one size holds at once (measured: three programs per
 # pipeline, their references, caller caches and floors), plus the process itself.
 CACHE_COPIES = 32
@@ -78,7 +80,12 @@ def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]
     type=click.IntRange(min=1),
     help="Timed calls of each pipeline per size (interleaved).",
 )
-@click.option("--backend", default=None, help="The writeback pipeline's backend. Default: mlx when installed.")
+@click.option(
+    "--backend",
+    default=None,
+    help="The writeback pipeline's backend. Default: xnnpack (writeback's deployable path) when installed, "
+    "else the preferred backend.",
+)
 @click.option(
     "--plot",
     "plot_path",
@@ -142,8 +149,9 @@ def bench_command(
     start: int,
     contender_names: str | None,
 ) -> None:
-    """Time one decode step through stock ExecuTorch, stock + reinplace, stock + XNNPACK and writeback, interleaved,
-    at each cache size; print medians, ratios and floors (eager, raw slice copy_). With --model,
+    """Time one decode step through stock ExecuTorch, stock + reinplace, stock + XNNPACK and writeback (on
+    xnnpack unless --backend says otherwise), interleaved, at each cache size; print medians, ratios and
+    floors (eager, raw slice copy_). With --model,
     time one model through every contender instead, with the whole-state copies each leaves."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
@@ -155,6 +163,8 @@ def bench_command(
         given.append("--start")
     if given:
         raise click.UsageError(f"{', '.join(given)} go with --model NAME (without it, bench times the cache sizes)")
+    if backend is None and DEPLOYABLE in registry.backends():
+        backend = DEPLOYABLE
     try:
         choose_backend(registry, backend)
     except PipelineError as error:
@@ -167,7 +177,7 @@ def bench_command(
         result = run_bench(registry, sizes, repeats, backend, progress)
     for table in tables(result):
         console.print(table)
-    for line in [*failures(result), *goals(result)]:
+    for line in failures(result):
         console.print(line, markup=False)
     _write_plot(console, lambda path: plot(result, path), plot_path)
 

@@ -90,7 +90,6 @@ __all__ = [
     "Contender",
     "SizeResult",
     "failures",
-    "goals",
     "run_bench",
     "tables",
 ]
@@ -457,34 +456,3 @@ def failures(result: BenchResult) -> list[str]:
             if contender.error is not None:
                 lines.append(f"{size.mib:g} MiB, {pipeline}, {kind} program: {contender.error}")
     return lines
-
-
-def _goal(label: str, value: float | None, target: float, at_least: bool) -> str:
-    if value is None:
-        return f"{label}: not measured"
-    met = value >= target if at_least else value <= target
-    sign = ">=" if at_least else "<="
-    return f"{label}: {value:.2f} ({'met' if met else 'MISSED'}, goal {sign} {target:g})"
-
-
-def goals(result: BenchResult) -> list[str]:
-    """The issue's goals at the largest size measured, each with its measured value."""
-    if not result.sizes:
-        return []
-    big, small = result.sizes[-1], result.sizes[0]
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None or b <= 0 else a / b
-
-    wb_big, wb_small = big.median(WRITEBACK, "step"), small.median(WRITEBACK, "step")
-    return [
-        f"goals at {big.mib:g} MiB:",
-        _goal("  stock / writeback, whole step", ratio(big.median(STOCK, "step"), wb_big), 3, True),
-        _goal("  stock / writeback, state update", ratio(big.update(STOCK), big.update(WRITEBACK)), 50, True),
-        _goal(f"  {XNNPACK} / writeback, state update", ratio(big.update(XNNPACK), big.update(WRITEBACK)), 50, True),
-        _goal("  writeback update / slice copy_", ratio(big.update(WRITEBACK), big.update(SLICE_COPY)), 10, False),
-        _goal(f"  writeback step {big.mib:g} MiB / {small.mib:g} MiB", ratio(wb_big, wb_small), 1.5, False),
-        f"  for reference, eager step {big.mib:g} MiB / {small.mib:g} MiB: "
-        f"{format_ratio(big.median(EAGER, 'step'), small.median(EAGER, 'step'))} "
-        f"(attention over the last {WINDOW} positions at every size)",
-    ]
