@@ -43,3 +43,25 @@ def test_program_with_an_untraceable_step_still_initializes() -> None:
     delegate = MLXDelegate()
     handle = delegate.init(_with_scalar_step(0).to_bytes(), {})
     assert delegate.path(handle) == "interpreted: it has scalar inputs"
+
+
+def test_a_step_that_fails_to_trace_warns_naming_the_fusions_it_loses() -> None:
+    """The fusions' shape trace used to end silently at the first step that raised, dropping
+    every pattern after it; now it leaves out only that step and its readers, and says so."""
+    import mlx.core as mx
+    from writeback_core.blob import Ref
+    from writeback_mlx_backend._steps import Step
+    from writeback_mlx_backend.ops import OPS
+    from writeback_mlx_backend.runtime import FusionsSkippedWarning, _lazy_info
+
+    program = embedding_cache_program()
+    view = "aten.view_copy.default"
+    steps = [
+        Step("bad", view, OPS[view], [Ref("row"), [7, 7]], {}, None),  # 3 values cannot be 7 x 7
+        Step("after", view, OPS[view], [Ref("bad"), [49]], {}, None),  # reads it: left out, silently
+        Step("apart", view, OPS[view], [Ref("row"), [3]], {}, None),  # does not: still traced
+    ]
+    with pytest.warns(FusionsSkippedWarning, match=r"step 0 'bad' \(aten.view_copy.default\) could not be traced"):
+        info = _lazy_info(program, steps, {"emb": mx.zeros((5, 3))}, {"cache": mx.zeros((4, 3))})
+    assert "bad" not in info and "after" not in info
+    assert info["apart"][0] == (3,) and info["row"][0] == (1, 3)
