@@ -36,6 +36,7 @@ from writeback.cli import (
 )
 from writeback.eager_weights import EAGER_WEIGHTS_HELP, EagerWeights, ExportedWeights, WeightsDiffer
 from writeback.lowering import StatePlace, state_places
+from writeback.pass_reasons import passes_run_lines
 from writeback.pipeline import (
     Eager,
     Lowered,
@@ -272,7 +273,7 @@ def _summary(report: RunReport) -> str:
             "note: every step gets the same inputs (the factory returned (module, args)); "
             "return a ModelCase with step_inputs to give each step its own"
         )
-    lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
+    lines += passes_run_lines(report.pipeline.registry, lowered.backend, lowered.passes)
     if report.pte_kept:
         from writeback.export import where_it_loads  # export's module imports the CLI that imports this one
 

@@ -47,6 +47,7 @@ def early_write_back_pass() -> ProgramPass:
         stage="before_memory_planning",
         run=insert_write_back_early,
         after=("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views"),
+        reason="each write-back moved up to where its value is ready",
     )
 
 
