@@ -195,12 +195,6 @@ class ExportedWeights:
             raise WeightsDiffer(problem)
         return module
 
-    def describe(self) -> str:
-        """How eager got its weights, in words, for a command's summary."""
-        if self.chosen == "copy":
-            return "a copy of the build exported, taken before export"
-        return "built again, its parameters and buffers checked equal to those exported"
-
 
 def same_weights(case: ModelCase) -> ModelCase:
     """``case`` whose every ``build()`` returns a copy of one module built once, for the benches:
