@@ -1,5 +1,6 @@
 """`writeback run` lists, for its backend, the program passes that ran and why: MLX runs none of
-the passes that rewrite a program for the stock runtime's kernels; xnnpack and portable run them."""
+the passes that write state and check indices for the stock runtime's kernels, nor the LLM
+runner's attention; xnnpack and portable run every pass."""
 
 from __future__ import annotations
 
@@ -7,17 +8,12 @@ import pytest
 from click.testing import CliRunner
 from writeback.cli import main
 
-from tests.passes.lowering import DELEGATE_PASSES, PASSES_IN_ORDER
+from tests.passes.lowering import MLX_PASSES, PASSES_IN_ORDER
 
-# The passes that rewrite a program for the stock runtime's kernels.
-STOCK_RUNTIME_PASSES = tuple(name for name in PASSES_IN_ORDER if name not in DELEGATE_PASSES)
-assert STOCK_RUNTIME_PASSES == (
-    "runner_attention",
-    "bound_attention",
-    "scale_smaller_operand",
-    "reinplace_state_writes",
-    "check_indices_first",
-)
+# The passes for the stock runtime's kernels alone (the LLM runner's attention, in-place state
+# writes by index_put_, indices checked first), and the attention rewrites MLX shares.
+STOCK_ONLY = ("runner_attention", "reinplace_state_writes", "check_indices_first")
+ATTENTION_REWRITES = ("bound_attention", "scale_smaller_operand")
 
 
 def _passes_run(output: str, backend: str) -> dict[str, str]:
@@ -26,7 +22,10 @@ def _passes_run(output: str, backend: str) -> dict[str, str]:
     start = lines.index(f"program passes run for backend {backend}, with the backends each serves and why:")
     found = {}
     for line in lines[start + 1 :]:
-        if not line.startswith("  ") or line.startswith("   "):
+        if line.startswith("   ") and found:  # a reason wrapped under its pass
+            found[list(found)[-1]] += " " + line.strip()
+            continue
+        if not line.startswith("  "):
             break
         name, why = line.strip().split(maxsplit=1)
         found[name] = why
@@ -39,12 +38,14 @@ def test_run_lists_the_passes_its_backend_runs_with_why_and_still_matches_eager(
     assert result.exit_code == 0, result.output
     assert "all 2 steps match eager PyTorch" in result.output
     ran = _passes_run(result.output, backend)
-    expected = DELEGATE_PASSES if backend == "mlx" else (*STOCK_RUNTIME_PASSES, *DELEGATE_PASSES)
-    assert sorted(ran) == sorted(expected)
-    for name in DELEGATE_PASSES:
-        assert ran[name].startswith("every backend: ")
-    for name in set(ran) & set(STOCK_RUNTIME_PASSES):
-        assert ran[name].startswith("none, portable, xnnpack: ")
+    assert list(ran) == list(MLX_PASSES if backend == "mlx" else PASSES_IN_ORDER)
+    for name, why in ran.items():
+        if name in STOCK_ONLY:
+            assert why.startswith("none, portable, xnnpack: ")
+        elif name in ATTENTION_REWRITES:
+            assert why.startswith("mlx, none, portable, xnnpack: ")
+        else:
+            assert why.startswith("every backend: ")
     if backend == "mlx":
         summary = result.output.split("writeback run decoder-caller-cache")[0]
-        assert not any(name in summary for name in STOCK_RUNTIME_PASSES)
+        assert not any(name in summary for name in STOCK_ONLY)

@@ -33,12 +33,25 @@ PASSES_IN_ORDER = (
     "check_indices_first",
 )
 
-# Worked out by hand from what each pass is for: a delegate's backend (MLX, the example
-# backend) computes attention, scales and state writes itself, so it runs only the passes
-# that serve any delegate: reshape copies made views before and after partitioning, the
-# write-backs of the states its delegate writes in place dropped, and early write-back.
+# Worked out by hand from what each pass is for: a delegate's backend (the example backend)
+# writes state itself, so it runs only the passes that serve any delegate: reshape copies made
+# views before and after partitioning, the write-backs of the states its delegate writes in
+# place dropped, and early write-back.
 DELEGATE_PASSES = (
     "functional_copies_as_views",
+    "reinplace_delegate_input_mutations",
+    "copies_as_views",
+    "insert_write_back_early",
+)
+
+# MLX also takes the two attention rewrites its delegate builds on: the window bound_attention
+# leaves (tests/mlx_backend/test_window.py) and the scale scale_smaller_operand moves, which
+# its fused attention matches (tests/mlx_backend/test_compiled.py); none of the passes that
+# make state writes and index checks for the stock kernels, nor the LLM runner's attention.
+MLX_PASSES = (
+    "bound_attention",
+    "functional_copies_as_views",
+    "scale_smaller_operand",
     "reinplace_delegate_input_mutations",
     "copies_as_views",
     "insert_write_back_early",
@@ -49,7 +62,7 @@ PASSES_BY_BACKEND: dict[str | None, tuple[str, ...]] = {
     "portable": PASSES_IN_ORDER,
     "xnnpack": PASSES_IN_ORDER,
     None: PASSES_IN_ORDER,
-    "mlx": DELEGATE_PASSES,
+    "mlx": MLX_PASSES,
     "example": DELEGATE_PASSES,
 }
 

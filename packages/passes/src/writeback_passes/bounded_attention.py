@@ -292,12 +292,12 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
 
 def bound_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.plugin import ATTENTION_REWRITES
 
     return ProgramPass(
         name="bound_attention",
         stage="exported",
         run=bound_attention,
-        backends=STOCK_RUNTIME,
+        backends=ATTENTION_REWRITES,
         reason="attention reads only the keys its mask opens",
     )

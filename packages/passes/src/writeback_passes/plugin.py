@@ -23,8 +23,12 @@ XNNPACK = "xnnpack"
 KERNEL_BACKENDS = (PORTABLE, XNNPACK)
 # The lowerings whose programs run on the stock runtime's kernels (a lowering with no backend
 # too): the passes that rewrite a graph for those kernels serve these and no delegate's
-# backend, MLX's included (its delegate computes attention, scales and writes state itself).
+# backend (MLX's delegate writes state and checks indices itself).
 STOCK_RUNTIME = frozenset({PORTABLE, XNNPACK, NO_BACKEND})
+# writeback-mlx-backend's backend: its delegate bounds an attention to the window bound_attention
+# leaves, and fuses one whose scale scale_smaller_operand moved (mx.fast's attention).
+MLX = "mlx"
+ATTENTION_REWRITES = STOCK_RUNTIME | {MLX}
 
 
 def _portable(registry: Registry, **options: Any) -> Any:
