@@ -87,14 +87,45 @@ def test_a_pass_that_must_run_after_itself_is_refused() -> None:
         registry.program_passes("before_memory_planning", None)
 
 
-def test_a_name_no_installed_pass_has_is_ignored() -> None:
-    lonely = _offering(
-        "lonely", _pass("b", after=("not-installed",)), _pass("a", before=("also-missing",), after=("b-at-edge",))
+@pytest.mark.parametrize("relation", ["after", "before"])
+def test_an_unknown_relation_name_is_refused_naming_the_pass_and_its_plugin_clear_error(relation: str) -> None:
+    typo = _offering("typo", _pass("b", **{relation: ("reinplace_stat_writes",)}), _pass("a"))
+    registry = load_registry(entry_points=False, plugins=[_offering("other", _pass("c")), typo])
+    with pytest.raises(PassOrderError) as refused:
+        registry.program_passes("before_memory_planning", None)
+    assert str(refused.value).startswith(
+        f"program pass 'b' of plugin 'typo' runs {relation} 'reinplace_stat_writes', but no installed plugin "
+        "offers a pass of that name at stage 'before_memory_planning' (offered there: a, b, c). Fix the name, or, "
+        "when that pass belongs to a plugin that may not be installed, add it to the pass's "
+        "optional=('reinplace_stat_writes',)"
     )
+
+
+def test_a_pass_of_another_stage_is_no_relation_and_is_refused_unless_optional() -> None:
     edge = _offering("edge", ProgramPass("b-at-edge", "edge", lambda ep: None))
-    registry = load_registry(entry_points=False, plugins=[lonely, edge])
-    # No relation holds (a pass of another stage is not one of this stage's): name order.
+    strict = _offering("strict", _pass("a", after=("b-at-edge",)))
+    with pytest.raises(PassOrderError, match=r"'a' of plugin 'strict' runs after 'b-at-edge'"):
+        load_registry(entry_points=False, plugins=[strict, edge]).program_passes("before_memory_planning", None)
+
+
+def test_an_optional_relation_to_a_pass_not_installed_is_ignored() -> None:
+    lonely = _offering(
+        "lonely",
+        _pass("b", after=("not-installed",), optional=("not-installed",)),
+        _pass("a", before=("also-missing",), optional=("also-missing",)),
+    )
+    registry = load_registry(entry_points=False, plugins=[lonely])
+    # No relation holds: name order.
     assert _names(registry) == ["a", "b"]
+    # Installed, the optional relation holds: b after it although it sorts first.
+    present = _offering("present", _pass("not-installed"))
+    registry = load_registry(entry_points=False, plugins=[lonely, present])
+    assert _names(registry) == ["a", "not-installed", "b"]
+
+
+def test_optional_naming_no_relation_of_the_pass_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"pass 'p': optional= names 'x', which neither after= nor before= names"):
+        _pass("p", after=("y",), optional=("x",))
 
 
 def test_a_pass_runs_only_for_its_backends_and_none_names_the_lowering_without_one() -> None:
@@ -131,7 +162,7 @@ def test_two_passes_of_one_name_at_one_stage_are_refused_naming_both_plugins() -
         registry.program_passes("before_memory_planning", None)
 
 
-@pytest.mark.parametrize("field", ["after", "before", "backends"])
+@pytest.mark.parametrize("field", ["after", "before", "backends", "optional"])
 def test_one_string_where_names_go_is_refused_saying_what_to_write(field: str) -> None:
     expected = rf"{field}= takes a tuple of names, not the string 'x': write {field}=\('x',\)"
     with pytest.raises(TypeError, match=expected):
@@ -164,7 +195,10 @@ def test_explain_lists_the_passes_per_backend_with_their_plugin_and_reasons() ->
         _pass("only-alpha", backends=frozenset({"alpha"}), after=("common",)),
         backends=("beta", "alpha"),
     )
-    late = _offering("late", _pass("tail", after=("common", "only-alpha"), before=("missing",)))
+    late = _offering(
+        "late",
+        _pass("tail", after=("common", "only-alpha"), before=("missing",), optional=("missing",), reason="to end"),
+    )
     assert _notes(toy, late) == [
         "another plugin's note",
         "program passes in the order they run, with the plugin that offers each and why it runs there:",
@@ -172,11 +206,11 @@ def test_explain_lists_the_passes_per_backend_with_their_plugin_and_reasons() ->
         "  before_memory_planning:",
         "    common      plugin toy; every backend",
         "    only-alpha  plugin toy; for alpha; after common",
-        "    tail        plugin late; every backend; after common and only-alpha; before missing",
+        "    tail        plugin late; every backend; after common and only-alpha; before missing; to end",
         "for backends beta and none (no backend):",
         "  before_memory_planning:",
         "    common  plugin toy; every backend",
-        "    tail    plugin late; every backend; after common and only-alpha; before missing",
+        "    tail    plugin late; every backend; after common and only-alpha; before missing; to end",
     ]
 
 

@@ -18,8 +18,9 @@ from executorch.exir import (
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
-# The passes of writeback-passes, in the order every backend's lowering runs them (what
-# `writeback run` printed before passes said their order by name).
+# The passes of writeback-passes, in the order a lowering onto the stock runtime's kernels
+# (portable, xnnpack, no backend) runs them: what `writeback run` printed before passes said
+# their order by name, when every pass ran for every backend.
 PASSES_IN_ORDER = (
     "runner_attention",
     "bound_attention",
@@ -31,6 +32,39 @@ PASSES_IN_ORDER = (
     "insert_write_back_early",
     "check_indices_first",
 )
+
+# Worked out by hand from what each pass is for: a delegate's backend (the example backend)
+# writes state itself, so it runs only the passes that serve any delegate: reshape copies made
+# views before and after partitioning, the write-backs of the states its delegate writes in
+# place dropped, and early write-back.
+DELEGATE_PASSES = (
+    "functional_copies_as_views",
+    "reinplace_delegate_input_mutations",
+    "copies_as_views",
+    "insert_write_back_early",
+)
+
+# MLX also takes the two attention rewrites its delegate builds on: the window bound_attention
+# leaves (tests/mlx_backend/test_window.py) and the scale scale_smaller_operand moves, which
+# its fused attention matches (tests/mlx_backend/test_compiled.py); none of the passes that
+# make state writes and index checks for the stock kernels, nor the LLM runner's attention.
+MLX_PASSES = (
+    "bound_attention",
+    "functional_copies_as_views",
+    "scale_smaller_operand",
+    "reinplace_delegate_input_mutations",
+    "copies_as_views",
+    "insert_write_back_early",
+)
+
+# What each backend's lowering runs, by the backend's name (None: no backend).
+PASSES_BY_BACKEND: dict[str | None, tuple[str, ...]] = {
+    "portable": PASSES_IN_ORDER,
+    "xnnpack": PASSES_IN_ORDER,
+    None: PASSES_IN_ORDER,
+    "mlx": MLX_PASSES,
+    "example": DELEGATE_PASSES,
+}
 
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:

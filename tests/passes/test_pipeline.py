@@ -16,7 +16,14 @@ from writeback_core import ProgramPass, Stage, hookimpl, load_registry, to_edge_
 from writeback_passes import plugin
 
 from .hazard_models import Plain, seeded
-from .lowering import PASSES_IN_ORDER, assert_runs_like_eager, edge_of, export_module
+from .lowering import (
+    DELEGATE_PASSES,
+    PASSES_BY_BACKEND,
+    PASSES_IN_ORDER,
+    assert_runs_like_eager,
+    edge_of,
+    export_module,
+)
 
 _X = (seeded(1, 16),)
 
@@ -65,14 +72,20 @@ def test_writeback_program_passes_hook_offers_early_write_back_before_memory_pla
     assert "insert_write_back_early" in names
 
 
-@pytest.mark.parametrize("backend", ["xnnpack", "portable", None])
-def test_every_backend_runs_the_package_passes_in_todays_order(backend: str | None) -> None:
-    """No pass of the package is for some backends only, and the relations give the order the
-    integers gave."""
-    registry = load_registry(entry_points=False, plugins=[plugin])
-    assert pass_names(registry, backend) == PASSES_IN_ORDER
+@pytest.mark.parametrize("backend", sorted(PASSES_BY_BACKEND, key=str))
+def test_each_backend_runs_the_package_passes_that_serve_it_in_order(backend: str | None) -> None:
+    """The stock runtime's lowerings run every pass in the order the integers gave; a delegate's
+    backend (MLX, the example) none of the passes that rewrite for the stock kernels."""
+    registry = load_registry()
+    assert pass_names(registry, backend) == PASSES_BY_BACKEND[backend]
     stages: tuple[Stage, ...] = ("exported", "before_partition", "edge", "before_memory_planning")
-    assert all(p.backends is None for stage in stages for p in registry.program_passes(stage, backend))
+    for stage in stages:
+        for program_pass in registry.program_passes(stage, backend):
+            assert program_pass.reason, f"{program_pass.name} says no reason"
+            if program_pass.name in ("bound_attention", "scale_smaller_operand"):
+                assert program_pass.backends == frozenset({"portable", "xnnpack", "none", "mlx"})
+            elif program_pass.name not in DELEGATE_PASSES:
+                assert program_pass.backends == frozenset({"portable", "xnnpack", "none"})
 
 
 def test_to_executorch_runs_registered_passes_by_their_relations_then_by_name() -> None:
@@ -121,7 +134,8 @@ def test_user_config_passes_run_first_and_config_is_not_changed() -> None:
 
 
 def test_without_the_plugin_write_backs_stay_where_exir_puts_them() -> None:
-    recorder = _Recorder([("after_everything", {"after": ("check_indices_first",)})])
+    relations = {"after": ("check_indices_first",), "optional": ("check_indices_first",)}
+    recorder = _Recorder([("after_everything", relations)])
     writeback_passes.to_executorch(edge_of(Plain(), _X), registry=load_registry(entry_points=False, plugins=[recorder]))
     assert recorder.seen == [("after_everything", False)]
 

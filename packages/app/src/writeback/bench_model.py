@@ -44,6 +44,7 @@ from writeback.bench_common import (
     short_error,
     write_stock_pte,
 )
+from writeback.eager_weights import same_weights
 from writeback.lowering import return_freed_memory
 from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 
@@ -351,6 +352,8 @@ def run_model_bench(
     unknown = [c for c in chosen if c not in offered]
     if unknown:
         raise ValueError(f"no contender named {', '.join(map(repr, unknown))}; offered: {', '.join(offered)}")
+    # Every row and the eager reference hold the weights of one build, even a factory's unseeded ones.
+    case = same_weights(case)
     exported_once: list[Any] = []
 
     def exported() -> Any:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
 
 from writeback.lowering import lower
+from writeback.pass_reasons import listed, why_it_runs
 
 __all__ = ["ExplainRow", "explain_notes", "explain_rows", "pass_lines"]
 
@@ -120,7 +121,7 @@ def _wrapped(text: str, indent: str) -> list[str]:
 def _pass_list(backends: Sequence[str | None], offers: Sequence[tuple[Stage, str, ProgramPass]]) -> list[str]:
     """``for backends mlx and none (no backend):``, then each stage's passes."""
     names = [b if b is not None else f"{NO_BACKEND} (no backend)" for b in backends]
-    head = f"for backend{'s' if len(names) > 1 else ''} {_listed(names)}:"
+    head = f"for backend{'s' if len(names) > 1 else ''} {listed(names)}:"
     if not offers:
         return _wrapped(f"{head} none", "    ")
     lines = _wrapped(head, "    ")
@@ -130,25 +131,9 @@ def _pass_list(backends: Sequence[str | None], offers: Sequence[tuple[Stage, str
         if here:
             lines.append(f"  {stage}:")
         for plugin, program_pass in here:
-            line = f"    {program_pass.name:<{width}}  {'; '.join(_why(plugin, program_pass))}"
+            line = f"    {program_pass.name:<{width}}  {'; '.join(why_it_runs(plugin, program_pass))}"
             lines += _wrapped(line, " " * (width + 6))
     return lines
-
-
-def _why(plugin: str, program_pass: ProgramPass) -> list[str]:
-    """What makes ``program_pass`` run where it does: its plugin, backends and relations."""
-    backends = program_pass.backends
-    reasons = [f"plugin {plugin}", "every backend" if backends is None else f"for {_listed(sorted(backends))}"]
-    if program_pass.after:
-        reasons.append(f"after {_listed(program_pass.after)}")
-    if program_pass.before:
-        reasons.append(f"before {_listed(program_pass.before)}")
-    return reasons
-
-
-def _listed(names: Sequence[str]) -> str:
-    """``a``; ``a and b``; ``a, b and c``."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def explain_notes(program: ExportedProgram, registry: Registry) -> list[str]:

@@ -373,9 +373,11 @@ class StepCheck:
 class Eager:
     """The same model in eager PyTorch, stepped alongside, with its own copy of the state."""
 
-    def __init__(self, case: ModelCase) -> None:
+    def __init__(self, case: ModelCase, module: torch.nn.Module | None = None) -> None:
+        """``module``: the model to step (one the caller built, say the very one exported);
+        default: a new ``case.build()``."""
         self.case = case
-        self.module = build_case_module(case)
+        self.module = module if module is not None else build_case_module(case)
         self.module.eval()  # not chained: a PT2E-converted model's eval() returns None
         self.module.requires_grad_(False)
         self.state = case.make_state()

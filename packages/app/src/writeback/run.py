@@ -34,7 +34,9 @@ from writeback.cli import (
     resolve_model_option,
     writable_file,
 )
+from writeback.eager_weights import EAGER_WEIGHTS_HELP, EagerWeights, ExportedWeights, WeightsDiffer
 from writeback.lowering import StatePlace, state_places
+from writeback.pass_reasons import passes_run_lines
 from writeback.pipeline import (
     Eager,
     Lowered,
@@ -104,6 +106,7 @@ def run_model(
     output: Path,
     console: Console | None = None,
     check: bool = True,
+    eager_weights: EagerWeights = "auto",
 ) -> RunReport:
     """Lower ``case`` through ``pipeline``, write the ``.pte`` to ``output`` and run ``steps``
     decode steps, each compared with eager. Never raises for a mismatch: see ``failures``.
@@ -112,15 +115,22 @@ def run_model(
     nothing: each step's check is ``None``, and a step the runtime refuses raises
     :class:`StepRefused` without asking eager why.
 
+    Eager runs the very weights exported, kept as ``eager_weights`` says
+    (:class:`~writeback.eager_weights.ExportedWeights`). :raises WeightsDiffer: built again
+    for eager (``"rebuild"``), the model has other weights than those exported.
+
     ``output`` is replaced whole or not at all (a new file renamed into place), so a
     process that has the old file mapped keeps it and a failure leaves it as it was."""
-    lowered = lower(case, pipeline)
+    weights = ExportedWeights(case, eager_weights) if check else None
+    lowered = lower(weights.case if weights is not None else case, pipeline)
+    if weights is not None:
+        weights.record(lowered.exported)
     lowered.write_pte(output)
     # The steps need the runtime's copy of the weights alone: the exported program, the
     # program manager and the .pte bytes go before the runtime and eager take theirs.
     lowered.release()
     session = Session.open(pipeline, lowered, path=output)
-    eager = Eager(case) if check else None
+    eager = Eager(case, weights.eager_module()) if weights is not None else None
     done: list[tuple[StepResult, StepCheck | None]] = []
     progress = Progress(
         TextColumn("[bold]decode"),
@@ -263,7 +273,7 @@ def _summary(report: RunReport) -> str:
             "note: every step gets the same inputs (the factory returned (module, args)); "
             "return a ModelCase with step_inputs to give each step its own"
         )
-    lines.append("program passes run: " + (", ".join(lowered.passes) or "none (no plugin registers one)"))
+    lines += passes_run_lines(report.pipeline.registry, lowered.backend, lowered.passes)
     if report.pte_kept:
         from writeback.export import where_it_loads  # export's module imports the CLI that imports this one
 
@@ -343,6 +353,13 @@ def _execution_paths(pipeline: Pipeline) -> list[str]:
     help="Build no eager model beside the program (a second copy of the weights) and compare nothing: "
     "for models whose two copies do not fit in memory.",
 )
+@click.option(
+    "--eager-weights",
+    type=click.Choice(["auto", "copy", "rebuild"]),
+    default="auto",
+    show_default=True,
+    help=EAGER_WEIGHTS_HELP,
+)
 @quantize_option()
 @click.pass_context
 def run_command(
@@ -354,6 +371,7 @@ def run_command(
     output: Path | None,
     cache_mib: float | None,
     no_check: bool,
+    eager_weights: EagerWeights,
     quantize: str | None,
 ) -> None:
     """Lower MODEL through the installed backend and passes, run it STEPS times with its state
@@ -374,11 +392,11 @@ def run_command(
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:
-            ran = run_model(pipeline, case, steps, path, console, check=not no_check)
+            ran = run_model(pipeline, case, steps, path, console, check=not no_check, eager_weights=eager_weights)
             report = dataclasses.replace(ran, pte_kept=output is not None)
         except PipelineError as error:
             raise click.ClickException(str(error)) from error
-        except StepInputError as error:  # the case's step inputs do not fit what it exported
+        except (StepInputError, WeightsDiffer) as error:  # the case's inputs or its weights: the model's mistake
             raise UserCodeError(str(error)) from error
         except StepRefused as error:  # eager refuses the inputs too: the model's mistake, exit 2
             raise (UserCodeError if error.eager_refuses else click.ClickException)(str(error)) from error

@@ -75,8 +75,10 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
 
     Core keeps the passes whose ``backends`` admit the backend being lowered for and orders
     them by their ``after``/``before`` relations, ties broken by name
-    (``Registry.program_passes``); a cycle, or two passes of one name, is an error naming
-    the passes and their plugins.
+    (``Registry.program_passes``); a cycle, two passes of one name, or a relation naming no
+    offered pass of the stage that the pass does not mark ``optional``, is an error naming
+    the passes and their plugins. Each pass says the backends it serves (``backends``) and
+    why (``reason``): ``writeback run`` and ``writeback explain`` print both.
 
     :param stage: ``"exported"``, ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
         ``writeback_core.types.Stage``).

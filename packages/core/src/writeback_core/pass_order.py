@@ -4,8 +4,10 @@ A :class:`~writeback_core.types.ProgramPass` says which passes of its stage it r
 ``after`` and ``before``, and for which ``backends``. :func:`order_passes`:
 
 1. refuses two passes of one stage with one name (relations would not know which);
-2. links ``a`` before ``b`` for every ``b.after`` naming ``a`` and every ``a.before``
-   naming ``b``; a name no offered pass has is ignored (its plugin may not be installed);
+2. refuses an ``after``/``before`` name no offered pass of the stage has, naming the pass
+   and its plugin, unless the pass lists it in ``optional`` (its plugin may not be installed);
+   links ``a`` before ``b`` for every ``b.after`` naming ``a`` and every ``a.before``
+   naming ``b``;
 3. refuses a cycle among all the stage's passes, whatever the backend, naming each
    pass in it and the plugin that offered it;
 4. keeps the passes that run for the backend, with every relation between two of them
@@ -39,8 +41,9 @@ def order_passes(
     :param offers: each pass with the name of the plugin that offered it; passes of
         other stages are left out.
     :param backend: a ``BackendSpec.name``; ``None`` for a lowering with no backend.
-    :raises PassOrderError: two offered passes of ``stage`` share a name, or the
-        stage's relations form a cycle (the message names each pass and its plugin).
+    :raises PassOrderError: two offered passes of ``stage`` share a name, a relation names
+        a pass none offers and is not ``optional``, or the stage's relations form a cycle
+        (the message names each pass and its plugin).
     """
     offered: dict[str, tuple[str, ProgramPass]] = {}
     for plugin, program_pass in offers:
@@ -54,11 +57,28 @@ def order_passes(
                 "rename one, or block one of the plugins"
             )
         offered[program_pass.name] = (plugin, program_pass)
+    _refuse_unknown(stage, offered)
     successors = _successors(offered)
     _refuse_cycle(stage, offered, successors)
     running = {name for name, (_, p) in offered.items() if p.runs_for(backend)}
     kept = {name: _reachable(name, successors) & running for name in running}
     return [offered[name] for name in _topological(kept)]
+
+
+def _refuse_unknown(stage: Stage, offered: Mapping[str, tuple[str, ProgramPass]]) -> None:
+    """Raise :class:`PassOrderError` for the first ``after``/``before`` name no offered pass
+    has that its pass does not mark ``optional``."""
+    for name, (plugin, program_pass) in offered.items():
+        for relation, names in (("after", program_pass.after), ("before", program_pass.before)):
+            unknown = [n for n in names if n not in offered and n not in program_pass.optional]
+            if unknown:
+                raise PassOrderError(
+                    f"program pass {name!r} of plugin {plugin!r} runs {relation} {unknown[0]!r}, but no installed "
+                    f"plugin offers a pass of that name at stage {stage!r} (offered there: "
+                    f"{', '.join(sorted(offered))}). Fix the name, or, when that pass belongs to a plugin "
+                    f"that may not be installed, add it to the pass's optional=("
+                    f"{unknown[0]!r},)"
+                )
 
 
 def _successors(offered: Mapping[str, tuple[str, ProgramPass]]) -> dict[str, set[str]]:

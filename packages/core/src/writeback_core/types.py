@@ -143,16 +143,21 @@ class ProgramPass:
       it, :data:`NO_BACKEND` (``"none"``) for a lowering with no backend; ``None`` (the
       default) runs it for every backend and for none.
     - ``after`` / ``before``: names of passes of the same stage that must run before /
-      after it. A name no installed pass has is ignored (its plugin may not be
-      installed); a relation through a pass another backend's lowering leaves out still
-      holds (``a`` before ``b`` before ``c`` keeps ``a`` before ``c`` without ``b``).
+      after it. A name no offered pass of the stage has is an error naming this pass and
+      its plugin (a misspelt name would silently order nothing), unless it is also in
+      ``optional``: a relation to a pass of another plugin that may not be installed,
+      ignored when it is not. A relation through a pass another backend's lowering leaves
+      out still holds (``a`` before ``b`` before ``c`` keeps ``a`` before ``c`` without ``b``).
+    - ``reason``: why it runs for those backends, in a few words (``writeback run`` and
+      ``writeback explain`` print it beside the pass).
 
     Core orders the passes of a stage by these relations, ties broken by name, so
     registration order never changes the result; relations that form a cycle are
     refused (``writeback_core.pass_order.PassOrderError``).
 
-    :raises TypeError: ``backends``, ``after`` or ``before`` is a single string (write a
-        tuple of names), or ``stage`` is no :data:`Stage`.
+    :raises TypeError: ``backends``, ``after``, ``before`` or ``optional`` is a single
+        string (write a tuple of names), ``stage`` is no :data:`Stage`, or ``optional``
+        names a pass neither ``after`` nor ``before`` names.
     """
 
     name: str
@@ -162,6 +167,8 @@ class ProgramPass:
     backends: frozenset[str] | None = None
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    reason: str = ""
 
     def __post_init__(self) -> None:
         if self.stage not in get_args(Stage):
@@ -172,6 +179,13 @@ class ProgramPass:
             object.__setattr__(self, "backends", frozenset(_name_tuple(self.name, "backends", self.backends)))
         object.__setattr__(self, "after", _name_tuple(self.name, "after", self.after))
         object.__setattr__(self, "before", _name_tuple(self.name, "before", self.before))
+        object.__setattr__(self, "optional", _name_tuple(self.name, "optional", self.optional))
+        stray = [n for n in self.optional if n not in self.after and n not in self.before]
+        if stray:
+            raise TypeError(
+                f"pass {self.name!r}: optional= names {stray[0]!r}, which neither after= nor before= names; "
+                "optional= marks which of those relations may name a pass that is not installed"
+            )
 
     def runs_for(self, backend: str | None) -> bool:
         """Whether a lowering for ``backend`` (a ``BackendSpec.name``; ``None``: no backend) runs it."""

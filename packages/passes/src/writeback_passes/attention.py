@@ -133,9 +133,13 @@ def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> Sc
 def scale_smaller_operand_pass() -> ProgramPass:
     """This pass as a ``"before_partition"`` :class:`~writeback_core.ProgramPass` (after the
     reshape copies are made views, which leaves the multiply next to its matmul)."""
+    from writeback_passes.plugin import ATTENTION_REWRITES
+
     return ProgramPass(
         name="scale_smaller_operand",
         stage="before_partition",
         run=scale_smaller_operand,
         after=("functional_copies_as_views",),
+        backends=ATTENTION_REWRITES,
+        reason="attention scaled on its smaller operand",
     )

@@ -292,4 +292,12 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
 
 def bound_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`."""
-    return ProgramPass(name="bound_attention", stage="exported", run=bound_attention)
+    from writeback_passes.plugin import ATTENTION_REWRITES
+
+    return ProgramPass(
+        name="bound_attention",
+        stage="exported",
+        run=bound_attention,
+        backends=ATTENTION_REWRITES,
+        reason="attention reads only the keys its mask opens",
+    )

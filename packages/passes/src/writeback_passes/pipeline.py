@@ -38,15 +38,19 @@ def early_write_back_pass() -> ProgramPass:
     It must see the graph's final readers and writers, so it runs after every pass of
     this package that adds or drops one (write-backs a delegate takes in place, state
     written in place by the kernels, copies made views). A plugin's pass that edits the
-    graph says ``before=("insert_write_back_early",)``.
+    graph says ``before=("insert_write_back_early",)``. Those relations are ``optional``: a
+    plugin may offer this pass without the others (early write-back alone).
     """
     from writeback_passes.early_write_back import insert_write_back_early
 
+    earlier = ("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views")
     return ProgramPass(
         name="insert_write_back_early",
         stage="before_memory_planning",
         run=insert_write_back_early,
-        after=("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views"),
+        after=earlier,
+        optional=earlier,
+        reason="each write-back moved up to where its value is ready",
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from writeback_core import BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
+from writeback_core import NO_BACKEND, BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -21,6 +21,14 @@ PORTABLE = "portable"
 XNNPACK = "xnnpack"
 # The backends whose state writes run on the stock runtime's kernels, made in place here.
 KERNEL_BACKENDS = (PORTABLE, XNNPACK)
+# The lowerings whose programs run on the stock runtime's kernels (a lowering with no backend
+# too): the passes that rewrite a graph for those kernels serve these and no delegate's
+# backend (MLX's delegate writes state and checks indices itself).
+STOCK_RUNTIME = frozenset({PORTABLE, XNNPACK, NO_BACKEND})
+# writeback-mlx-backend's backend: its delegate bounds an attention to the window bound_attention
+# leaves, and fuses one whose scale scale_smaller_operand moved (mx.fast's attention).
+MLX = "mlx"
+ATTENTION_REWRITES = STOCK_RUNTIME | {MLX}
 
 
 def _portable(registry: Registry, **options: Any) -> Any:
@@ -77,7 +85,8 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookimpl
 def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
-    """Every pass for every backend; each says by name what it runs after or before.
+    """The package's passes; each says the backends it serves (the stock runtime's lowerings,
+    :data:`STOCK_RUNTIME`, or every backend), why, and by name what it runs after or before.
 
     At ``"exported"``: a static cache's causal attention moved onto the LLM runner's
     kernels, then attention bounded to the keys its mask opens. At

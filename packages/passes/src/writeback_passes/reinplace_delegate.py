@@ -370,4 +370,5 @@ def reinplace_delegate_pass() -> ProgramPass:
         name="reinplace_delegate_input_mutations",
         stage="before_memory_planning",
         run=run,
+        reason="no write-back where a delegate writes the state in place",
     )

@@ -185,9 +185,13 @@ def state_writes_pass() -> ProgramPass:
     """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
     the write-backs a delegate takes are dropped; early write-back, which must see the
     write-backs that remain, runs after it."""
+    from writeback_passes.plugin import STOCK_RUNTIME
+
     return ProgramPass(
         name="reinplace_state_writes",
         stage="before_memory_planning",
         run=reinplace_state_writes,
         after=("reinplace_delegate_input_mutations",),
+        backends=STOCK_RUNTIME,
+        reason="state written in place by the stock index_put_ kernel",
     )

@@ -336,6 +336,13 @@ def runner_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`, before
     ``bound_attention``: an attention that pass bounded no longer matches here, and what
     this pass leaves is for that one."""
+    from writeback_passes.plugin import STOCK_RUNTIME
+
     return ProgramPass(
-        name="runner_attention", stage="exported", run=attention_to_runner_kernels, before=("bound_attention",)
+        name="runner_attention",
+        stage="exported",
+        run=attention_to_runner_kernels,
+        before=("bound_attention",),
+        backends=STOCK_RUNTIME,
+        reason="attention on the LLM runner's stock kernels",
     )

@@ -252,11 +252,20 @@ def copies_as_views_pass() -> ProgramPass:
     makes views of are checked against the in-place writes it placed); early write-back,
     which must see every read, runs after this one."""
     return ProgramPass(
-        name="copies_as_views", stage="before_memory_planning", run=copies_as_views, after=("reinplace_state_writes",)
+        name="copies_as_views",
+        stage="before_memory_planning",
+        run=copies_as_views,
+        after=("reinplace_state_writes",),
+        reason="reshape copies outside every delegate made views",
     )
 
 
 def functional_copies_as_views_pass() -> ProgramPass:
     """:func:`functional_copies_as_views` as a ``"before_partition"`` :class:`~writeback_core.ProgramPass`
     (so a delegate, which would copy a reshape it takes, sees none)."""
-    return ProgramPass(name="functional_copies_as_views", stage="before_partition", run=functional_copies_as_views)
+    return ProgramPass(
+        name="functional_copies_as_views",
+        stage="before_partition",
+        run=functional_copies_as_views,
+        reason="reshape copies made views before a delegate copies them",
+    )

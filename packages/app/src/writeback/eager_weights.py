@@ -1,0 +1,209 @@
+"""The weights eager PyTorch runs with when ``run`` and the benches check a program: those exported.
+
+A factory that initialises its weights randomly (unseeded, as a tutorial's toy model does)
+builds another model each time it is called, so an eager model built apart from the one
+exported is compared against other weights and every step "differs". Two ways keep the
+comparison honest, the user's choice of memory (``writeback run --eager-weights``):
+
+1. ``copy``: build once; before export, keep a deep copy of the module (parameters,
+   buffers and any tensor it holds, in their state before any call); eager runs that copy.
+   One more copy of the weights while the run lasts.
+2. ``rebuild``: before the exported program is released, take a checksum of each of its
+   parameters and buffers; build the model again for eager and refuse
+   (:class:`WeightsDiffer`, naming the first differing tensor) unless every tensor the two
+   share by name is equal. A checksum per tensor, no second copy while lowering.
+3. ``auto`` (the default): ``copy`` while the copy takes at most half the memory the
+   machine has available, else ``rebuild``.
+
+A case with its own export recipe (``ModelCase.exported``) builds its module itself: the
+program's weights are then checked as ``rebuild`` checks them, whatever the choice.
+
+Example it must refuse (``rebuild``): a factory returning ``nn.Linear(4, 4)`` unseeded.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+from torch.export import ExportedProgram
+from writeback_core.types import ModelCase
+
+from writeback.lowering import build_case_module
+
+__all__ = ["EAGER_WEIGHTS_HELP", "EagerWeights", "ExportedWeights", "WeightsDiffer", "available_bytes", "same_weights"]
+
+EagerWeights = Literal["auto", "copy", "rebuild"]
+
+EAGER_WEIGHTS_HELP = (
+    "Which weights eager PyTorch checks the program with; always those exported, even from a factory that "
+    "initialises them randomly. copy: build the model once and keep a copy of it, taken before export, for "
+    "eager (one more copy of the weights in memory). rebuild: build it again for eager and refuse, naming the "
+    "first differing tensor, when its parameters or buffers differ from those exported (a checksum per tensor, "
+    "no second copy while lowering). auto: copy when the copy takes at most half the available memory, else "
+    "rebuild."
+)
+
+
+class WeightsDiffer(ValueError):
+    """The model built again for eager has other weights than the build that was exported."""
+
+
+def available_bytes() -> int | None:
+    """Bytes of memory the machine has available (``MemAvailable``), ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters, then buffers, by their dotted names (tied ones under each name)."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers, each storage counted once."""
+    seen: dict[int, int] = {}
+    for _, tensor in _named_tensors(module):
+        try:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class _Checksum:
+    """What identifies one tensor's value: shape, dtype, a digest of its bytes, its first element."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    digest: str | None  # None: a tensor whose bytes cannot be read (a subclass); compared by shape only
+    first: float | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Checksum:
+        tensor = tensor.detach()
+        try:
+            raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            digest: str | None = hashlib.blake2b(raw.data, digest_size=16).hexdigest()
+        except (RuntimeError, TypeError, NotImplementedError):
+            digest = None
+        try:
+            first = float(tensor.reshape(-1)[0]) if tensor.numel() else None
+        except (RuntimeError, TypeError, NotImplementedError):
+            first = None
+        return cls(tuple(tensor.shape), tensor.dtype, digest, first)
+
+    def described(self) -> str:
+        first = f", first element {self.first:.6g}" if self.first is not None else ""
+        return f"shape {list(self.shape)}, {self.dtype}{first}"
+
+
+def _program_checksums(program: ExportedProgram) -> dict[str, _Checksum]:
+    """A checksum of each tensor ``program`` holds by name (its state dict and its constants)."""
+    found = {name: _Checksum.of(t) for name, t in program.state_dict.items() if isinstance(t, torch.Tensor)}
+    for name, value in program.constants.items():
+        if isinstance(value, torch.Tensor):
+            found.setdefault(name, _Checksum.of(value))
+    return found
+
+
+def _first_difference(case: str, exported: Mapping[str, _Checksum], module: torch.nn.Module) -> str | None:
+    """Why ``module``'s weights are not those exported (the first tensor that differs), or ``None``."""
+    for name, tensor in _named_tensors(module):
+        wanted = exported.get(name)
+        if wanted is None:
+            continue
+        found = _Checksum.of(tensor)
+        if found != wanted:
+            kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"
+            return (
+                f"model {case!r}: building it again for eager PyTorch gave other weights than the build that was "
+                f"exported: {kind} {name!r} was exported with {wanted.described()} and is now "
+                f"{found.described()}. The factory initialises its weights differently on each call (unseeded "
+                "random initialisation, say): seed it (torch.manual_seed) or load its weights, or run with "
+                "--eager-weights copy to check the program against a copy of the exported build (one more copy "
+                "of the weights in memory)"
+            )
+    return None
+
+
+@dataclass
+class ExportedWeights:
+    """Watches the build of a case while it is lowered, to hand eager the weights exported.
+
+    Lower :attr:`case` (its ``build`` is watched), call :meth:`record` with the exported
+    program before releasing it, then :meth:`eager_module` gives eager's module.
+    """
+
+    original: ModelCase
+    mode: EagerWeights = "auto"
+    case: ModelCase = field(init=False)
+    chosen: Literal["copy", "rebuild"] | None = field(init=False, default=None)
+    _copy: torch.nn.Module | None = field(init=False, default=None)
+    _checksums: dict[str, _Checksum] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.mode not in get_args(EagerWeights):
+            raise ValueError(f"eager weights {self.mode!r}: choose one of {', '.join(get_args(EagerWeights))}")
+        self.case = dataclasses.replace(self.original, build=self._build)
+
+    def _build(self) -> torch.nn.Module:
+        module = build_case_module(self.original)
+        self.chosen = self._choose(module)
+        self._copy = copy.deepcopy(module) if self.chosen == "copy" else None
+        return module
+
+    def _choose(self, module: torch.nn.Module) -> Literal["copy", "rebuild"]:
+        if self.mode != "auto":
+            return self.mode
+        available = available_bytes()
+        return "copy" if available is None or 2 * _nbytes(module) <= available else "rebuild"
+
+    def record(self, exported: ExportedProgram) -> None:
+        """Take the checksums ``rebuild`` compares with (nothing kept when a copy is)."""
+        self._checksums = None if self._copy is not None else _program_checksums(exported)
+
+    def eager_module(self) -> torch.nn.Module:
+        """The module eager runs: the copy kept, else a new build whose weights equal those exported.
+
+        :raises WeightsDiffer: the new build's parameters or buffers differ from those exported.
+        """
+        if self._copy is not None:
+            module, self._copy = self._copy, None
+            return module
+        module = build_case_module(self.original)
+        problem = _first_difference(self.original.name, self._checksums or {}, module)
+        if problem is not None:
+            raise WeightsDiffer(problem)
+        return module
+
+
+def same_weights(case: ModelCase) -> ModelCase:
+    """``case`` whose every ``build()`` returns a copy of one module built once, for the benches:
+    each of their lowerings and their eager reference then hold the same weights."""
+    built: list[torch.nn.Module] = []
+
+    def build() -> torch.nn.Module:
+        if not built:
+            built.append(build_case_module(case))
+        return copy.deepcopy(built[0])
+
+    return dataclasses.replace(case, build=build)
