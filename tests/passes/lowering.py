@@ -30,6 +30,7 @@ PASSES_IN_ORDER = (
     "copies_as_views",
     "insert_write_back_early",
     "check_indices_first",
+    "check_runner_inputs",
 )
 
 
