@@ -51,7 +51,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
 
-from writeback_passes.index_checks import _edge, _fake_mode, _written_placeholders
+from writeback_passes.index_checks import Inserter, fake_mode_of, written_placeholders
 
 __all__ = ["InputCheckReport", "check_runner_inputs", "runner_input_checks_pass"]
 
@@ -99,7 +99,7 @@ def _cache_length(graph: torch.fx.Graph) -> int | None:
 
 def _caller_inputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, torch.fx.Node] | str:
     """``(tokens, positions)``, or why they cannot be told apart."""
-    written = _written_placeholders(graph)
+    written = written_placeholders(graph)
     found: dict[int, list[torch.fx.Node]] = {1: [], 2: []}
     for node in graph.nodes:
         value = node.meta.get("val")
@@ -115,30 +115,13 @@ def _caller_inputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, torch.fx.Node]
     return found[2][0], found[1][0]
 
 
-class _Checks:
-    """Builds the check nodes before ``anchor``, with their ``val`` computed on fake tensors."""
+class _Checks(Inserter):
+    """Builds the check nodes before ``anchor``, and keeps their zeros and what each refuses."""
 
     def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake: Any) -> None:
-        self.graph, self.anchor, self.fake = graph, anchor, fake
+        super().__init__(graph, anchor, fake)
         self.zeros: list[torch.fx.Node] = []
         self.described: list[str] = []
-
-    def call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
-        op = _edge(target) if isinstance(target, str) else target
-        kwargs = kwargs or {}
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(op, args, kwargs)
-
-        def fake(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node):
-                return a.meta.get("val")
-            if isinstance(a, (list, tuple)):
-                return type(a)(fake(x) for x in a)
-            return a
-
-        with self.fake:
-            node.meta["val"] = (op._op if hasattr(op, "_op") else op)(*fake(args), **fake(kwargs))
-        return node
 
     def size(self, tensor: torch.fx.Node, dim: int) -> torch.fx.Node:
         """The caller's size of ``dim``, as a 0-d int64 tensor."""
@@ -172,7 +155,7 @@ def check_runner_inputs(program: ExportedProgram | torch.fx.GraphModule) -> Inpu
     token_shape, position_shape = tokens.meta["val"].shape, positions.meta["val"].shape
     readers = list(positions.users)
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
-    checks = _Checks(graph, anchor, _fake_mode(graph))
+    checks = _Checks(graph, anchor, fake_mode_of(graph))
     n = checks.size(tokens, 1)
     # The runtime resizes an input with any dynamic dim to any shape of its rank that fits its
     # capacity: a static dim of such an input is not enforced, so it is checked too.
