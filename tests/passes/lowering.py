@@ -31,6 +31,7 @@ PASSES_IN_ORDER = (
     "copies_as_views",
     "insert_write_back_early",
     "check_indices_first",
+    "check_runner_inputs",
 )
 
 # Worked out by hand from what each pass is for: a delegate's backend (the example backend)

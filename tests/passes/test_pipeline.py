@@ -63,9 +63,11 @@ def test_writeback_program_passes_hook_offers_early_write_back_before_memory_pla
     assert early.stage == "before_memory_planning"
     assert early.after == ("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views")
     # Every other pass of this package that moves writes comes first; then the index checks,
-    # which move only index computations, go before the writes where they are.
-    assert passes[-2] is early
-    assert (passes[-1].name, passes[-1].after) == ("check_indices_first", ("insert_write_back_early",))
+    # which move only index computations, go before the writes where they are; then the
+    # runner-input checks, which only add nodes at the head.
+    assert passes[-3] is early
+    assert (passes[-2].name, passes[-2].after) == ("check_indices_first", ("insert_write_back_early",))
+    assert (passes[-1].name, passes[-1].after) == ("check_runner_inputs", ("check_indices_first",))
     assert registry.program_passes("edge", None) == []
     # Installed through its entry point as well.
     names = [p.name for p in load_registry().program_passes("before_memory_planning", "xnnpack")]

@@ -104,7 +104,7 @@ class _Use:
     negatives: str  # "wrap" or "reject"
 
 
-def _edge(name: str) -> Any:
+def edge_op(name: str) -> Any:
     from executorch.exir.dialects._ops import ops as exir_ops
 
     packet, overload = name.split(".")
@@ -221,7 +221,7 @@ def _cone(
     return [n for n in index.graph.nodes if n in cone], None
 
 
-def _written_placeholders(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+def written_placeholders(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Placeholders some node may write: the first argument of a mutating op, through the
     chain of in-place results, and every placeholder a delegate call receives."""
     written: set[torch.fx.Node] = set()
@@ -241,23 +241,26 @@ def _written_placeholders(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return written
 
 
-def _fake_mode(graph: torch.fx.Graph) -> Any:
+def fake_mode_of(graph: torch.fx.Graph) -> Any:
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
 
 
-class _Inserter:
-    """Inserts edge calls before one node, with their ``val`` computed on fake tensors."""
+class Inserter:
+    """Inserts edge calls before one node, with their ``val`` computed on fake tensors (also used
+    by :mod:`writeback_passes.input_checks`)."""
 
     def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake: Any) -> None:
         self.graph, self.anchor, self.fake = graph, anchor, fake
         self.created: list[torch.fx.Node] = []
 
-    def call(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+    def call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+        """``target`` is an edge op's name (``"index.Tensor"``) or an op (``aten.sym_size.int``)."""
         kwargs = kwargs or {}
+        op = edge_op(target) if isinstance(target, str) else target
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(_edge(target), args, kwargs)
+            node = self.graph.call_function(op, args, kwargs)
         self.created.append(node)
 
         def fake(a: Any) -> Any:
@@ -268,7 +271,7 @@ class _Inserter:
             return a
 
         with self.fake:
-            node.meta["val"] = _edge(target)._op(*fake(args), **fake(kwargs))
+            node.meta["val"] = getattr(op, "_op", op)(*fake(args), **fake(kwargs))
         return node
 
 
@@ -287,8 +290,8 @@ def check_indices_first(program: ExportedProgram | torch.fx.GraphModule) -> Inde
     uses = [u for n in nodes[nodes.index(first) + 1 :] if n.op == "call_function" for u in _index_uses(n)]
     if not uses:
         return report
-    written = _written_placeholders(graph)
-    fake = _fake_mode(graph)
+    written = written_placeholders(graph)
+    fake = fake_mode_of(graph)
     aranges: dict[int, torch.fx.Node] = {}
     checks: dict[tuple[torch.fx.Node, int, str], torch.fx.Node] = {}
     for use in uses:
@@ -308,13 +311,13 @@ def check_indices_first(program: ExportedProgram | torch.fx.GraphModule) -> Inde
                 report.moved.append(node.name)
             head = next(n for n in graph.nodes if n.op != "placeholder")
             if use.size not in aranges:
-                aranges[use.size] = _Inserter(graph, head, fake).call(
+                aranges[use.size] = Inserter(graph, head, fake).call(
                     "arange.start_step", (0, use.size, 1), {"dtype": torch.int64}
                 )
                 before.add(aranges[use.size])
             elif aranges[use.size] is not head:
                 head.prepend(aranges[use.size])  # an arange reads nothing: first, before every check
-            inserter = _Inserter(graph, anchor, fake)
+            inserter = Inserter(graph, anchor, fake)
             index = use.index
             if use.negatives == "reject":
                 negative = inserter.call("lt.Scalar", (index, 0))

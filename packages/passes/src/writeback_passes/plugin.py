@@ -95,7 +95,8 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     write-backs a delegate takes in place, then writing state in place with the stock
     runtime's kernels, then making reshape-only copies views, then early write-back (after
     those graph edits), then every run-time index checked before the first state write
-    (a refused call changes nothing)."""
+    (a refused call changes nothing), then the caller's tokens and positions checked against the
+    runner's contract before any kernel reads them."""
     if stage == "exported":
         from writeback_passes.bounded_attention import bound_attention_pass
         from writeback_passes.runner_attention import runner_attention_pass
@@ -109,6 +110,7 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.index_checks import index_checks_pass
+    from writeback_passes.input_checks import runner_input_checks_pass
     from writeback_passes.pipeline import early_write_back_pass
     from writeback_passes.reinplace_delegate import reinplace_delegate_pass
     from writeback_passes.reinplace_state_writes import state_writes_pass
@@ -120,6 +122,7 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
         copies_as_views_pass(),
         early_write_back_pass(),
         index_checks_pass(),
+        runner_input_checks_pass(),
     )
 
 

@@ -875,12 +875,23 @@ std::unique_ptr<FileLoader> open_program_file(const std::string& path) {
   std::unique_ptr<FileLoader> loader;
   {
     py::gil_scoped_release release;
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO waits for a writer, forever; a FIFO (or a device) is refused
+    // below, after fstat. A regular file reads the same either way; the flag is cleared anyway.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     struct stat info {};
     if (fd < 0 || ::fstat(fd, &info) != 0) {
       failure = std::strerror(errno);
     } else if (!S_ISREG(info.st_mode)) {
-      failure = "not a regular file";
+      failure = std::string("not a regular file (") +
+                (S_ISFIFO(info.st_mode)  ? "a FIFO"
+                 : S_ISDIR(info.st_mode) ? "a directory"
+                 : S_ISCHR(info.st_mode) ? "a character device"
+                 : S_ISBLK(info.st_mode) ? "a block device"
+                 : S_ISSOCK(info.st_mode) ? "a socket"
+                                          : "not a file") +
+                "); pass the path of a .pte file, or its bytes";
+    } else if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
+      failure = std::strerror(errno);
     } else {
       size_t size = static_cast<size_t>(info.st_size);
       size_t prefix = size;

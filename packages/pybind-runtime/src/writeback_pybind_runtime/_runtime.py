@@ -130,6 +130,32 @@ class Method:
 
     def __init__(self, native_method: Any) -> None:
         self._native = native_method
+        # The largest shape of each tensor input, as the program declares it (None: not a tensor).
+        self._largest = tuple(
+            tuple(v["sizes"]) if v["tag"] == "Tensor" and v.get("sizes") is not None else None
+            for v in native_method.metadata()["inputs"]
+        )
+
+    def _check_sizes(self, inputs: Sequence[Any] | None) -> None:
+        """Refuse a tensor input with a dim larger than the method declares (its largest shape).
+
+        ExecuTorch resizes an input that has a dynamic dim to any shape of the same rank whose
+        element count fits its capacity, so tokens ``[2, 3]`` pass for ``[1, 16]`` and reach
+        kernels that abort on them; checked here, before anything is installed.
+        """
+        if inputs is None:
+            return
+        for index, (value, largest) in enumerate(zip(inputs, self._largest, strict=False)):
+            shape = getattr(value, "shape", None)
+            if largest is None or shape is None or len(shape) != len(largest):
+                continue  # not a tensor input, or a rank the native check names
+            for dim, (got, most) in enumerate(zip(shape, largest, strict=True)):
+                if int(got) > most:
+                    raise ValueError(
+                        f"input {index} of method {self.name!r}: dimension {dim} is {int(got)}, more than "
+                        f"the {most} the method takes (its largest shape is {list(largest)}); got shape "
+                        f"{list(shape)}"
+                    )
 
     @property
     def name(self) -> str:
@@ -156,8 +182,10 @@ class Method:
         (eager PyTorch refuses in-place writes to such a leaf): pass
         ``tensor.detach()`` or call under ``torch.no_grad()``. On error
         (``ValueError`` or ``TypeError`` naming the input, expected and actual)
-        the method refuses to execute until a full set is installed.
+        the method refuses to execute until a full set is installed. A tensor with a dim
+        larger than the method's largest shape for it is refused (``ValueError``).
         """
+        self._check_sizes(inputs)
         self._native.set_inputs(inputs)
 
     def execute(self, inputs: Sequence[Any] | None = None, clone_outputs: bool = True) -> list[Any]:
@@ -170,6 +198,7 @@ class Method:
         raised; ``RuntimeError`` if the method is busy, or for any other
         runtime failure.
         """
+        self._check_sizes(inputs)
         return list(self._native.call(inputs, clone_outputs))
 
     def get_outputs(self, clone_outputs: bool = True) -> list[Any]:
@@ -186,6 +215,7 @@ class Method:
 
     def __call__(self, inputs: Sequence[Any], clone_outputs: bool = True) -> list[Any]:
         """``set_inputs(inputs)``, ``execute()``, ``get_outputs(clone_outputs)`` in one call."""
+        self._check_sizes(inputs)
         return list(self._native.call(inputs, clone_outputs))
 
     def set_output(self, tensor: Any | None, index: int) -> None:

@@ -1,0 +1,140 @@
+"""A decoder `.pte` written by `writeback export` from a tiny Llama folder (its caches written by
+``llama::update_cache``, read by ``llama::custom_sdpa``), fed the calls a careless or hostile
+caller makes, in writeback's runtime and in ExecuTorch's stock runtime (``executorch.runtime``):
+each is refused with an error (never a SIGABRT from a kernel's ``ET_CHECK``, never NaN logits),
+and the caches are left as they were (the next call gives the logits it gives with no refused
+call between). The calls run in child processes (tests/e2e/hostile_call_worker.py), so an
+abort shows as this case failing, not as a dead pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from writeback.cli import main
+
+from tests.e2e.hostile_call_worker import CACHE, PROMPT, _cases
+
+CASES = sorted(_cases())
+RUNTIMES = ("writeback", "stock")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("hostile-llama")
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=CACHE,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pte(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hostile-pte") / "model.pte"
+    result = CliRunner().invoke(main, ["export", str(folder), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "llama::update_cache" in " ".join(result.output.split())
+    return out
+
+
+def _run(runtime: str, pte: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each case's outcome; a case during which the child died is ``{"outcome": "abort"}``, and
+    the cases after it run in a new child."""
+    tests = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    outcomes: dict[str, dict[str, Any]] = {}
+    remaining = list(names)
+    while remaining:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.hostile_call_worker", runtime, str(pte), *remaining],
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        started = None
+        for line in done.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            record = json.loads(line)
+            if "start" in record:
+                started = record["start"]
+            else:
+                outcomes[record["case"]] = record
+                started = None
+        if started is None and done.returncode != 0:
+            pytest.fail(f"the {runtime} worker failed outside a case (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        if started is not None:
+            outcomes[started] = {"outcome": "abort", "exit": done.returncode, "stderr": done.stderr[-1500:]}
+        remaining = [n for n in remaining if n not in outcomes]
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes(pte: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    return {runtime: _run(runtime, pte, CASES) for runtime in RUNTIMES}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_hostile_call_gets_a_clear_error_no_crash_no_partial_write(
+    outcomes: dict[str, dict[str, dict[str, Any]]], runtime: str, case: str
+) -> None:
+    result = outcomes[runtime][case]
+    assert result["outcome"] != "abort", f"{case} killed the {runtime} runtime's process: {result}"
+    if result["outcome"] == "ok":
+        # Only a layout the runtime makes correct may run: the same numbers as the contiguous call.
+        assert case == "non_contiguous_tokens" and result["equals_contiguous_call"], result
+        assert not result["nan"], result
+    else:
+        assert result["type"] in ("RuntimeError", "ValueError", "TypeError"), result
+    assert result["unchanged"], f"{case}: the caches changed under a refused call in the {runtime} runtime"
+
+
+def test_writeback_runtime_errors_name_the_input_expected_and_actual(
+    outcomes: dict[str, dict[str, dict[str, Any]]],
+) -> None:
+    mine = outcomes["writeback"]
+    assert "input 0" in mine["int32_tokens"]["message"] and "int64" in mine["int32_tokens"]["message"]
+    assert "int32" in mine["int32_tokens"]["message"]
+    assert "input 1" in mine["int32_positions"]["message"]
+    assert "input 0" in mine["tokens_of_rank_1"]["message"] and "[3]" in mine["tokens_of_rank_1"]["message"]
+    assert "input 0" in mine["tokens_of_batch_2"]["message"], mine["tokens_of_batch_2"]
+
+
+def test_a_good_prefill_gives_transformers_logits_in_both_runtimes(folder: Path, pte: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.e2e.hostile_call_worker import _method
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = model(PROMPT).logits
+    for runtime in RUNTIMES:
+        got = _method(runtime, str(pte))([PROMPT, torch.arange(3)])[0]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
