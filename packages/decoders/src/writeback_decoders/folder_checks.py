@@ -414,8 +414,8 @@ def _weight_findings(
         elif entry.shape != shapes[name]:
             yield (
                 (
-                    f"tensor {name!r} in {entry.file.name} has shape {list(entry.shape)}, but the config's architecture "
-                    f"needs {list(shapes[name])}; the weights are for other sizes than config.json gives"
+                    f"tensor {name!r} in {entry.file.name} has shape {list(entry.shape)}, but the config's "
+                    f"architecture needs {list(shapes[name])}; the weights are for other sizes than config.json gives"
                 ),
                 False,
             )
