@@ -39,7 +39,7 @@ def _tokenizer_json(path: Path, added_ids: tuple[int, ...] = ()) -> Path:
         (
             lambda p: _tokenizer_json(p / "t.json", (7, 300)),
             "token ids up to 300, but the program's vocabulary holds 128",
-        ),  # noqa: E501
+        ),
     ],
     ids=["dev-zero", "directory", "empty", "not-json", "json-array", "ids-past-vocabulary"],
 )

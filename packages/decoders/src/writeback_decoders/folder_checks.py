@@ -313,7 +313,7 @@ def _entry(path: Path, name: str, record: Any, data_start: int, data_bytes: int)
     if not isinstance(record, dict):
         raise FolderRefused(f"{where} has no dtype/shape/data_offsets record")
     dtype, shape, offsets = record.get("dtype"), record.get("shape"), record.get("data_offsets")
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise FolderRefused(f"{where} has dtype {json.dumps(dtype)}; safetensors dtypes: {', '.join(_DTYPES)}")
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise FolderRefused(f"{where} has shape {json.dumps(shape)}; a shape is a list of non-negative integers")
