@@ -110,6 +110,18 @@ def test_accept_weights_lets_mismatched_weights_through_and_says_which(name: str
     assert tensor in accepted[0]
 
 
+def test_what_accept_weights_let_through_stays_in_every_derived_cases_description(tmp_path: Path) -> None:
+    """export takes the dynamic-prefill form, --quantize the quantized one: each still says it."""
+    from writeback_core.registry import load_registry
+
+    _BY_NAME["missing-q-proj"].make(tmp_path / "model")
+    case = load_registry().model_from_path(str(tmp_path / "model"), accept_weights=True)
+    said = f"--accept-weights accepted weights that do not match the model: parameter {Q0!r} is missing"
+    derived = [case, case.dynamic_prefill(), case.quantized("8da4w"), case.quantized("8da4w").dynamic_prefill()]
+    for one in derived:
+        assert said in one.description, one.description
+
+
 @pytest.mark.parametrize("name", sorted(set(_BY_NAME) - ACCEPTABLE))
 def test_accept_weights_never_lets_a_broken_folder_through(name: str, tmp_path: Path) -> None:
     """A wrong shape, a lying header or an impossible config is refused with the option too."""
@@ -151,3 +163,15 @@ def test_every_command_refuses_each_hostile_folder_exit_2_one_paragraph_bounded_
     assert child.max_resident < _RESIDENT_BYTES, child.max_resident
     assert not (tmp_path / "model" / "UNPICKLED").exists()
     assert not (tmp_path / "model.pte").exists()
+
+
+@pytest.mark.slow
+def test_export_with_accept_weights_loads_a_missing_tensor_and_says_so_in_its_output(tmp_path: Path) -> None:
+    """The option is the user's explicit word, and the output repeats it naming the tensor."""
+    _BY_NAME["missing-q-proj"].make(tmp_path / "model")
+    args = ["export", "model", "--backend", "portable", "--output", "model.pte", "--accept-weights"]
+    child = run_writeback(args, tmp_path)
+    assert child.status == 0, child.stderr[-3000:]
+    text = " ".join(child.stdout.split())  # the console wraps the description line
+    assert "--accept-weights accepted" in text and f"parameter {Q0!r} is missing" in text, child.stdout
+    assert (tmp_path / "model.pte").is_file()

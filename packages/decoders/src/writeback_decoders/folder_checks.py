@@ -36,12 +36,13 @@ import mmap
 import os
 import stat
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from writeback_core.memory import GIB, available_memory
+from writeback_core.types import ModelCase
 
 __all__ = [
     "FolderRefused",
@@ -470,7 +471,20 @@ def check_folder(folder: str | os.PathLike[str], accept_weights: bool = False) -
     return accepted
 
 
-def accepted_note(accepted: list[str], shown: int = 3) -> str:
-    """What ``--accept-weights`` let through, for the case's description (the first ``shown`` problems)."""
+def accepted_note(case: ModelCase, accepted: list[str], shown: int = 3) -> ModelCase:
+    """``case`` with what ``--accept-weights`` let through (the first ``shown`` problems) in its
+    description, and in the description of every case derived from it (its dynamic-prefill
+    and quantized forms), so that every command's output says it."""
     more = f"; and {len(accepted) - shown} more" if len(accepted) > shown else ""
-    return f"{ACCEPT_OPTION} accepted weights that do not match the model: " + "; ".join(accepted[:shown]) + more
+    note = f"{ACCEPT_OPTION} accepted weights that do not match the model: " + "; ".join(accepted[:shown]) + more
+    return _noted(case, note)
+
+
+def _noted(case: ModelCase, note: str) -> ModelCase:
+    prefill, quantized = case.dynamic_prefill, case.quantized
+    return replace(
+        case,
+        description=f"{case.description}; {note}",
+        dynamic_prefill=None if prefill is None else lambda: _noted(prefill(), note),
+        quantized=None if quantized is None else lambda name: _noted(quantized(name), note),
+    )

@@ -40,8 +40,4 @@ def writeback_model_from_path(path: str, accept_weights: bool) -> ModelCase | No
 
     supported = custom_ops_refusal(config_of(path)) is None
     case = hf_case(path, attention="custom-ops" if supported else "static")
-    if accepted:
-        from dataclasses import replace
-
-        case = replace(case, description=f"{case.description}; {accepted_note(accepted)}")
-    return case
+    return accepted_note(case, accepted) if accepted else case
