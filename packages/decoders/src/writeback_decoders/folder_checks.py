@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import mmap
 import os
 import stat
 from collections.abc import Iterator, Mapping
@@ -385,23 +384,26 @@ def _expected(config_path: Path, accept_remote: bool = False) -> tuple[dict[str,
 
 
 def _nonfinite(entry: SafetensorsEntry) -> tuple[int, float] | None:
-    """The first non-finite value of a float tensor (its index and value), or ``None``."""
+    """The first non-finite value of a float tensor (its index and value), or ``None``.
+
+    Read a chunk at a time into one buffer (not mapped): the check holds a few MiB however
+    large the weights, and leaves no file pages counted in the process's resident memory.
+    """
     dtype = _DTYPES[entry.dtype]
     count = (entry.end - entry.start) // dtype.itemsize
-    if count == 0:
-        return None
-    # A private (copy-on-write) mapping: torch views it without copying and nothing writes it.
-    with open(entry.file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+    buffer = bytearray(min(count, _SCAN_ELEMENTS) * dtype.itemsize)
+    with open(entry.file, "rb", buffering=0) as handle:
         for first in range(0, count, _SCAN_ELEMENTS):
             n = min(_SCAN_ELEMENTS, count - first)
-            chunk = torch.frombuffer(mapped, dtype=dtype, count=n, offset=entry.start + first * dtype.itemsize)
+            view = memoryview(buffer)[: n * dtype.itemsize]
+            handle.seek(entry.start + first * dtype.itemsize)
+            if handle.readinto(view) != len(view):
+                raise FolderRefused(f"weights file {entry.file} ended while its tensors were read; it is cut short")
+            chunk = torch.frombuffer(view, dtype=dtype, count=n)
             bad = (~torch.isfinite(chunk)).nonzero()
             if bad.numel():
                 index = int(bad[0, 0])
-                value = float(chunk[index])
-                del chunk, bad
-                return first + index, value
-            del chunk
+                return first + index, float(chunk[index])
     return None
 
 
