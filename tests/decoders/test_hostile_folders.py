@@ -110,6 +110,19 @@ def test_accept_weights_lets_mismatched_weights_through_and_says_which(name: str
     assert tensor in accepted[0]
 
 
+@pytest.mark.parametrize("name", ["config-symlink-loop", "config-directory", "config-dev-zero"])
+def test_a_config_json_that_is_not_a_file_is_refused_by_the_folder_plugin_not_passed_over(
+    name: str, tmp_path: Path
+) -> None:
+    """The plugin claims any folder with a config.json entry and refuses it naming the file;
+    before, it passed such a folder over and the CLI suggested a missing install."""
+    from writeback_core.registry import load_registry
+
+    _BY_NAME[name].make(tmp_path / "model")
+    with pytest.raises(FolderRefused, match=r"config\.json"):
+        load_registry().model_from_path(str(tmp_path / "model"))
+
+
 def test_what_accept_weights_let_through_stays_in_every_derived_cases_description(tmp_path: Path) -> None:
     """export takes the dynamic-prefill form, --quantize the quantized one: each still says it."""
     from writeback_core.registry import load_registry
