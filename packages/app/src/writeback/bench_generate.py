@@ -37,7 +37,7 @@ from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
 from writeback.bench_common import write_stock_pte
-from writeback.cli import quantize_option, quantized_case, resolve_model_option
+from writeback.cli import accept_weights_option, quantize_option, quantized_case, resolve_model_option
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
 
@@ -278,6 +278,7 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
     "Quantize the model's linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before "
     "export, for every contender of MODEL alike (not the --pte files)."
 )
+@accept_weights_option()
 @click.pass_context
 def bench_generate_command(
     ctx: click.Context,
@@ -291,6 +292,7 @@ def bench_generate_command(
     only_pte: bool,
     baseline: str | None,
     quantize: str | None,
+    accept_weights: bool,
 ) -> None:
     """Time whole generations of MODEL in ExecuTorch's LLM runner for every contender, interleaved.
 
@@ -299,7 +301,7 @@ def bench_generate_command(
     writeback's."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
-    case = quantized_case(resolve_model_option(registry, model), quantize)
+    case = quantized_case(resolve_model_option(registry, model, accept_weights), quantize)
     if case.dynamic_prefill is not None:
         case = case.dynamic_prefill()
     if not case.constant_methods:

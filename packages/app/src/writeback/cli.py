@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from writeback_core._name import NAME
+from writeback_core.memory import available_memory
 from writeback_core.quiet import quiet_upstream_noise
 from writeback_core.registry import Registry, load_registry
 from writeback_core.types import ModelCase
@@ -35,6 +36,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "CacheMiB",
     "UserCodeError",
+    "accept_weights_option",
     "cache_mib_problem",
     "main",
     "progress_bar",
@@ -70,7 +72,7 @@ def _user_code_failure(error: BaseException, message: str) -> UserCodeError:
     return UserCodeError(message)
 
 
-def resolve_model_option(registry: Registry, model: str) -> ModelCase:
+def resolve_model_option(registry: Registry, model: str, accept_weights: bool = False) -> ModelCase:
     """The model case ``model`` names (see :func:`writeback.loading.resolve_model`).
 
     :raises click.UsageError: no such model, file or factory (exit 2, with the choices).
@@ -80,13 +82,25 @@ def resolve_model_option(registry: Registry, model: str) -> ModelCase:
 
     models = registry.models()
     if model not in models and ":" not in model and os.path.exists(model):
-        return _model_from_path(registry, model)
+        return _model_from_path(registry, model, accept_weights)
     try:
         return resolve_model(model, models)
     except ModelCodeError as error:
         raise _user_code_failure(error.__cause__ or error, str(error)) from error
     except ValueError as error:
         raise click.UsageError(str(error)) from error
+
+
+ACCEPT_WEIGHTS_HELP = (
+    "Load a model folder's weights even where they do not give the model's numbers: tensors missing (left random), "
+    "unexpected, of a dtype that does not convert exactly (integers), or holding NaN/inf. Refused without it; "
+    "the model's description says what was accepted."
+)
+
+
+def accept_weights_option() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--accept-weights`` flag of every command that reads a model folder."""
+    return click.option("--accept-weights", is_flag=True, default=False, help=ACCEPT_WEIGHTS_HELP)
 
 
 def quantized_case(case: ModelCase, scheme: str | None) -> ModelCase:
@@ -121,12 +135,14 @@ def quantize_option(help: str = QUANTIZE_HELP) -> Callable[[Callable[..., Any]],
     return click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=help)
 
 
-def _model_from_path(registry: Registry, path: str) -> ModelCase:
+def _model_from_path(registry: Registry, path: str, accept_weights: bool = False) -> ModelCase:
     """The model a plugin reads from ``path`` (``writeback_model_from_path``); exit 2 when none
     does or the plugin finds the path unreadable."""
     try:
-        case: ModelCase | None = registry.model_from_path(path)
-    except (OSError, ValueError, ImportError) as error:
+        case: ModelCase | None = registry.model_from_path(path, accept_weights)
+    except ValueError as error:  # the plugin's refusal: its message names the file, field or tensor
+        raise click.UsageError(f"model path {path!r}: {error}") from error
+    except (OSError, ImportError) as error:
         raise click.UsageError(f"model path {path!r}: {type(error).__name__}: {error}") from error
     if case is None:
         raise click.UsageError(
@@ -162,17 +178,7 @@ def progress_bar(progress: Progress) -> Iterator[Progress]:
 
 def _memory() -> tuple[int, str] | None:
     """Bytes of memory this machine can give a new process, and how they were found."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "available"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in all"
-    except (OSError, ValueError, AttributeError):
-        return None
+    return available_memory()
 
 
 def cache_mib_problem(mib: float, copies: int, what: str) -> str | None:
@@ -306,8 +312,9 @@ def plugins_command(ctx: click.Context) -> None:
 
 @click.command("explain")
 @click.argument("model", default="decoder")
+@accept_weights_option()
 @click.pass_context
-def explain_command(ctx: click.Context, model: str) -> None:
+def explain_command(ctx: click.Context, model: str, accept_weights: bool) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
     from writeback_core.program import LoweringError, unbacked_symbols_settled
     from writeback_core.quiet import known_warnings_ignored
@@ -316,7 +323,7 @@ def explain_command(ctx: click.Context, model: str) -> None:
     from writeback.lowering import export_case
 
     registry = _registry(ctx)
-    case = resolve_model_option(registry, model)
+    case = resolve_model_option(registry, model, accept_weights)
     try:
         program = export_case(case)
     except LoweringError as error:  # state lifted as constants: the message says what to do

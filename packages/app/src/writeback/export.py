@@ -22,7 +22,13 @@ from writeback_core.registry import Registry
 from writeback_core.units import format_bytes
 
 from writeback._files import WriteFailed
-from writeback.cli import quantize_option, quantized_case, resolve_model_option, writable_file
+from writeback.cli import (
+    accept_weights_option,
+    quantize_option,
+    quantized_case,
+    resolve_model_option,
+    writable_file,
+)
 from writeback.lowering import Lowered, export_case, lower, state_places
 from writeback.pipeline import PipelineError, assemble
 from writeback.run import state_lines
@@ -131,9 +137,16 @@ def _tokenizer_of(model: str) -> Path | None:
     "backend take a dynamic token dimension.",
 )
 @quantize_option()
+@accept_weights_option()
 @click.pass_context
 def export_command(
-    ctx: click.Context, model: str, backend: str | None, output: Path, token_by_token: bool, quantize: str | None
+    ctx: click.Context,
+    model: str,
+    backend: str | None,
+    output: Path,
+    token_by_token: bool,
+    quantize: str | None,
+    accept_weights: bool,
 ) -> None:
     """Write MODEL as a .pte for ExecuTorch's LLM runner (TextLLMRunner, llama_main).
 
@@ -151,7 +164,7 @@ def export_command(
         pipeline = assemble(registry, backend or _default_backend(registry))
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
-    case = quantized_case(resolve_model_option(registry, model), quantize)
+    case = quantized_case(resolve_model_option(registry, model, accept_weights), quantize)
     dynamic = pipeline.backend is None or pipeline.backend.dynamic_shapes
     if dynamic and not token_by_token and case.dynamic_prefill is not None:
         case = case.dynamic_prefill()

@@ -16,7 +16,18 @@ from typing import Any
 
 import click
 
-__all__ = ["GenerationStats", "generate_command", "generate_text"]
+__all__ = ["MAX_NEW_TOKENS", "GenerationStats", "RunnerRefused", "generate_command", "generate_text"]
+
+# New tokens when --max-new-tokens is not given (fewer where the cache is shorter).
+DEFAULT_NEW_TOKENS = 32
+# The runner counts tokens in a C++ int32.
+MAX_NEW_TOKENS = (1 << 31) - 1
+
+
+class RunnerRefused(click.ClickException):
+    """ExecuTorch's LLM runner refused the program, the tokenizer or the prompt: exit 2, its reason."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -89,28 +100,65 @@ def generate_text(
     """Generate through ``TextLLMRunner``: the runner prints the text as it decodes (and
     passes each piece to ``on_text`` when given); returns its statistics.
 
-    :raises click.ClickException: the runner could not load the program or generate.
+    :raises RunnerRefused: the runner refused the program, the tokenizer or the prompt; the
+        message gives the reason from the runner's own log (exit 2).
     """
+    from writeback.generate_checks import runner_log
+
     config_class, runner_class = _runner()
-    try:
-        runner = runner_class(str(pte), str(tokenizer))
-    except RuntimeError as error:
-        raise click.ClickException(
-            f"ExecuTorch's LLM runner refused {pte}: {error}. A program lowered for a delegate the stock "
-            "runtime lacks (mlx) needs writeback's runtime: writeback run MODEL --backend mlx"
-        ) from error
+    with runner_log() as log:
+        try:
+            runner = runner_class(str(pte), str(tokenizer))
+        except RuntimeError as error:
+            failure: RuntimeError | None = error
+        else:
+            failure = None
+    if failure is not None:
+        hint = ""
+        if "backend" in log.text.lower() and "not" in log.text.lower():
+            hint = " A program lowered for a delegate the stock runtime lacks (mlx) needs writeback's runtime."
+        raise RunnerRefused(
+            f"ExecuTorch's LLM runner refused {pte} with tokenizer {tokenizer}: {log.reason()} ({failure}).{hint}"
+        ) from failure
     config = config_class(echo=False, max_new_tokens=max_new_tokens, temperature=temperature)
     found: list[Any] = []
     sys.stdout.flush()
-    try:
-        runner.generate(prompt, config, token_callback=on_text, stats_callback=found.append)
-    except RuntimeError as error:
-        raise click.ClickException(f"generation failed in ExecuTorch's LLM runner: {error}") from error
-    finally:
-        sys.stdout.flush()
+    with runner_log() as log:
+        try:
+            runner.generate(prompt, config, token_callback=on_text, stats_callback=found.append)
+        except RuntimeError as error:
+            failure = error
+        finally:
+            sys.stdout.flush()
+    if failure is not None:
+        raise RunnerRefused(f"ExecuTorch's LLM runner stopped: {log.reason()} ({failure})") from failure
     if not found:
         raise click.ClickException("ExecuTorch's LLM runner reported no statistics: the generation did not finish")
     return GenerationStats.of(found[-1])
+
+
+def _check_inputs(pte: Path, tokenizer: Path, max_new_tokens: int | None) -> int:
+    """Refuse (exit 2) a .pte the runtime cannot read, a tokenizer that cannot be the
+    program's, and more new tokens than the program's cache holds, before the runner starts.
+
+    :return: the new tokens to ask for (``max_new_tokens``, or the default the cache allows).
+    """
+    from writeback.generate_checks import program_limits, tokenizer_problem
+
+    limits, problem = program_limits(pte)
+    if problem is not None or limits is None:
+        raise click.UsageError(problem or f"{pte}: no runner metadata")
+    problem = tokenizer_problem(tokenizer, limits.vocab_size)
+    if problem is not None:
+        raise click.UsageError(problem)
+    if max_new_tokens is None:
+        return min(DEFAULT_NEW_TOKENS, max(1, limits.max_context_len - 1))
+    if max_new_tokens >= limits.max_context_len:
+        raise click.UsageError(
+            f"--max-new-tokens {max_new_tokens}: the program's cache holds {limits.max_context_len} positions "
+            f"(get_max_context_len), the prompt's tokens included; give at most {limits.max_context_len - 1}"
+        )
+    return max_new_tokens
 
 
 @click.command("generate")
@@ -122,7 +170,13 @@ def generate_text(
     help="The tokenizer (tokenizer.json, tokenizer.model). Default: tokenizer.json beside the .pte.",
 )
 @click.option("--prompt", required=True, help="The prompt text.")
-@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-new-tokens",
+    default=None,
+    type=click.IntRange(min=1, max=MAX_NEW_TOKENS),
+    help="At most this many new tokens, fewer than the program's cache holds (get_max_context_len). "
+    f"Default: {DEFAULT_NEW_TOKENS}, or one fewer than the cache holds where that is less.",
+)
 @click.option(
     "--temperature",
     default=0.0,
@@ -130,7 +184,9 @@ def generate_text(
     type=click.FloatRange(min=0.0, max=1.0),
     help="0 for greedy decoding.",
 )
-def generate_command(pte: Path, tokenizer: Path | None, prompt: str, max_new_tokens: int, temperature: float) -> None:
+def generate_command(
+    pte: Path, tokenizer: Path | None, prompt: str, max_new_tokens: int | None, temperature: float
+) -> None:
     """Generate text from PTE (written by `writeback export`) in ExecuTorch's own LLM runner,
     streaming it, then print the runner's statistics."""
     if tokenizer is None:
@@ -138,6 +194,7 @@ def generate_command(pte: Path, tokenizer: Path | None, prompt: str, max_new_tok
         if not beside.is_file():
             raise click.UsageError(f"no tokenizer.json beside {pte}: pass --tokenizer PATH")
         tokenizer = beside
+    max_new_tokens = _check_inputs(pte, tokenizer, max_new_tokens)
     stats = generate_text(pte, tokenizer, prompt, max_new_tokens, temperature)
     click.echo()
     for line in stats.lines():

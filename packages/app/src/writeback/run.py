@@ -28,6 +28,7 @@ from writeback._files import WriteFailed
 from writeback.cli import (
     CacheMiB,
     UserCodeError,
+    accept_weights_option,
     progress_bar,
     quantize_option,
     quantized_case,
@@ -82,12 +83,12 @@ class RunReport:
         return [(r, c) for r, c in self.steps if c is not None and not c.ok]
 
 
-def resolve_case(registry: Registry, model: str, cache_mib: float | None) -> ModelCase:
+def resolve_case(registry: Registry, model: str, cache_mib: float | None, accept_weights: bool = False) -> ModelCase:
     """``--model`` and ``--cache-mib`` of ``run`` and ``bench`` as a case (sized when asked).
 
     :raises click.UsageError: ``--cache-mib`` for a model without a cache size, naming those with one.
     """
-    case = resolve_model_option(registry, model)
+    case = resolve_model_option(registry, model, accept_weights)
     if cache_mib is None:
         return case
     if case.sized is None:
@@ -361,6 +362,7 @@ def _execution_paths(pipeline: Pipeline) -> list[str]:
     help=EAGER_WEIGHTS_HELP,
 )
 @quantize_option()
+@accept_weights_option()
 @click.pass_context
 def run_command(
     ctx: click.Context,
@@ -373,6 +375,7 @@ def run_command(
     no_check: bool,
     eager_weights: EagerWeights,
     quantize: str | None,
+    accept_weights: bool,
 ) -> None:
     """Lower MODEL through the installed backend and passes, run it STEPS times with its state
     bound in place, and check every step against eager PyTorch.
@@ -388,7 +391,7 @@ def run_command(
         pipeline = assemble(registry, backend, runtime_name)
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
-    case = quantized_case(resolve_case(registry, model, cache_mib), quantize)
+    case = quantized_case(resolve_case(registry, model, cache_mib, accept_weights), quantize)
     with tempfile.TemporaryDirectory(prefix="writeback-run-") as scratch:
         path = output if output is not None else Path(scratch) / "model.pte"
         try:

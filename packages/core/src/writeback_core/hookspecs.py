@@ -150,12 +150,16 @@ def writeback_models() -> dict[str, ModelCase]:
 
 
 @hookspec
-def writeback_model_from_path(path: str) -> ModelCase | None:
+def writeback_model_from_path(path: str, accept_weights: bool) -> ModelCase | None:
     """Called when a command is given a model that names an existing file or folder
     (``writeback export path/to/hf-folder``) and no built-in model has that name.
 
     :param path: the path as the user typed it; the plugin reads it as data only
         (nothing in it may become code).
+    :param accept_weights: the user passed ``--accept-weights``: weights that do not give
+        the model's numbers (tensors missing, unexpected, of a dtype that does not convert
+        exactly, non-finite) are loaded as they are instead of refused; the case's
+        description says what was accepted. ``False``: refuse them (``ValueError``).
     :return: the model the path holds, when the plugin recognizes it (a Hugging Face
         model folder, say); ``None`` when it does not. Two plugins both recognizing one
         path is an error naming both.

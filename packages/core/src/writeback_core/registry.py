@@ -181,13 +181,15 @@ class Registry:
                 found[name] = (plugin, item)
         return found
 
-    def model_from_path(self, path: str) -> Any:
+    def model_from_path(self, path: str, accept_weights: bool = False) -> Any:
         """The :class:`~writeback_core.types.ModelCase` a plugin reads from ``path``
-        (``writeback_model_from_path``), or ``None`` when no plugin recognizes it.
+        (``writeback_model_from_path``, passed ``accept_weights``), or ``None`` when no
+        plugin recognizes it.
 
         :raises DuplicateNameError: two plugins recognize the path (naming both).
         """
-        found = [(plugin, case) for plugin, case in self._per_plugin("writeback_model_from_path", path=path) if case]
+        answers = self._per_plugin("writeback_model_from_path", path=path, accept_weights=accept_weights)
+        found = [(plugin, case) for plugin, case in answers if case]
         if len(found) > 1:
             raise DuplicateNameError(
                 f"path {path!r} is read as a model by both plugin {found[0][0]!r} and plugin {found[1][0]!r}; "

@@ -6,6 +6,9 @@
 - ``hf``: Hugging Face causal LMs with a ``StaticCache``, exported as transformers'
   ExecuTorch integration does (:func:`hf_case` for a local folder or a config,
   :func:`hf_model_case` for the named defaults; needs the ``hf`` extra).
+- ``folder_checks``: a local model folder checked as data before a model is built
+  (:func:`check_folder`, refusing with :class:`FolderRefused`): config, size against
+  memory, safetensors headers, weights against the architecture.
 - ``models``: what the plugin offers (:func:`decoder_models`) and each model at a
   K+V cache size in MiB (:func:`sized_case`).
 - ``steps``: :class:`GreedyTokens`, the decode steps greedy decoding makes.
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
+from writeback_decoders.folder_checks import FolderRefused, check_folder
 from writeback_decoders.hf import (
     HF_ARCHITECTURES,
     HFArchitecture,
@@ -30,10 +34,12 @@ from writeback_decoders.steps import GreedyTokens, cache_positions
 __all__ = [
     "HF_ARCHITECTURES",
     "ETLlamaConfig",
+    "FolderRefused",
     "GreedyTokens",
     "HFArchitecture",
     "TransformersMissingError",
     "cache_positions",
+    "check_folder",
     "decoder_models",
     "et_llama_case",
     "hf_available",

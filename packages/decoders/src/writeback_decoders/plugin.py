@@ -21,16 +21,23 @@ def writeback_models() -> dict[str, ModelCase]:
 
 
 @hookimpl
-def writeback_model_from_path(path: str) -> ModelCase | None:
-    """A local Hugging Face folder (``config.json``): its attention through ExecuTorch's
-    ``llama::update_cache``/``llama::custom_sdpa`` where they compute it (reads only the
-    written positions), else transformers' static cache."""
+def writeback_model_from_path(path: str, accept_weights: bool) -> ModelCase | None:
+    """A local Hugging Face folder (``config.json``, whatever kind of file it is): checked
+    as data first (:func:`~writeback_decoders.folder_checks.check_folder`: the config, the
+    model's size against memory, the weights against the architecture), then its attention
+    through ExecuTorch's ``llama::update_cache``/``llama::custom_sdpa`` where they compute it
+    (reads only the written positions), else transformers' static cache."""
+    import os
     from pathlib import Path
 
-    if not (Path(path) / "config.json").is_file():
+    if not os.path.lexists(Path(path) / "config.json"):
         return None
+    from writeback_decoders.folder_checks import accepted_note, check_folder
+
+    accepted = check_folder(path, accept_weights)
     from writeback_decoders.custom_ops import custom_ops_refusal
     from writeback_decoders.hf import config_of, hf_case
 
     supported = custom_ops_refusal(config_of(path)) is None
-    return hf_case(path, attention="custom-ops" if supported else "static")
+    case = hf_case(path, attention="custom-ops" if supported else "static")
+    return accepted_note(case, accepted) if accepted else case

@@ -1,0 +1,190 @@
+"""Model folders a careless or hostile user hands a command (``tests.hostile.HOSTILE_FOLDERS``):
+each is refused before a model is built, in one paragraph, exit 2, naming the real cause —
+the file, the field or the tensor and its value — with no traceback, bounded memory and
+nothing from the folder run or unpickled.
+
+Fast tier: every case through :func:`check_folder` in this process, and the real
+``writeback`` command in a child process for the folder claiming a model larger than
+memory. Slow tier: every case through every command that reads folders (``export``,
+``run``, ``explain``, ``bench-generate``), each in a child process under a memory cap and
+a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from writeback_decoders.folder_checks import FolderRefused, check_folder
+
+from tests.hostile import ACCEPTABLE, HOSTILE_FOLDERS, Q0, HostileFolder, write_folder
+
+# The child's address space is capped here (torch and exir map a few GiB of libraries).
+_ADDRESS_SPACE = 12 << 30
+# A refusal comes before any model is built; this bounds a child that hangs or builds.
+_TIMEOUT_S = 300.0
+# A refused folder's child never grows past this (a model built would).
+_RESIDENT_BYTES = 1 << 30
+
+_BY_NAME = {case.name: case for case in HOSTILE_FOLDERS}
+
+
+@dataclass(frozen=True)
+class Child:
+    status: int
+    stdout: str
+    stderr: str
+    max_resident: int  # bytes
+
+
+def run_writeback(args: list[str], cwd: Path) -> Child:
+    """The real ``writeback`` command in a child process, its address space capped, killed
+    after ``_TIMEOUT_S``; its exit status, output and peak resident memory (``wait4``)."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (_ADDRESS_SPACE, _ADDRESS_SPACE))
+
+    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+    command = [str(Path(sys.executable).parent / "writeback"), *args]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=cwd, preexec_fn=cap)
+    deadline = time.monotonic() + _TIMEOUT_S
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            child.send_signal(signal.SIGKILL)
+            _, status, usage = os.wait4(child.pid, 0)
+            break
+        time.sleep(0.1)
+    child.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait for it again
+    return Child(child.returncode, out.read_text(), err.read_text(), usage.ru_maxrss * 1024)
+
+
+def assert_one_paragraph_refusal(child: Child, case: HostileFolder) -> None:
+    """Exit 2, no traceback, one paragraph on stderr naming what ``case`` must name."""
+    assert child.status == 2, (child.status, child.stderr[-2000:])
+    assert "Traceback" not in child.stderr and "Traceback" not in child.stdout, child.stderr[-2000:]
+    # click's usage lines, then one "Error: ..." paragraph; upstream import noise is not ours.
+    error = child.stderr[child.stderr.index("Error: ") :].strip()
+    assert "\n\n" not in error and len(error.splitlines()) == 1, error
+    for words in case.says:
+        assert words in error, (words, error)
+
+
+@pytest.mark.parametrize("case", HOSTILE_FOLDERS, ids=lambda c: c.name)
+def test_check_folder_refuses_each_hostile_folder_naming_the_cause_nothing_unpickled(
+    case: HostileFolder, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    case.make(folder)
+    with pytest.raises(FolderRefused) as refused:
+        check_folder(folder)
+    message = str(refused.value)
+    assert "\n" not in message
+    for words in case.says:
+        assert words in message, (words, message)
+    assert not (folder / "UNPICKLED").exists()
+
+
+def test_check_folder_passes_the_tiny_llama_the_generator_starts_from(tmp_path: Path) -> None:
+    """The hostile cases are each one change away from a folder that passes every check."""
+    assert check_folder(write_folder(tmp_path / "model")) == []
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTABLE))
+def test_accept_weights_lets_mismatched_weights_through_and_says_which(name: str, tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    _BY_NAME[name].make(folder)
+    accepted = check_folder(folder, accept_weights=True)
+    assert len(accepted) == 1, accepted
+    tensor = "model.layers.0.extra.weight" if name == "unexpected-tensor" else Q0
+    assert tensor in accepted[0]
+
+
+@pytest.mark.parametrize("name", ["config-symlink-loop", "config-directory", "config-dev-zero"])
+def test_a_config_json_that_is_not_a_file_is_refused_by_the_folder_plugin_not_passed_over(
+    name: str, tmp_path: Path
+) -> None:
+    """The plugin claims any folder with a config.json entry and refuses it naming the file;
+    before, it passed such a folder over and the CLI suggested a missing install."""
+    from writeback_core.registry import load_registry
+
+    _BY_NAME[name].make(tmp_path / "model")
+    with pytest.raises(FolderRefused, match=r"config\.json"):
+        load_registry().model_from_path(str(tmp_path / "model"))
+
+
+def test_what_accept_weights_let_through_stays_in_every_derived_cases_description(tmp_path: Path) -> None:
+    """export takes the dynamic-prefill form, --quantize the quantized one: each still says it."""
+    from writeback_core.registry import load_registry
+
+    _BY_NAME["missing-q-proj"].make(tmp_path / "model")
+    case = load_registry().model_from_path(str(tmp_path / "model"), accept_weights=True)
+    said = f"--accept-weights accepted weights that do not match the model: parameter {Q0!r} is missing"
+    derived = [case, case.dynamic_prefill(), case.quantized("8da4w"), case.quantized("8da4w").dynamic_prefill()]
+    for one in derived:
+        assert said in one.description, one.description
+
+
+@pytest.mark.parametrize("name", sorted(set(_BY_NAME) - ACCEPTABLE))
+def test_accept_weights_never_lets_a_broken_folder_through(name: str, tmp_path: Path) -> None:
+    """A wrong shape, a lying header or an impossible config is refused with the option too."""
+    folder = tmp_path / "model"
+    _BY_NAME[name].make(folder)
+    with pytest.raises(FolderRefused):
+        check_folder(folder, accept_weights=True)
+
+
+def test_a_folder_claiming_a_million_layers_is_refused_exit_2_before_any_allocation(tmp_path: Path) -> None:
+    """The config alone says the model needs ~140 GiB: refused in one paragraph before
+    anything is built, the child's resident memory staying under 1 GiB (it used to grow to
+    5.4 GB in 148 s and end in a MemoryError traceback)."""
+    case = _BY_NAME["layers-10^6"]
+    case.make(tmp_path / "model")
+    child = run_writeback(["export", "model", "--output", "model.pte"], tmp_path)
+    assert_one_paragraph_refusal(child, case)
+    assert child.max_resident < _RESIDENT_BYTES, child.max_resident
+    assert not (tmp_path / "model.pte").exists()
+
+
+_COMMANDS = {
+    "export": ["export", "model", "--output", "model.pte"],
+    "run": ["run", "model", "--steps", "1"],
+    "explain": ["explain", "model"],
+    "bench-generate": ["bench-generate", "model", "--rounds", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+@pytest.mark.parametrize("case", HOSTILE_FOLDERS, ids=lambda c: c.name)
+def test_every_command_refuses_each_hostile_folder_exit_2_one_paragraph_bounded_memory(
+    case: HostileFolder, command: str, tmp_path: Path
+) -> None:
+    case.make(tmp_path / "model")
+    child = run_writeback(_COMMANDS[command], tmp_path)
+    assert_one_paragraph_refusal(child, case)
+    assert child.max_resident < _RESIDENT_BYTES, child.max_resident
+    assert not (tmp_path / "model" / "UNPICKLED").exists()
+    assert not (tmp_path / "model.pte").exists()
+
+
+@pytest.mark.slow
+def test_export_with_accept_weights_loads_a_missing_tensor_and_says_so_in_its_output(tmp_path: Path) -> None:
+    """The option is the user's explicit word, and the output repeats it naming the tensor."""
+    _BY_NAME["missing-q-proj"].make(tmp_path / "model")
+    args = ["export", "model", "--backend", "portable", "--output", "model.pte", "--accept-weights"]
+    child = run_writeback(args, tmp_path)
+    assert child.status == 0, child.stderr[-3000:]
+    text = " ".join(child.stdout.split())  # the console wraps the description line
+    assert "--accept-weights accepted" in text and f"parameter {Q0!r} is missing" in text, child.stdout
+    assert (tmp_path / "model.pte").is_file()
