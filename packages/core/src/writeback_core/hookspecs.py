@@ -78,7 +78,8 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     (``Registry.program_passes``); a cycle, or two passes of one name, is an error naming
     the passes and their plugins.
 
-    :param stage: ``"exported"``, ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
+    :param stage: ``"exported"``, ``"before_partition"``, ``"edge"``, ``"before_memory_planning"`` or
+        ``"after_out_variants"`` (see
         ``writeback_core.types.Stage``).
     :return: the passes this plugin runs at that stage, for any backend; empty for none.
     """
