@@ -40,12 +40,8 @@ def test_et_hybrid_runs_every_step_like_eager(name: str, backend: str, tmp_path:
     assert len({fed(case, s)[0] for s in range(STEPS)}) > 1
     assert not report.failures
     kept = {c.state: c.reason for c in report.lowered.copies_left}
-    if (name, backend) == ("et-qwen3.5", "portable"):
-        # Not done: its recurrent_state's write is declined at partition time, so it keeps a
-        # copy whose reason names the plugin, not the source line.
-        return
     if backend == "portable":
-        # conv_state written by the kernel that computes it.
+        # conv_state and recurrent_state written by the kernel that computes them.
         assert report.lowered.write_back_bytes == {}, kept
     for state, reason in kept.items():
         # Each copy left is named in the model's terms: the example's source line of the write.

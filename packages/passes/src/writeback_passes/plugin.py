@@ -82,12 +82,14 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 
 def _rewritten_whole(mutation: Mutation) -> bool:
-    """Whether ``mutation`` replaces every element of its state each call: a full write, or a
-    slice write covering the whole dim (``state[:batch].copy_(new)`` with ``batch`` the size)."""
+    """Whether ``mutation`` may replace every element of its state each call: a full write, a
+    slice write covering the whole dim (``state[:batch].copy_(new)`` with ``batch`` the size),
+    or a chain of writes of no one form (ExecuTorch's Qwen3.5 resets ``state[:batch]`` by
+    ``mul_`` and then copies into it). ``whole_state_writes`` checks the final kernels itself."""
     from writeback_core.mutations import WriteKind
 
     write = mutation.write
-    if write.kind is WriteKind.FULL:
+    if write.kind in (WriteKind.FULL, WriteKind.OTHER):
         return True
     if write.kind is not WriteKind.SLICE_SCATTER or write.dim is None or write.dim >= len(mutation.shape):
         return False
