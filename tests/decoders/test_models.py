@@ -122,6 +122,18 @@ def test_sized_cache_holds_the_mib_asked_for(name: str, mib: float, positions: i
     assert f"{positions} positions" in case.description
 
 
+@pytest.mark.parametrize("name", ["et-lfm2", "et-qwen3.5"])
+def test_a_sized_hybrid_keeps_its_layer_kinds_and_its_attention_caches_hold_the_mib(name: str) -> None:
+    # 4 layers alternating state and attention: 2 attention layers x (K + V) x 16 heads x 128 x
+    # fp32 = 32 KiB per position; 2 MiB is 64 positions.
+    case = sized_case(name, 2)
+    module = case.build()
+    assert cache_bytes(module) == 2 * (1 << 20)
+    assert "64 positions" in case.description
+    kinds = "(conv, full_attention, conv, full_attention)" if name == "et-lfm2" else "(linear_attention, full_attention"
+    assert kinds in case.description
+
+
 def test_sized_positions_are_rounded_down() -> None:
     # 2.05 MiB at 64 KiB per position is 32.8 positions: 32 are taken, 2 MiB.
     case = sized_case("et-llama", 2.05)
@@ -139,7 +151,10 @@ def test_the_named_models_are_tiny(name: str) -> None:
 
 
 def test_sized_case_refuses_an_unknown_name_listing_the_sizable_ones() -> None:
-    with pytest.raises(ValueError, match=r"no sized model 'decoder'; writeback-decoders sizes: et-llama, hf-gemma"):
+    with pytest.raises(
+        ValueError,
+        match=r"no sized model 'decoder'; writeback-decoders sizes: et-lfm2, et-llama, et-qwen3\.5, hf-gemma",
+    ):
         sized_case("decoder", 1)
 
 

@@ -44,8 +44,8 @@ def test_without_transformers_the_package_offers_et_llama_and_names_the_extra() 
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["offered"] == ["et-llama"]
-    assert report["sized"] == ["et-llama"]
+    assert report["offered"] == ["et-lfm2", "et-llama", "et-qwen3.5"]
+    assert report["sized"] == ["et-lfm2", "et-llama", "et-qwen3.5"]
     assert set(report["errors"]) == {"hf_case", "sized_case"}
     for message in report["errors"].values():
         assert "pip install 'writeback-decoders[hf]'" in message

@@ -222,9 +222,10 @@ def place_text(place: StatePlace) -> str:
             where += ", written in place"
     else:
         where = "caller tensor" if place.owner == "caller" else "program buffer"
-        if place.delegate is not None:
+        # A copy left means no delegate writes it in place, whatever a plugin accepted.
+        if place.delegate is not None and not place.copy_bytes:
             where += f", written in place by delegate {place.delegate} ({place.backend})"
-        elif place.in_place and place.writers:
+        elif place.in_place and place.writers and not place.copy_bytes:
             where += f", written in place by one of delegates {', '.join(map(str, place.writers))} ({place.backend})"
     if place.copy_bytes:
         why = f": {place.why}" if place.why else ""

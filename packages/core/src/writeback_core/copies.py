@@ -18,6 +18,7 @@ from types import FrameType
 
 from torch.export import ExportedProgram
 
+from writeback_core.meta import COPY_LEFT_REASON, get_custom
 from writeback_core.registry import InPlaceDecision
 
 __all__ = [
@@ -94,10 +95,15 @@ def copies_left(
     buffers = dict(signature.inputs_to_buffers)
     backends = {d.backend for d in decisions.values()}
     backend = next(iter(backends)) if len(backends) == 1 else backend or "<backend>"
+    from writeback_core.ops import write_back_copies
+
+    kept = {str(c.args[0]): get_custom(c, COPY_LEFT_REASON) for c in write_back_copies(program.graph_module.graph)}
     found = []
     for placeholder, nbytes in write_back_bytes(program).items():
         target = buffers.get(placeholder, placeholder)
-        reason, fix = _why(decisions.get(target), backend)
+        said = kept.get(placeholder)
+        # A pass that kept the copy said why, in the model's terms; its passes ran.
+        reason, fix = (said, "") if isinstance(said, str) else _why(decisions.get(target), backend)
         found.append(CopyLeft(target, "buffer" if placeholder in buffers else "input", nbytes, reason, fix))
     return found
 

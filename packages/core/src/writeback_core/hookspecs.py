@@ -80,7 +80,8 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     the passes and their plugins. Each pass says the backends it serves (``backends``) and
     why (``reason``): ``writeback run`` and ``writeback explain`` print both.
 
-    :param stage: ``"exported"``, ``"before_partition"``, ``"edge"`` or ``"before_memory_planning"`` (see
+    :param stage: ``"exported"``, ``"before_partition"``, ``"edge"``, ``"before_memory_planning"`` or
+        ``"after_out_variants"`` (see
         ``writeback_core.types.Stage``).
     :return: the passes this plugin runs at that stage, for any backend; empty for none.
     """

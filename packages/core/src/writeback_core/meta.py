@@ -33,6 +33,15 @@ COPY_BACK_CLASS = "writeback.copy_back_class"
 # see only a GraphModule); read by early write-back's output renaming.
 USER_INPUT = "writeback.user_input"
 
+# On a write-back ``copy_`` a pass kept: why no kernel writes the state in place, in the
+# model's terms (module path and source line). Written by the passes; read by
+# ``writeback_core.copies`` for ``run``, ``export`` and ``CopyLeftWarning``.
+COPY_LEFT_REASON = "writeback.copy_left_reason"
+
+# On a mutated placeholder: where the kernel that now writes the whole state into its own
+# memory comes from in the model (module path and source line). Written by the passes.
+WRITTEN_BY = "writeback.written_by"
+
 # Not a node.meta key but the same kind of contract: the compile spec
 # ``writeback_passes.reinplace_delegate_input_mutations`` adds to a lowered
 # module when it drops write-backs, JSON ``[{"output": j, "input": i}]`` (the

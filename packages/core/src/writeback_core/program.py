@@ -296,7 +296,8 @@ def run_program_passes(
 
     ``"edge"`` passes run first, in place on each method's edge program;
     ``"before_memory_planning"`` passes run inside exir after its write-back copies
-    exist, after ``config.passes``, in the registry's order
+    exist, after ``config.passes``, and ``"after_out_variants"`` passes after exir's
+    out-variant pass, each stage in the registry's order
     (:meth:`~writeback_core.registry.Registry.program_passes`). ``config`` is not
     changed; ``edge`` is consumed (exir edits its signature).
 
@@ -305,7 +306,27 @@ def run_program_passes(
     _run_edge_passes(edge, registry.program_passes("edge", backend))
     _mark_user_inputs(edge)
     added: list[Any] = [as_exir_pass(p) for p in registry.program_passes("before_memory_planning", backend)]
-    return edge.to_executorch(dataclasses.replace(config, passes=[*config.passes, *added]))
+    late = [as_exir_pass(p) for p in registry.program_passes("after_out_variants", backend)]
+    changes: dict[str, Any] = {"passes": [*config.passes, *added]}
+    if late:
+        changes["to_out_var_pass"] = _then(config.to_out_var_pass, late)
+    return edge.to_executorch(dataclasses.replace(config, **changes))
+
+
+def _then(
+    first: Callable[[torch.fx.GraphModule], Any], passes: Sequence[Callable[[torch.fx.GraphModule], PassResult]]
+) -> Callable[[torch.fx.GraphModule], PassResult]:
+    """exir's out-variant pass ``first``, then ``passes`` on its result (the
+    ``"after_out_variants"`` stage)."""
+
+    def run(gm: torch.fx.GraphModule) -> PassResult:
+        result = first(gm)
+        gm = getattr(result, "graph_module", gm)
+        for late in passes:
+            gm = late(gm).graph_module
+        return PassResult(gm, True)
+
+    return run
 
 
 # One decomposition per program, dropped with the program (the key is held weakly).

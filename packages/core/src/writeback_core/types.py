@@ -49,8 +49,11 @@ __all__ = [
 #           (an :data:`EdgePassRun`, edited in place);
 #   "before_memory_planning": on the ``GraphModule`` after exir inserted its
 #           write-backs and before memory planning (``ExecutorchBackendConfig.passes``;
-#           a :data:`GraphPassRun`).
-Stage = Literal["exported", "before_partition", "edge", "before_memory_planning"]
+#           a :data:`GraphPassRun`);
+#   "after_out_variants": on the same ``GraphModule`` once exir made every kernel call its
+#           out variant (``op.out(..., out=alloc)``), just before memory planning (run after
+#           ``ExecutorchBackendConfig.to_out_var_pass``; a :data:`GraphPassRun`).
+Stage = Literal["exported", "before_partition", "edge", "before_memory_planning", "after_out_variants"]
 
 # The backend name a :class:`ProgramPass` lists in ``backends`` to run when a program is
 # lowered with no backend at all (no partitioner, ``lower(..., backend=None)``).

@@ -3,6 +3,8 @@
 - ``et_llama``: ExecuTorch's Llama example with its KV cache (:func:`et_llama_case`,
   :class:`ETLlamaConfig`), with ExecuTorch's custom-op export as the
   ``et-custom-ops`` contender.
+- ``et_hybrid``: ExecuTorch's LFM2 and Qwen3.5 examples built the same way
+  (:func:`et_lfm2_case`, :func:`et_qwen35_case`).
 - ``hf``: Hugging Face causal LMs with a ``StaticCache``, exported as transformers'
   ExecuTorch integration does (:func:`hf_case` for a local folder or a config,
   :func:`hf_model_case` for the named defaults; needs the ``hf`` extra).
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+from writeback_decoders.et_hybrid import ET_LFM2, ET_QWEN35, et_lfm2_case, et_qwen35_case
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
 from writeback_decoders.folder_checks import FolderRefused, check_folder
 from writeback_decoders.hf import (
@@ -32,6 +35,8 @@ from writeback_decoders.models import decoder_models, sized_case, sizers
 from writeback_decoders.steps import GreedyTokens, cache_positions
 
 __all__ = [
+    "ET_LFM2",
+    "ET_QWEN35",
     "HF_ARCHITECTURES",
     "ETLlamaConfig",
     "FolderRefused",
@@ -41,7 +46,9 @@ __all__ = [
     "cache_positions",
     "check_folder",
     "decoder_models",
+    "et_lfm2_case",
     "et_llama_case",
+    "et_qwen35_case",
     "hf_available",
     "hf_case",
     "hf_config",

@@ -52,6 +52,14 @@ class ETLlamaConfig:
     vocab: int = 128
     max_seq: int = 32
     seed: int = 0
+    #: The name the model is offered under, and the first words of its description.
+    name: str = "et-llama"
+    title: str = "ExecuTorch's Llama example"
+    #: ``ModelArgs.layer_types`` of a hybrid (``"conv"``: LFM2's short convolution,
+    #: ``"linear_attention"``: Qwen3.5's gated DeltaNet, else attention); empty: every layer attends.
+    layer_types: tuple[str, ...] = ()
+    #: Further ``ModelArgs`` fields, as (name, value) pairs.
+    extra_args: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def for_cache_mib(cls, cache_mib: float, seed: int = 0) -> ETLlamaConfig:
@@ -71,10 +79,32 @@ class ETLlamaConfig:
             seed=seed,
         )
 
+    def sized(self, cache_mib: float) -> ETLlamaConfig:
+        """This model (name, layer kinds repeated to 4 layers, further arguments kept) with 16
+        heads of 128 and as many positions as make its attention layers' K+V caches hold
+        ``cache_mib`` MiB together."""
+        kinds = tuple(self.layer_types[i % len(self.layer_types)] for i in range(4)) if self.layer_types else ()
+        attending = sum(1 for kind in kinds if kind not in _STATE_LAYERS) if kinds else 4
+        sized = self.for_cache_mib(cache_mib * 4 / max(attending, 1), self.seed)
+        return replace(sized, name=self.name, title=self.title, layer_types=kinds, extra_args=self.extra_args)
+
+    @property
+    def attention_layers(self) -> int:
+        """How many layers attend (hold a K and V cache)."""
+        return sum(1 for i in range(self.layers) if self.layer_kind(i) not in _STATE_LAYERS)
+
+    def layer_kind(self, layer: int) -> str:
+        """``layer``'s entry of :attr:`layer_types` (``"full_attention"`` where none is given)."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
     @property
     def cache_nbytes(self) -> int:
-        """Bytes of every layer's K and V cache together."""
-        return self.layers * 2 * self.kv_heads * self.max_seq * self.head_dim * 4
+        """Bytes of every attention layer's K and V cache together."""
+        return self.attention_layers * 2 * self.kv_heads * self.max_seq * self.head_dim * 4
+
+
+#: Layer kinds of ExecuTorch's hybrids that carry a state rewritten whole instead of a K/V cache.
+_STATE_LAYERS = frozenset({"conv", "linear_attention"})
 
 
 def _model_args(cfg: ETLlamaConfig, dynamic: bool = False) -> Any:
@@ -96,6 +126,8 @@ def _model_args(cfg: ETLlamaConfig, dynamic: bool = False) -> Any:
         max_context_len=cfg.max_seq,
         use_kv_cache=True,
         enable_dynamic_shape=dynamic,
+        layer_types=list(cfg.layer_types) or None,
+        **dict(cfg.extra_args),
     )
 
 
@@ -133,7 +165,7 @@ def _inputs(token: int | list[int], position: int) -> tuple[tuple[torch.Tensor, 
     }
 
 
-def _prefill_export(module: nn.Module, max_seq: int, canonical: bool = False) -> ExportedProgram:
+def _prefill_export(module: nn.Module, max_seq: int, name: str, canonical: bool = False) -> ExportedProgram:
     """``module`` exported as ``export_llama --enable_dynamic_shape`` does: the token dimension
     dynamic, 1 to ``max_seq`` tokens, from a two-token example; ``input_pos`` one start
     position. ``canonical``: then its canonical passes run (:func:`_canonical`)."""
@@ -142,7 +174,7 @@ def _prefill_export(module: nn.Module, max_seq: int, canonical: bool = False) ->
     tokens = torch.export.Dim("tokens", min=1, max=max_seq)
     args, kwargs = _inputs([1, 1], 0)
     shapes = ({1: tokens}, {"input_pos": {0: torch.export.Dim.STATIC}})
-    program = export_model(module, args, kwargs, strict=False, dynamic_shapes=shapes, name="model 'et-llama'")
+    program = export_model(module, args, kwargs, strict=False, dynamic_shapes=shapes, name=f"model {name!r}")
     return _canonical(program, args, kwargs, shapes) if canonical else program
 
 
@@ -193,6 +225,11 @@ def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
     return _canonical(program, args, kwargs)
 
 
+def _kinds(cfg: ETLlamaConfig) -> str:
+    """`` ("conv, full_attention")`` for a hybrid, nothing where every layer attends."""
+    return f" ({', '.join(cfg.layer_kind(i) for i in range(cfg.layers))})" if cfg.layer_types else ""
+
+
 def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None = None) -> ModelCase:
     """ExecuTorch's Llama example as a :class:`~writeback_core.types.ModelCase`.
 
@@ -214,7 +251,7 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
     last; its contender ``et-custom-ops`` is the same with ExecuTorch's custom ops.
     """
     if cache_mib is not None:
-        config = ETLlamaConfig.for_cache_mib(cache_mib)
+        config = (config or ETLlamaConfig()).sized(cache_mib)
     cfg = config or ETLlamaConfig()
     greedy = GreedyTokens(lambda: _build(cfg), _call, cfg.max_seq)
 
@@ -225,9 +262,9 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
         return _inputs(greedy.token(step), greedy.position(step))[1]
 
     case = ModelCase(
-        name="et-llama",
+        name=cfg.name,
         description=(
-            f"ExecuTorch's Llama example, {cfg.layers} layers, dim {cfg.dim}, KV cache "
+            f"{cfg.title}, {cfg.layers} layers{_kinds(cfg)}, dim {cfg.dim}, KV cache "
             f"{cfg.max_seq} positions ({cfg.cache_nbytes / (1 << 20):.3g} MiB K+V) in buffers, "
             "seeded random weights, greedy tokens"
         ),
@@ -251,9 +288,11 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
                 f"{case.description}; token dimension dynamic up to {cfg.max_seq} (prompt prefilled in one call)"
             ),
             build=lambda: _build(cfg, dynamic=True),
-            exported=lambda: _prefill_export(_build(cfg, dynamic=True), cfg.max_seq),
+            exported=lambda: _prefill_export(_build(cfg, dynamic=True), cfg.max_seq, cfg.name),
             contenders={
-                "et-custom-ops": lambda: _prefill_export(_custom_ops_module(cfg, dynamic=True), cfg.max_seq, True)
+                "et-custom-ops": lambda: _prefill_export(
+                    _custom_ops_module(cfg, dynamic=True), cfg.max_seq, cfg.name, canonical=True
+                )
             },
             constant_methods=runner_metadata(
                 max_seq_len=cfg.max_seq,

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from writeback_core.types import ModelCase
 
+from writeback_decoders.et_hybrid import et_lfm2_case, et_qwen35_case
 from writeback_decoders.et_llama import et_llama_case
 from writeback_decoders.hf import HF_ARCHITECTURES, hf_available, hf_model_case, require_transformers
 
@@ -17,7 +18,11 @@ def sizers(with_hf: bool | None = None) -> dict[str, Callable[[float | None], Mo
     """Each offered name with the function that builds its case for a K+V cache of so many MiB
     (``None``: the tiny default). The Hugging Face models are offered only where transformers
     is installed (``with_hf=None``: checked, without importing it)."""
-    found: dict[str, Callable[[float | None], ModelCase]] = {"et-llama": et_llama_case}
+    found: dict[str, Callable[[float | None], ModelCase]] = {
+        "et-llama": et_llama_case,
+        "et-lfm2": et_lfm2_case,
+        "et-qwen3.5": et_qwen35_case,
+    }
     if hf_available() if with_hf is None else with_hf:
         for arch in HF_ARCHITECTURES:
             found[f"hf-{arch}"] = _hf_sizer(arch)
@@ -32,8 +37,9 @@ def _hf_sizer(architecture: str) -> Callable[[float | None], ModelCase]:
 
 
 def decoder_models() -> dict[str, ModelCase]:
-    """The tiny defaults, keyed by name: ``et-llama`` always, ``hf-llama``, ``hf-qwen3`` and
-    ``hf-gemma`` where transformers is installed. Building a case imports nothing heavy."""
+    """The tiny defaults, keyed by name: ``et-llama``, ``et-lfm2`` and ``et-qwen3.5`` always,
+    ``hf-llama``, ``hf-qwen3`` and ``hf-gemma`` where transformers is installed. Building a case
+    imports nothing heavy."""
     return {name: replace(make(None), sized=make) for name, make in sizers().items()}
 
 

@@ -34,6 +34,11 @@ writeback_name = "mlx-backend"
 # written region is stored, or, for a full write, the new value after every output
 # of the call is evaluated (as a delegate-owned buffer is replaced).
 _IN_PLACE_WRITES = frozenset({WriteKind.INDEX_COPY, WriteKind.SLICE_SCATTER, WriteKind.INDEX_PUT, WriteKind.FULL})
+# The writes the delegate leaves to a copy, in words.
+_WRITE_WORDS = {
+    WriteKind.MUTATING_OP: "a write by an op that mutates its argument",
+    WriteKind.OTHER: "a partial write of a form writeback does not recognise",
+}
 
 
 def _partitioner(registry: Registry, **options: Any) -> Any:
@@ -71,7 +76,7 @@ def in_place_refusal(partition: PartitionView, mutation: Mutation) -> str | None
         # value: the write-back dropped is of that value.
         return "its new value is produced outside this MLX partition"
     if write.kind not in _IN_PLACE_WRITES:
-        return f"its write ({write.describe()}) is not one the delegate does in place"
+        return f"{_WRITE_WORDS.get(write.kind, write.kind.value)} is not one the delegate does in place"
     if write.kind is WriteKind.FULL and not _reads(partition, mutation.placeholder):
         # The delegate is handed only what it reads: a state it replaces without reading
         # it never reaches it, so its new value can only be copied back.

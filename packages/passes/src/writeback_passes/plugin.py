@@ -70,17 +70,38 @@ def writeback_backends() -> Sequence[BackendSpec]:
 @hookimpl
 def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
     """For ``portable`` and ``xnnpack``: a write inside an XNNPACK partition never (XNNPACK
-    does not write a state in place); a write on the kernels outside every partition when
-    ``in_place_kernel_refusal`` finds nothing against it."""
+    does not write a state in place), nor a buffer whose new value is also returned; on the
+    kernels outside every partition, a state rewritten whole always (``whole_state_writes``
+    decides on the final kernels), a write at positions when ``in_place_kernel_refusal`` finds
+    nothing against it."""
     if backend not in KERNEL_BACKENDS:
         return None
     if not partition.kernels:
         return False
-    from writeback_passes.state_write_refusals import in_place_kernel_refusal
-
     if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
         return False
+    from writeback_passes.state_write_refusals import in_place_kernel_refusal
+
+    if _rewritten_whole(mutation):
+        # whole_state_writes hands the state to the kernel computing its new value where the
+        # final kernels make that exact, and names the copy it keeps, and why, otherwise.
+        return True
     return in_place_kernel_refusal(partition.graph, mutation.placeholder, mutation.value) is None
+
+
+def _rewritten_whole(mutation: Mutation) -> bool:
+    """Whether ``mutation`` may replace every element of its state each call: a full write, a
+    slice write covering the whole dim (``state[:batch].copy_(new)`` with ``batch`` the size),
+    or a chain of writes of no one form (ExecuTorch's Qwen3.5 resets ``state[:batch]`` by
+    ``mul_`` and then copies into it). ``whole_state_writes`` checks the final kernels itself."""
+    from writeback_core.mutations import WriteKind
+
+    write = mutation.write
+    if write.kind in (WriteKind.FULL, WriteKind.OTHER):
+        return True
+    if write.kind is not WriteKind.SLICE_SCATTER or write.dim is None or write.dim >= len(mutation.shape):
+        return False
+    return write.start == 0 and write.end == mutation.shape[write.dim] and write.step in (None, 1)
 
 
 @hookimpl
@@ -96,7 +117,8 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
     runtime's kernels, then making reshape-only copies views, then early write-back (after
     those graph edits), then every run-time index checked before the first state write
     (a refused call changes nothing), then the caller's tokens and positions checked against the
-    runner's contract before any kernel reads them."""
+    runner's contract before any kernel reads them. At ``"after_out_variants"``: a state
+    rewritten whole written into its own memory by the kernel that computes it."""
     if stage == "exported":
         from writeback_passes.bounded_attention import bound_attention_pass
         from writeback_passes.runner_attention import runner_attention_pass
@@ -107,6 +129,10 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
         from writeback_passes.view_copies import functional_copies_as_views_pass
 
         return (functional_copies_as_views_pass(), scale_smaller_operand_pass())
+    if stage == "after_out_variants":
+        from writeback_passes.whole_state_writes import whole_state_writes_pass
+
+        return (whole_state_writes_pass(),)
     if stage != "before_memory_planning":
         return ()
     from writeback_passes.index_checks import index_checks_pass

@@ -6,7 +6,8 @@ This module holds :func:`in_place_kernel_refusal`, which ``writeback_accepts_in_
 functional copies (:func:`peel_copy`), plan the writes that build the new value
 (:func:`~writeback_passes.state_write_plans.write_chain`) and then refuse what would change a
 result: a node that reads the old value through any alias after a write (a node a delegation
-partition takes counts as read where its delegate call runs), values or an index that may
+partition takes counts as read where its delegate call runs; a node that reads only metadata,
+such as ``_assert_tensor_metadata``, reads no value), values or an index that may
 share the state's storage, a state consumed into a delegate as constant data.
 """
 
@@ -21,6 +22,7 @@ from writeback_core.ops import packet_name
 from writeback_core.partition import DELEGATION_TAG as _TAG
 
 from writeback_passes.early_write_back import _Storage
+from writeback_passes.graph import reads_no_value
 from writeback_passes.state_write_plans import Write, write_chain
 
 __all__ = ["in_place_kernel_refusal", "peel_copy", "plan_state_write"]
@@ -54,7 +56,7 @@ def _hazard(
             if _delegate_result(old):
                 continue
             for reader in old.users:
-                if reader is write.node or reader in ignored or reader.op == "output":
+                if reader is write.node or reader in ignored or reader.op == "output" or reads_no_value(reader):
                     continue
                 if after(reader, write.node):
                     return (
