@@ -24,13 +24,19 @@ def writeback_models() -> dict[str, ModelCase]:
 def writeback_model_from_path(path: str) -> ModelCase | None:
     """A local Hugging Face folder (``config.json``): its attention through ExecuTorch's
     ``llama::update_cache``/``llama::custom_sdpa`` where they compute it (reads only the
-    written positions), else transformers' static cache."""
+    written positions), else transformers' static cache; a model with convolution, SSM or
+    linear-attention layers with every state of its cache layers as program buffers
+    (:mod:`writeback_decoders.hf_states`), or refused (``StatesUnsupported``, a ``ValueError``)."""
     from pathlib import Path
 
     if not (Path(path) / "config.json").is_file():
         return None
     from writeback_decoders.custom_ops import custom_ops_refusal
     from writeback_decoders.hf import config_of, hf_case
+    from writeback_decoders.hf_states import uses_states
 
-    supported = custom_ops_refusal(config_of(path)) is None
+    config = config_of(path)
+    if uses_states(config):
+        return hf_case(path, attention="states")
+    supported = custom_ops_refusal(config) is None
     return hf_case(path, attention="custom-ops" if supported else "static")
