@@ -300,11 +300,15 @@ def _case(
             from writeback_decoders.custom_ops import CustomOpsDecoder
 
             return CustomOpsDecoder(model(), max_cache_len).eval().requires_grad_(False)
+        if attention == "states":
+            from writeback_decoders.hf_states import StatesDecoder
+
+            return StatesDecoder(model(), max_cache_len).eval().requires_grad_(False)
         return _wrap(model(), max_cache_len)
 
     # ExecuTorch's ops take the start position as an int read from the tensor (.item()),
-    # which only the non-strict export traces.
-    strict = attention != "custom-ops"
+    # which only the non-strict export traces; the states' cache layers are Python objects.
+    strict = attention == "static"
 
     greedy = GreedyTokens(build, _call, max_cache_len, prompt=prompt_token)
     exported: Callable[[], Any] | None = None
@@ -371,7 +375,8 @@ def _case(
             contenders=contenders,
         )
 
-    return replace(case, dynamic_prefill=dynamic_prefill)
+    # The states' layers take another path for one token than for several (hf_states).
+    return replace(case, dynamic_prefill=None if attention == "states" else dynamic_prefill)
 
 
 _EXPORTED_AS = "exported as transformers' ExecuTorch integration does (strict, keyword inputs), greedy tokens"
@@ -420,8 +425,8 @@ def hf_case(
         how to install it).
     """
     require_transformers("hf_case")
-    if attention not in ("static", "custom-ops"):
-        raise ValueError(f"attention must be 'static' or 'custom-ops', got {attention!r}")
+    if attention not in ("static", "custom-ops", "states"):
+        raise ValueError(f"attention must be 'static', 'custom-ops' or 'states', got {attention!r}")
     config = config_of(source)
     text = config.get_text_config()
     if attention == "custom-ops":
@@ -431,6 +436,14 @@ def hf_case(
         if refusal is not None:
             kind = getattr(text, "model_type", "model")
             raise CustomOpsUnsupported(f"this {kind} uses {refusal}; use attention='static'")
+        if integration_export:
+            raise ValueError("integration_export exports transformers' own static-cache module; use attention='static'")
+    if attention == "states":
+        from writeback_decoders.hf_states import StatesUnsupported, states_description, states_refusal
+
+        refused = states_refusal(config)
+        if refused is not None:
+            raise StatesUnsupported(refused)
         if integration_export:
             raise ValueError("integration_export exports transformers' own static-cache module; use attention='static'")
     if max_cache_len is None:
@@ -444,6 +457,8 @@ def hf_case(
     cache = (
         f"StaticCache of {max_cache_len} positions"
         if attention == "static"
+        else states_description(max_cache_len)
+        if attention == "states"
         else f"cache of {max_cache_len} positions written by llama::update_cache, read by llama::custom_sdpa "
         "up to the last written position"
     )

@@ -26,7 +26,10 @@ def writeback_model_from_path(path: str, accept_weights: bool) -> ModelCase | No
     as data first (:func:`~writeback_decoders.folder_checks.check_folder`: the config, the
     model's size against memory, the weights against the architecture), then its attention
     through ExecuTorch's ``llama::update_cache``/``llama::custom_sdpa`` where they compute it
-    (reads only the written positions), else transformers' static cache."""
+    (reads only the written positions), else transformers' static cache; a model with
+    convolution, SSM or linear-attention layers with every state of its cache layers as
+    program buffers (:mod:`writeback_decoders.hf_states`), or refused (``StatesUnsupported``,
+    a ``ValueError``)."""
     import os
     from pathlib import Path
 
@@ -37,7 +40,12 @@ def writeback_model_from_path(path: str, accept_weights: bool) -> ModelCase | No
     accepted = check_folder(path, accept_weights)
     from writeback_decoders.custom_ops import custom_ops_refusal
     from writeback_decoders.hf import config_of, hf_case
+    from writeback_decoders.hf_states import uses_states
 
-    supported = custom_ops_refusal(config_of(path)) is None
-    case = hf_case(path, attention="custom-ops" if supported else "static")
+    config = config_of(path)
+    if uses_states(config):
+        case = hf_case(path, attention="states")
+    else:
+        supported = custom_ops_refusal(config) is None
+        case = hf_case(path, attention="custom-ops" if supported else "static")
     return accepted_note(case, accepted) if accepted else case

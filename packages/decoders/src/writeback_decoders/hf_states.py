@@ -1,0 +1,249 @@
+"""A Hugging Face causal LM whose per-layer state is whatever transformers' own cache layers hold.
+
+transformers describes each layer's state by the cache layer class its ``StaticCache`` picks for
+the layer's type (``get_layer_types_and_kwargs`` then ``STATIC_LAYER_TYPE_MAPPING``): a
+``StaticLayer`` holds ``keys``, ``values`` and a ``cumulative_length`` counter; a
+``LinearAttentionLayer`` (layer types ``conv``, ``linear_attention``, which Mamba, Mamba2, LFM2's
+short convolutions and Qwen3.5's gated DeltaNet use) holds ``conv_states`` and
+``recurrent_states``, one per state index; the hybrid layers of Falcon-H1 hold both. Each class
+allocates its tensors on the first call and from then on writes them in place (``index_copy_``,
+``copy_``, ``add_``).
+
+:class:`StatesDecoder` takes that rule as it is, with no list of families:
+
+1. build the model's ``StaticCache`` and run one token through the model, so that every layer
+   allocates its tensors at their real shapes and dtypes;
+2. register one zeroed buffer per tensor the layers then hold (a tensor attribute, or one entry of
+   a dict of tensors), named ``layer{i}_{attribute}`` (``_{index}`` for a dict entry), and mark the
+   linear-attention states as carried over (``has_previous_state``): a zero conv state is the
+   zero padding of a first call, a zero recurrent state the zero initial state;
+3. on each call point the layers at the buffers, run the model's own code, and check that every
+   layer still holds its buffer: a layer that replaced a state instead of writing into it would
+   lose the state in the exported program, so the call raises :class:`StateLostError` naming it.
+
+The prompt is prefilled one token per call: the layer code of these models takes another path
+for one token than for several (``seq_len == 1``), and only the one-token path continues from the
+carried state, so a program with a dynamic token dimension could not serve both.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "StateLostError",
+    "StateSlot",
+    "StatesDecoder",
+    "StatesUnsupported",
+    "states_description",
+    "states_refusal",
+    "uses_states",
+]
+
+
+class StatesUnsupported(ValueError):
+    """The model keeps state somewhere transformers' cache layers do not describe, or exports what
+    ExecuTorch cannot run; the message names the model type, the cause and what would fix it."""
+
+
+class StateLostError(RuntimeError):
+    """A cache layer replaced one of its state tensors instead of writing into it."""
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """Where one state tensor lives: ``cache.layers[layer].<attribute>`` (``[index]`` when the
+    attribute is a dict of tensors), held by the decoder as buffer ``buffer``."""
+
+    layer: int
+    attribute: str
+    index: Any
+    buffer: str
+
+    def read(self, layer: Any) -> Any:
+        value = getattr(layer, self.attribute)
+        return value if self.index is None else value[self.index]
+
+    def bind(self, layer: Any, tensor: torch.Tensor) -> None:
+        if self.index is None:
+            setattr(layer, self.attribute, tensor)
+        else:
+            getattr(layer, self.attribute)[self.index] = tensor
+
+
+# Families that cannot be exported by this route, by model type: the cause and the fix.
+# Each was tried; transformers' own code decides it, not writeback.
+_REFUSED: dict[str, str] = {
+    "xlstm": (
+        "keeps its state in its own xLSTMCache, not in transformers' cache layers (its StaticCache describes "
+        "attention layers it does not have), and transformers refuses the SDPA attention implementation for "
+        "it; it would export once transformers describes its state with cache layer classes, as it does for Mamba"
+    ),
+    "recurrent_gemma": (
+        "keeps its recurrent and convolution state as plain attributes of its modules (set up by "
+        "_setup_cache), not in transformers' cache layers, so no exported program can carry it between "
+        "calls; it would export once transformers describes that state with cache layer classes"
+    ),
+}
+
+
+def _layer_classes(config: Any) -> list[type]:
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=1)
+    return [type(layer) for layer in cache.layers]
+
+
+def uses_states(config: Any) -> bool:
+    """Whether a model with ``config`` has a layer whose cache is not a key/value cache (its state
+    is a linear-attention, convolution or SSM state, or no cache at all), by the cache layer
+    classes transformers' ``StaticCache`` picks for it. A model type :func:`states_refusal`
+    refuses counts as one (so it reaches that refusal)."""
+    from transformers.cache_utils import StaticLayer
+
+    text = config.get_text_config()
+    if getattr(text, "model_type", "") in _REFUSED:
+        return True
+    try:
+        classes = _layer_classes(config)
+    except Exception:  # transformers cannot describe it: states_refusal says so
+        return True
+    return any(not issubclass(cls, StaticLayer) or hasattr(cls, "update_conv_state") for cls in classes)
+
+
+def states_refusal(config: Any) -> str | None:
+    """Why a model with ``config`` cannot be exported with its state as program buffers, in one
+    sentence naming the model type, the cause and what would fix it; ``None`` when it can."""
+    text = config.get_text_config()
+    kind = getattr(text, "model_type", "") or type(text).__name__
+    if kind in _REFUSED:
+        return f"model type {kind!r} {_REFUSED[kind]}"
+    try:
+        _layer_classes(config)
+    except Exception as error:  # whatever transformers raises, it is the cause to name
+        return (
+            f"model type {kind!r}: transformers' StaticCache cannot describe its layers' state "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); it would export "
+            "once transformers gives its layers cache layer classes"
+        )
+    return None
+
+
+def states_description(max_cache_len: int) -> str:
+    """How :class:`StatesDecoder` keeps a model's state, for a case's description."""
+    return (
+        f"every state of transformers' cache layers (attention caches of {max_cache_len} positions, "
+        "convolution, SSM and linear-attention states) as program buffers, prompt prefilled token by token "
+        "(the model's layers take another path for several tokens)"
+    )
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The keyword the model's ``forward`` takes its cache by (``past_key_values`` or, in the
+    Mamba family, ``cache_params``)."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("past_key_values", "cache_params"):
+        if name in parameters:
+            return name
+    raise StatesUnsupported(
+        f"{type(model).__name__}.forward takes no cache (neither past_key_values nor cache_params); "
+        "its state cannot be carried between calls"
+    )
+
+
+def _tensors(layer: Any) -> Iterator[tuple[str, Any, torch.Tensor]]:
+    """Each state tensor a cache layer holds: (attribute, dict key or None, tensor)."""
+    for attribute, value in sorted(vars(layer).items()):
+        if isinstance(value, torch.Tensor):
+            yield attribute, None, value
+        elif isinstance(value, dict):
+            for index, item in sorted(value.items(), key=lambda kv: str(kv[0])):
+                if isinstance(item, torch.Tensor):
+                    yield attribute, index, item
+
+
+class StatesDecoder(nn.Module):
+    """``model`` (a transformers causal LM) as ExecuTorch's runner calls it, one token per call:
+    ``forward(input_ids [1, 1], cache_position [1]) -> logits [1, 1, V]``, every tensor of its
+    ``StaticCache`` layers held as a registered buffer and written there by the model's own code.
+
+    :ivar slots: where each buffer is bound, in buffer order.
+    :raises StatesUnsupported: the model keeps state that transformers' cache layers do not
+        describe (:func:`states_refusal`).
+    """
+
+    def __init__(self, model: Any, max_cache_len: int) -> None:
+        super().__init__()
+        from transformers import StaticCache
+        from transformers.cache_utils import DummyLayer
+
+        refusal = states_refusal(model.config)
+        if refusal is not None:
+            raise StatesUnsupported(refusal)
+        model.config.use_cache = True
+        self.model = model
+        self.max_cache_len = max_cache_len
+        self._argument = _cache_argument(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        with torch.no_grad():  # every layer allocates its tensors at their real shapes
+            model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True, **{self._argument: self.cache})
+        slots: list[StateSlot] = []
+        for i, layer in enumerate(self.cache.layers):
+            found = list(_tensors(layer))
+            if not found and not isinstance(layer, DummyLayer):
+                kind = getattr(model.config.get_text_config(), "model_type", type(model).__name__)
+                raise StatesUnsupported(
+                    f"model type {kind!r}: cache layer {i} ({type(layer).__name__}) holds no tensor after a call, "
+                    "so the model keeps that layer's state somewhere else (its modules' attributes or a cache of "
+                    "its own), which no exported program would carry between calls; it would export once "
+                    "transformers keeps that state in the layer's cache class"
+                )
+            several = {a for a, k, _ in found if k is not None and sum(1 for b, _, _ in found if b == a) > 1}
+            for attribute, index, tensor in found:
+                name = f"layer{i}_{attribute}" + (f"_{index}" if attribute in several else "")
+                self.register_buffer(name, torch.zeros_like(tensor), persistent=False)
+                slots.append(StateSlot(i, attribute, index, name))
+            carried = getattr(layer, "has_previous_state", None)
+            if isinstance(carried, dict):
+                for index in carried:
+                    carried[index] = True
+        self.slots = tuple(slots)
+        self._bind()
+
+    def _bind(self) -> None:
+        for slot in self.slots:
+            slot.bind(self.cache.layers[slot.layer], getattr(self, slot.buffer))
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[1]
+        if n != 1:
+            raise ValueError(
+                f"input_ids holds {n} tokens; this model takes one token per call (its layers take another "
+                "path for several tokens that does not continue from the carried state)"
+            )
+        # The layers write the buffers as this call sees them (torch.export traces the module's
+        # attributes, not tensors held elsewhere).
+        self._bind()
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=cache_position.unsqueeze(0),
+            use_cache=True,
+            **{self._argument: self.cache},
+        )
+        for slot in self.slots:
+            held = slot.read(self.cache.layers[slot.layer])
+            if held is not getattr(self, slot.buffer):
+                raise StateLostError(
+                    f"state {slot.buffer} (cache layer {slot.layer}, {slot.attribute}"
+                    f"{'' if slot.index is None else f'[{slot.index}]'}) was replaced by the model's "
+                    f"{type(self.cache.layers[slot.layer]).__name__} instead of written in place: the exported "
+                    "program would not carry it to the next call; this model cannot be exported this way"
+                )
+        logits: torch.Tensor = out.logits
+        return logits
