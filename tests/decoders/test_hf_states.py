@@ -251,6 +251,8 @@ def test_explain_of_a_recurrent_folder_lists_every_state_of_its_cache_layers(
     assert sorted(c for c in cells if re.fullmatch(r"layer\d+_\w+", c)) == STATES[name], result.output
 
 
+# One family: the bench's contenders are the same lowerings run and export test for every family.
+@pytest.mark.parametrize("family", ["lfm2"], indirect=True)
 def test_bench_generate_of_a_recurrent_folder_gives_one_text_for_every_contender(
     family: tuple[str, Path, list[int]],
 ) -> None:
