@@ -45,6 +45,8 @@ def test_the_same_model_with_its_state_registered_runs_and_exports_no_false_refu
     assert result.exit_code == 0, result.output
     assert "all 3 steps match eager" in result.output
     output = tmp_path / "model.pte"
-    result = CliRunner().invoke(main, ["export", f"{MODEL}:kept_case", "--backend", "portable", "--output", str(output)])
+    result = CliRunner().invoke(
+        main, ["export", f"{MODEL}:kept_case", "--backend", "portable", "--output", str(output)]
+    )
     assert result.exit_code == 0, result.output
     assert output.stat().st_size > 0

@@ -200,7 +200,9 @@ def _copy_sharing_parameters(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, shared)
 
 
-def carried_states(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> list[CarriedState]:
+def carried_states(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+) -> list[CarriedState]:
     """The tensors ``module`` carries from call to call, found by calling a copy of it twice
     at ``args``/``kwargs`` (see the module's algorithm). ``module`` and the inputs are left
     as they were; the calls run under ``no_grad`` in the module's current mode.
