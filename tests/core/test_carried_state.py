@@ -68,3 +68,16 @@ def test_the_eager_calls_leave_the_users_module_and_inputs_as_they_were() -> Non
     lazy = LazyStateDecoder()
     carried_states(lazy, TOKENS)
     assert lazy.cache.state is None and int(lazy.calls) == 0
+
+
+def test_a_module_that_cannot_be_copied_is_checked_in_place_and_left_as_it_was() -> None:
+    import threading
+
+    module = LazyStateDecoder()
+    module.lock = threading.Lock()  # type: ignore[assignment]  # deepcopy cannot copy a lock
+    counter = module.calls
+    found = {s.path: s.buffers for s in carried_states(module, TOKENS)}
+    assert found == {"calls": ("calls",), "cache.state": ()}
+    assert module.cache.state is None and module.calls is counter and int(counter) == 0
+    with pytest.raises(StateLostError, match=r"cache\.state \[1, 1, 8\] float32"):
+        export_model(module, TOKENS)

@@ -12,7 +12,9 @@ the eager model's state, :func:`check_state_kept` refuses a program that drops a
 Algorithm of :func:`carried_states`:
 
 1. Copy the module, sharing its parameters (weights are never state here): the user's
-   module, its buffers and cache objects are left exactly as they were.
+   module, its buffers and cache objects are left exactly as they were. A module that
+   cannot be copied is called itself, and every table and tensor value step 2 walks
+   through is put back afterwards.
 2. List every tensor reachable from the copy: each submodule's buffers, then every
    attribute of each submodule, walked through lists, tuples, dicts and plain objects
    (a cache and its layers), never into parameters, torch's own objects or fake tensors.
@@ -28,8 +30,9 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -104,6 +107,7 @@ class _Reachable:
 
     def __init__(self, module: nn.Module) -> None:
         self.found: dict[str, torch.Tensor] = {}
+        self.tables: list[dict[Any, Any] | list[Any]] = []  # the dicts and lists holding what was found
         self._seen: set[int] = set()
         self._registered = {id(m) for m in module.modules()}
         self._parameters = {id(p) for _, p in module.named_parameters(remove_duplicate=False)}
@@ -111,6 +115,7 @@ class _Reachable:
             self._module(submodule, name)
 
     def _module(self, module: nn.Module, prefix: str) -> None:
+        self.tables += [vars(module), module._buffers]
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 self._tensor(buffer, _join(prefix, name))
@@ -138,15 +143,19 @@ class _Reachable:
             return
         if isinstance(value, dict):
             self._seen.add(id(value))
+            self.tables.append(value)
             for key, item in list(value.items()):
                 if isinstance(key, (str, int)):
                     self._value(item, f"{path}[{key!r}]", depth + 1)
         elif isinstance(value, (list, tuple)):
             self._seen.add(id(value))
+            if isinstance(value, list):
+                self.tables.append(value)
             for index, item in enumerate(value):
                 self._value(item, f"{path}[{index}]", depth + 1)
         elif _walkable(value):
             self._seen.add(id(value))
+            self.tables.append(vars(value))
             for name, item in list(vars(value).items()):
                 self._value(item, _join(path, name), depth + 1)
 
@@ -200,6 +209,37 @@ def _copy_sharing_parameters(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, shared)
 
 
+@contextmanager
+def _restored(module: nn.Module) -> Iterator[None]:
+    """Leave ``module`` after the block as it was before: the contents of every table the walk
+    goes through (attributes, buffers, dicts, lists) and every tensor's value."""
+    reachable = _Reachable(module)
+    tables = [(table, copy.copy(table)) for table in reachable.tables]
+    unique = {id(t): t for t in reachable.found.values()}.values()
+    values = [(tensor, tensor.detach().clone()) for tensor in unique]
+    try:
+        yield
+    finally:
+        for table, content in tables:
+            if isinstance(table, dict):
+                table.clear()
+                table.update(cast("dict[Any, Any]", content))
+            else:
+                table[:] = content
+        with torch.no_grad():
+            for tensor, value in values:
+                tensor.copy_(value)
+
+
+def _working_copy(module: nn.Module) -> tuple[nn.Module, AbstractContextManager[None]]:
+    """A copy of ``module`` sharing its parameters; a module that cannot be copied (it holds a
+    lock, a file) is worked on itself and restored afterwards (:func:`_restored`)."""
+    try:
+        return _copy_sharing_parameters(module), nullcontext()
+    except Exception:  # deepcopy raises whatever an attribute's __deepcopy__/__reduce__ raises
+        return module, _restored(module)
+
+
 def carried_states(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
 ) -> list[CarriedState]:
@@ -209,21 +249,22 @@ def carried_states(
 
     Errors raised by the model's ``forward`` propagate.
     """
-    working = _copy_sharing_parameters(module)
-    listed = [_listed(working)]
-    with torch.no_grad():
-        for _ in range(2):
-            call_args, call_kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (tuple(args), dict(kwargs or {})))
-            working(*call_args, **call_kwargs)
-            listed.append(_listed(working))
+    working, kept_as_it_was = _working_copy(module)
+    with kept_as_it_was:
+        listed = [_listed(working)]
+        with torch.no_grad():
+            for _ in range(2):
+                inputs = pytree.tree_map_only(torch.Tensor, torch.clone, (tuple(args), dict(kwargs or {})))
+                working(*inputs[0], **inputs[1])
+                listed.append(_listed(working))
+        buffers: dict[int, list[str]] = {}
+        for name, buffer in working.named_buffers(remove_duplicate=False):
+            buffers.setdefault(_storage(buffer), []).append(name)
     changed: dict[str, list[str]] = {}
     for call in (1, 2):
         for path, how in _changes(listed[call - 1], listed[call]):
             changed.setdefault(path, []).append(f"{how} by call {call}")
-    buffers: dict[int, list[str]] = {}
-    for name, buffer in working.named_buffers(remove_duplicate=False):
-        buffers.setdefault(_storage(buffer), []).append(name)
-    final = listed[-1]
+    final = {**listed[1], **listed[2]}  # a tensor created by call 1 and dropped by call 2 is named too
     by_storage: dict[int, list[str]] = {}
     for path in changed:
         by_storage.setdefault(_storage(final[path].tensor), []).append(path)
