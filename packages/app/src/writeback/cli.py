@@ -233,6 +233,26 @@ def _registry(ctx: click.Context) -> Registry:
     return registry
 
 
+class _StateLost(click.ClickException):
+    """The exported program drops state the eager model carries: the model's to fix, exit 2."""
+
+    exit_code = 2
+
+
+def _state_lost(error: BaseException) -> BaseException | None:
+    """The ``StateLostError`` behind ``error`` (a command may have wrapped it), or ``None``."""
+    from writeback_core.carried_state import StateLostError
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StateLostError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class _PluginGroup(click.Group):
     """A group whose subcommands are added by the ``writeback_cli_commands`` hook."""
 
@@ -269,7 +289,10 @@ class _PluginGroup(click.Group):
             # worker processes); the traceback would say nothing the user needs.
             click.echo(f"{NAME}: interrupted", err=True)
             raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
+        except (click.ClickException, click.exceptions.Exit, click.Abort) as error:
+            lost = _state_lost(error)
+            if lost is not None:
+                raise _StateLost(str(lost)) from error
             raise
         except ModelBuildError as error:
             # The model could not even be built (its class or a library's raised in
@@ -283,6 +306,9 @@ class _PluginGroup(click.Group):
             message += f" ({TRACEBACK_ENV}=1 shows the traceback)."
             raise _user_code_failure(error.__cause__ or error, message) from error
         except Exception as error:
+            lost = _state_lost(error)
+            if lost is not None:
+                raise _StateLost(str(lost)) from error
             # An error raised later by a model file's code (its forward, while
             # exporting or running eagerly) is the user's too.
             where = user_code_error(error)

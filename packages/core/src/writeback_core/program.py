@@ -58,6 +58,7 @@ __all__ = [
     "unbacked_symbols_settled",
     "write_back_bytes",
     "write_back_positions",
+    "written_placeholders",
 ]
 
 
@@ -89,13 +90,27 @@ def export_model(
     through it, so they all see the same graph. ``name`` (the model's) is what an
     error names; default: the module's class.
 
+    Before exporting, a copy of ``module`` is called twice at the example inputs to find
+    the state it carries from call to call
+    (:func:`~writeback_core.carried_state.carried_states`); ``module`` is left as it was.
+
     :raises LoweringError: the program holds state as lifted constants (see
         :func:`check_lifted_state`): lowering it would fail or answer wrongly.
+    :raises writeback_core.carried_state.StateLostError: the program drops state the
+        eager module carries (see :func:`~writeback_core.carried_state.check_state_kept`).
     """
+    from writeback_core.carried_state import carried_states, check_state_kept
+
     _eval_mode(module)
+    what = name or f"module {type(module).__name__}"
+    # Before exporting: a non-strict export runs forward on the module itself, and what it
+    # leaves behind (a cache allocated while tracing) is not the model's state.
+    with known_warnings_ignored():
+        states = carried_states(module, args, kwargs)
     with known_warnings_ignored(), torch.no_grad():
         program = torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
-    check_lifted_state(program, module, name or f"module {type(module).__name__}", strict)
+    check_lifted_state(program, module, what, strict)
+    check_state_kept(program, states, what)
     return program
 
 
@@ -107,7 +122,7 @@ def _eval_mode(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
+def written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
     """Placeholders an in-place op writes (an argument its schema marks written): name -> op."""
     written: dict[str, str] = {}
     for node in graph.nodes:
@@ -152,7 +167,7 @@ def check_lifted_state(
     lifted = program.graph_signature.inputs_to_lifted_tensor_constants
     if not lifted:
         return
-    written = _written_placeholders(program.graph_module.graph)
+    written = written_placeholders(program.graph_module.graph)
     buffers: dict[int, str] = {}
     if module is not None:
         for buffer_name, buffer in module.named_buffers(remove_duplicate=False):

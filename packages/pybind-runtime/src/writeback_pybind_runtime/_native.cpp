@@ -1861,7 +1861,14 @@ PYBIND11_MODULE(_native, m) {
       throw py::value_error(std::string("WRITEBACK_RUNTIME_LOG: ") + error.what());
     }
   }
-  etr::register_pal(etr::PalImpl::create(&emit_log_message, __FILE__));
+  // The log sink goes into the runtime's PAL table directly, not through register_pal():
+  // ExecuTorch's own bindings (its _C module, which executorch.runtime, portable_lib, the
+  // LLM runner and the XNNPACK partitioner load) register their PAL when imported, and
+  // register_pal() logs an error line ("register_pal() called multiple times") at every
+  // registration after the first, in whichever order the two modules load. The table is the
+  // runtime's own non-const object behind get_pal_impl(); only the sink changes, and the
+  // bindings' later registration, if any, replaces it without a word, as it did before.
+  const_cast<etr::PalImpl*>(etr::get_pal_impl())->emit_log_message = &emit_log_message;
   etr::runtime_init();
   m.def("set_log_level", [](const std::string& name) { g_min_log_level = parse_log_level(name); },
         py::arg("level"),
