@@ -11,8 +11,15 @@ from writeback.cli import main
 from tests.passes.lowering import MLX_PASSES, PASSES_IN_ORDER
 
 # The passes for the stock runtime's kernels alone (the LLM runner's attention, in-place state
-# writes by index_put_, indices checked first), and the attention rewrites MLX shares.
-STOCK_ONLY = ("runner_attention", "reinplace_state_writes", "check_indices_first")
+# writes by index_put_ and by the kernel computing a whole state, indices and the runner's inputs
+# checked first), and the attention rewrites MLX shares.
+STOCK_ONLY = (
+    "runner_attention",
+    "reinplace_state_writes",
+    "check_indices_first",
+    "check_runner_inputs",
+    "whole_state_writes",
+)
 ATTENTION_REWRITES = ("bound_attention", "scale_smaller_operand")
 
 

@@ -32,6 +32,7 @@ PASSES_IN_ORDER = (
     "insert_write_back_early",
     "check_indices_first",
     "check_runner_inputs",
+    "whole_state_writes",
 )
 
 # Worked out by hand from what each pass is for: a delegate's backend (the example backend)

@@ -80,7 +80,7 @@ def test_each_backend_runs_the_package_passes_that_serve_it_in_order(backend: st
     backend (MLX, the example) none of the passes that rewrite for the stock kernels."""
     registry = load_registry()
     assert pass_names(registry, backend) == PASSES_BY_BACKEND[backend]
-    stages: tuple[Stage, ...] = ("exported", "before_partition", "edge", "before_memory_planning")
+    stages: tuple[Stage, ...] = ("exported", "before_partition", "edge", "before_memory_planning", "after_out_variants")
     for stage in stages:
         for program_pass in registry.program_passes(stage, backend):
             assert program_pass.reason, f"{program_pass.name} says no reason"

@@ -4,7 +4,9 @@ does not fit them is refused by name, never narrowed into another shape.
 Before, ``import_tensor`` cast each 64-bit DLPack size to ``int32_t`` and computed
 ``int32_t`` strides: an input of shape ``(0, 2**32 + 3)`` ran as shape ``(0, 3)``
 (a silent wrong answer: eager's ``x + 1`` has shape ``(0, 4294967299)``), and a
-shape whose contiguous strides pass 2**31 overflowed them.
+shape whose contiguous strides pass 2**31 overflowed them. A Method now compares every dim
+with the largest the method declares before anything else, so these tensors are refused
+there, by name, before the 32-bit checks; the refusal must still name the input and the dim.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def test_size_over_int32_refused_not_narrowed_no_silent_wrong_shape(
     method = load(lower(AddOne(), (torch.zeros(0, 3),), planned_inputs=planned, planned_outputs=False))
     huge = torch.zeros(0, 2**32 + 3)  # no elements, so no memory: eager answers with this shape
     assert (huge + 1).shape == (0, 2**32 + 3)
-    with pytest.raises(ValueError, match=r"input 0 of method .forward.: dimension 1 has size 4294967299.*2147483647"):
+    with pytest.raises(ValueError, match=r"input 0 of method .forward.: dimension 1 is 4294967299, more than the 3"):
         method([huge])
     # The method still runs with a tensor of the shape it was exported with.
     assert method([torch.zeros(0, 3)])[0].shape == (0, 3)
@@ -50,9 +52,7 @@ def test_strides_over_int32_refused_before_any_copy_no_crash(lower: Lower, load:
     method = load(lower(AddOne(), (torch.zeros(2, 3, 4),), planned_outputs=False))
     # Every size fits 32 bits; the first dim's contiguous stride is 2**32.
     wide = torch.zeros(1, 1, 1, dtype=torch.bool).expand(2, 2**16, 2**16)
-    with pytest.raises(
-        ValueError, match=r"input 0 of method .forward.: .*stride 4294967296 at dimension 0.*2147483647"
-    ):
+    with pytest.raises(ValueError, match=r"input 0 of method .forward.: dimension 1 is 65536, more than the 3"):
         method([wide])
 
 
