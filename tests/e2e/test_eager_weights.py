@@ -120,3 +120,39 @@ def test_auto_keeps_a_copy_when_it_fits_in_memory() -> None:
     weights.record(export_case(weights.case))
     assert weights.chosen == "copy" and torch.equal(weights.eager_module().weight, torch.full((2, 2), 0.5))
     assert len(builds) == 1
+
+
+class _Unseeded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(self.proj(x))
+        return self.total * 2
+
+
+def test_bench_of_a_factory_whose_builds_differ_is_refused_naming_the_tensor_no_silent_wrong_answer() -> None:
+    """The model bench builds per row (one model's weights alive at a time); a build whose weights
+    are not the first build's would time and compare another model, so it is refused."""
+    from writeback.bench_model import run_model_bench
+
+    case = ModelCase("toy", "an unseeded toy", _Unseeded, lambda step: (torch.ones(4) * (step + 1),))
+    result = run_model_bench(load_registry(), case, steps=2, contenders=["eager", "writeback+portable"])
+    # The first build serves the shared export; each row's own build differs from it.
+    for row in result.rows:
+        assert not row.times, row
+        assert row.error is not None and "WeightsDiffer: model 'toy': a bench builds it once per row" in row.error
+
+
+def test_bench_of_a_seeded_factory_builds_per_row_and_matches_eager() -> None:
+    from writeback.bench_model import run_model_bench
+
+    def seeded() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _Unseeded()
+
+    case = ModelCase("toy", "a seeded toy", seeded, lambda step: (torch.ones(4) * (step + 1),))
+    result = run_model_bench(load_registry(), case, steps=2, contenders=["eager", "writeback+portable"])
+    assert [(row.name, row.error) for row in result.rows] == [("eager", None), ("writeback+portable", None)]

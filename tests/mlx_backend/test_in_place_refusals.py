@@ -90,7 +90,8 @@ CASES: dict[str, _Case] = {
         ChainedWrites,
         _index_and_row,
         lambda: (torch.zeros(3, 2),),
-        "its write (other (aten.index_put.default)) is not one the delegate does in place",
+        "its write, a partial write of a form writeback does not recognise (other (aten.index_put.default)), "
+        "is not one the delegate does in place",
     ),
     "full_write_unread": (
         ReplacedUnread,

@@ -352,7 +352,8 @@ def run_model_bench(
     unknown = [c for c in chosen if c not in offered]
     if unknown:
         raise ValueError(f"no contender named {', '.join(map(repr, unknown))}; offered: {', '.join(offered)}")
-    # Every row and the eager reference hold the weights of one build, even a factory's unseeded ones.
+    # Every row and the eager reference hold the weights of the first build; a factory whose builds
+    # differ (unseeded random weights) is refused naming the first tensor that differs.
     case = same_weights(case)
     exported_once: list[Any] = []
 

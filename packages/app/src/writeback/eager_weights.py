@@ -125,7 +125,20 @@ def _program_checksums(program: ExportedProgram) -> dict[str, _Checksum]:
     return found
 
 
-def _first_difference(case: str, exported: Mapping[str, _Checksum], module: torch.nn.Module) -> str | None:
+_RUN_ADVICE = (
+    "seed it (torch.manual_seed) or load its weights, or run with --eager-weights copy to check the program "
+    "against a copy of the exported build (one more copy of the weights in memory)"
+)
+
+
+def _first_difference(
+    case: str,
+    exported: Mapping[str, _Checksum],
+    module: torch.nn.Module,
+    again: str = "building it again for eager PyTorch gave other weights than the build that was exported",
+    advice: str = _RUN_ADVICE,
+    was: str = "was exported with",
+) -> str | None:
     """Why ``module``'s weights are not those exported (the first tensor that differs), or ``None``."""
     for name, tensor in _named_tensors(module):
         wanted = exported.get(name)
@@ -135,12 +148,9 @@ def _first_difference(case: str, exported: Mapping[str, _Checksum], module: torc
         if found != wanted:
             kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"
             return (
-                f"model {case!r}: building it again for eager PyTorch gave other weights than the build that was "
-                f"exported: {kind} {name!r} was exported with {wanted.described()} and is now "
+                f"model {case!r}: {again}: {kind} {name!r} {was} {wanted.described()} and is now "
                 f"{found.described()}. The factory initialises its weights differently on each call (unseeded "
-                "random initialisation, say): seed it (torch.manual_seed) or load its weights, or run with "
-                "--eager-weights copy to check the program against a copy of the exported build (one more copy "
-                "of the weights in memory)"
+                f"random initialisation, say): {advice}"
             )
     return None
 
@@ -197,13 +207,22 @@ class ExportedWeights:
 
 
 def same_weights(case: ModelCase) -> ModelCase:
-    """``case`` whose every ``build()`` returns a copy of one module built once, for the benches:
-    each of their lowerings and their eager reference then hold the same weights."""
-    built: list[torch.nn.Module] = []
+    """``case`` whose every ``build()`` after the first must give the first build's weights, for the
+    benches: each lowering and the eager reference build their own module (one model's weights
+    alive at a time, as before) and a build whose parameters or buffers differ from the first
+    raises :class:`WeightsDiffer` naming the first tensor that differs."""
+    first: dict[str, _Checksum] = {}
 
     def build() -> torch.nn.Module:
-        if not built:
-            built.append(build_case_module(case))
-        return copy.deepcopy(built[0])
+        module = build_case_module(case)
+        if not first:
+            first.update((name, _Checksum.of(tensor)) for name, tensor in _named_tensors(module))
+            return module
+        again = "a bench builds it once per row and this build gave other weights than the first"
+        advice = "seed it (torch.manual_seed) or load its weights"
+        problem = _first_difference(case.name, first, module, again, advice, "was first built with")
+        if problem is not None:
+            raise WeightsDiffer(problem)
+        return module
 
     return dataclasses.replace(case, build=build)

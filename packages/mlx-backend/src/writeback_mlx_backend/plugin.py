@@ -76,7 +76,8 @@ def in_place_refusal(partition: PartitionView, mutation: Mutation) -> str | None
         # value: the write-back dropped is of that value.
         return "its new value is produced outside this MLX partition"
     if write.kind not in _IN_PLACE_WRITES:
-        return f"{_WRITE_WORDS.get(write.kind, write.kind.value)} is not one the delegate does in place"
+        words = _WRITE_WORDS.get(write.kind, write.kind.value)
+        return f"its write, {words} ({write.describe()}), is not one the delegate does in place"
     if write.kind is WriteKind.FULL and not _reads(partition, mutation.placeholder):
         # The delegate is handed only what it reads: a state it replaces without reading
         # it never reaches it, so its new value can only be copied back.
