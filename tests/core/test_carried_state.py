@@ -81,3 +81,26 @@ def test_a_module_that_cannot_be_copied_is_checked_in_place_and_left_as_it_was()
     assert module.cache.state is None and module.calls is counter and int(counter) == 0
     with pytest.raises(StateLostError, match=r"cache\.state \[1, 1, 8\] float32"):
         export_model(module, TOKENS)
+
+
+class _CounterThroughTo(torch.nn.Module):
+    """Writes its counter through ``.to`` of its own device and dtype, as transformers' static
+    cache layer does after lazy initialisation: eager ``to`` returns the buffer itself, and
+    torch.export keeps the ``to`` as an alias, so the ``add_`` writes the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = self.count.to(self.count.device)
+        count.add_(1)
+        return x * count
+
+
+def test_a_buffer_written_through_an_alias_of_it_counts_as_kept_no_false_refusal() -> None:
+    program = export_model(_CounterThroughTo(), (torch.ones(2),))
+    assert mutated_buffers(program) == ["count"]
+    # The program it decomposes to does write the counter: the state the check saw is real.
+    decomposed = program.run_decompositions({})
+    assert list(decomposed.graph_signature.buffers_to_mutate.values()) == ["count"]

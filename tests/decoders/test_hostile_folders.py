@@ -188,3 +188,27 @@ def test_export_with_accept_weights_loads_a_missing_tensor_and_says_so_in_its_ou
     text = " ".join(child.stdout.split())  # the console wraps the description line
     assert "--accept-weights accepted" in text and f"parameter {Q0!r} is missing" in text, child.stdout
     assert (tmp_path / "model.pte").is_file()
+
+
+def test_an_attention_free_config_is_sized_without_heads_and_a_huge_one_still_refused_clear_error(
+    tmp_path: Path,
+) -> None:
+    """Mamba and Mamba2 configs give no num_attention_heads: their size is worked out without
+    attention (no K+V cache), and a claim larger than memory is still refused before building."""
+    import json
+
+    from writeback_decoders.folder_checks import check_config, model_nbytes
+
+    mamba = {
+        "model_type": "mamba",
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+    }
+    parameters, weights, cache = model_nbytes(check_config(mamba, "config.json"))
+    assert (parameters, weights, cache) == (96 * 64 * 2 + 2 * (3 * 64 * 128 + 2 * 64) + 64, parameters * 4, 0)
+    huge = {**mamba, "num_hidden_layers": 10**6, "hidden_size": 4096, "intermediate_size": 16384}
+    (tmp_path / "config.json").write_text(json.dumps(huge))
+    with pytest.raises(FolderRefused, match="too large to build"):
+        check_folder(tmp_path)

@@ -221,21 +221,24 @@ def check_config(config: Mapping[str, Any], where: str) -> _Sizes:
     """
     text = _text_config(config)
     fields: dict[str, int | None] = {}
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
         fields[name] = _int_field(text, name, where)
         if fields[name] is None:
             raise FolderRefused(f"{where}: {name} is missing; a causal LM's config gives it")
-    vocab, hidden, layers, heads = (int(fields[n] or 0) for n in fields)
-    kv_heads = _int_field(text, "num_key_value_heads", where, heads) or heads
+    vocab, hidden, layers = (int(fields[n] or 0) for n in fields)
+    # A model without attention (Mamba, Mamba2) gives no heads: its estimate has no attention
+    # projections and no K+V cache (a lower bound, as for every layout other than Llama's).
+    heads = _int_field(text, "num_attention_heads", where) or 0
+    kv_heads = _int_field(text, "num_key_value_heads", where, heads or None) or heads
     given_dim = _int_field(text, "head_dim", where)
     intermediate = _int_field(text, "intermediate_size", where) or 0
     positions = _int_field(text, "max_position_embeddings", where)
-    if given_dim is None and hidden % heads:
+    if heads and given_dim is None and hidden % heads:
         raise FolderRefused(
             f"{where}: num_attention_heads {heads} does not divide hidden_size {hidden}; give sizes where it does, "
             "or a head_dim"
         )
-    if heads % kv_heads:
+    if heads and heads % kv_heads:
         raise FolderRefused(f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
     return _Sizes(
@@ -244,7 +247,7 @@ def check_config(config: Mapping[str, Any], where: str) -> _Sizes:
         layers=layers,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=given_dim or hidden // heads,
+        head_dim=given_dim or (hidden // heads if heads else 0),
         intermediate=intermediate,
         positions=min(positions or _CACHE_POSITIONS, _CACHE_POSITIONS),
         tied=bool(tied),
