@@ -104,3 +104,27 @@ def test_a_buffer_written_through_an_alias_of_it_counts_as_kept_no_false_refusal
     # The program it decomposes to does write the counter: the state the check saw is real.
     decomposed = program.run_decompositions({})
     assert list(decomposed.graph_signature.buffers_to_mutate.values()) == ["count"]
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(x)
+        return self.count * 2
+
+
+def test_a_forward_closing_over_the_original_leaves_the_users_buffers_as_they_were() -> None:
+    """ExecuTorch's example wrappers replace ``forward`` on the instance by a closure over the
+    module: a deep copy keeps that same function, so the check's eager calls reach the original."""
+    module = _Counter()
+    inner = module.forward
+
+    def closing_over(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    module.forward = closing_over  # type: ignore[method-assign]
+    export_model(module, (torch.ones(2),))
+    assert torch.equal(module.count, torch.zeros(2)), module.count

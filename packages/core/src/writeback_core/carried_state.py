@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -228,14 +228,19 @@ def _restored(module: nn.Module) -> Iterator[None]:
                 table[:] = content
         with torch.no_grad():
             for tensor, value in values:
-                tensor.copy_(value)
+                # Only what changed: a tensor nothing wrote keeps its version counter.
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
 
 
 def _working_copy(module: nn.Module) -> tuple[nn.Module, AbstractContextManager[None]]:
     """A copy of ``module`` sharing its parameters; a module that cannot be copied (it holds a
-    lock, a file) is worked on itself and restored afterwards (:func:`_restored`)."""
+    lock, a file) is worked on itself. Either way ``module`` is restored afterwards
+    (:func:`_restored`): a copy can still reach the original (a ``forward`` replaced on the
+    instance by a closure over it, as ExecuTorch's example wrappers do, is copied as the same
+    function), so its calls may write the original's buffers."""
     try:
-        return _copy_sharing_parameters(module), nullcontext()
+        return _copy_sharing_parameters(module), _restored(module)
     except Exception:  # deepcopy raises whatever an attribute's __deepcopy__/__reduce__ raises
         return module, _restored(module)
 
