@@ -84,7 +84,7 @@ def test_run_quantize_refuses_a_model_without_quantization_with_exit_2() -> None
 def test_run_takes_greedy_tokens_from_its_reference_building_no_third_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Checked: one build for export, one for the eager reference, whose logits give the next
+    """Checked: one build for export, copied for the eager reference, whose logits give the next
     token. --no-check: one build, the program's logits give it."""
     import writeback_decoders.hf as hf
 
@@ -98,7 +98,8 @@ def test_run_takes_greedy_tokens_from_its_reference_building_no_third_model(
     monkeypatch.setattr(hf, "_load", counted)
     pipeline = assemble(load_registry(), "xnnpack")
     report = run_model(pipeline, hf_case(hf_config("llama")), STEPS, tmp_path / "a.pte")
-    assert report.checked and report.failures == [] and len(loads) == 2
+    # --eager-weights auto keeps a copy of the exported build for eager here (it fits memory).
+    assert report.checked and report.failures == [] and len(loads) == 1
     loads.clear()
     unchecked = run_model(pipeline, hf_case(hf_config("llama")), STEPS, tmp_path / "b.pte", check=False)
     assert not unchecked.checked and len(loads) == 1

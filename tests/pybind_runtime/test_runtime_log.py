@@ -43,18 +43,20 @@ def test_info_level_shows_the_runtime_cpu_probe_lines() -> None:
 
 @pytest.mark.slow
 def test_a_runtime_error_still_prints_at_the_default_level() -> None:
-    """An input of the wrong shape: the kernel's error message reaches stderr (ExecuTorch's
-    'E' line) and the call raises; nothing informational is printed."""
+    """An index past the end, which only the kernel can see (the Method's own shape checks
+    pass it): the kernel's error message reaches stderr (ExecuTorch's 'E' line) and the call
+    raises; nothing informational is printed."""
     code = (
         "import torch\n"
         "from writeback.lowering import export_model, lower\n"
         "from writeback_pybind_runtime import Runtime\n"
         "class M(torch.nn.Module):\n"
-        "    def forward(self, x): return torch.mm(x, x)\n"
-        "pte = lower(export_model(M(), (torch.ones(2, 2),)), None, plan='planned').pte\n"
+        "    def forward(self, x, i): return x[i]\n"
+        "args = (torch.ones(2, 2), torch.tensor([1]))\n"
+        "pte = lower(export_model(M(), args), None, plan='planned').pte\n"
         "method = Runtime.get().load_program(pte).load_method('forward')\n"
         "try:\n"
-        "    method.execute([torch.ones(3, 2)])\n"
+        "    method.execute([torch.ones(2, 2), torch.tensor([7])])\n"
         "except Exception as error:\n"
         "    print('raised', type(error).__name__)\n"
     )

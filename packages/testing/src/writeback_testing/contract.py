@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.export.graph_signature import OutputKind
+from writeback_core import meta
 from writeback_core.program import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
 
@@ -105,6 +106,21 @@ def write_backs(program: Any) -> frozenset[str]:
     return frozenset(write_back_positions(program.exported_program().graph_module.graph))
 
 
+def explained_copies(program: Any) -> frozenset[str]:
+    """Placeholders whose write-back copy a pass kept with its reason recorded
+    (``meta.COPY_LEFT_REASON``): a whole-state write accepted at partitioning that the final
+    kernels did not allow, said in the model's terms by the pass that tried."""
+    graph = program.exported_program().graph_module.graph
+    return frozenset(
+        str(node.args[0].name)
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.args
+        and getattr(node.args[0], "op", None) == "placeholder"
+        and meta.get_custom(node, meta.COPY_LEFT_REASON)
+    )
+
+
 def _delegate_count(program: Any) -> int:
     graph = program.exported_program().graph_module.graph
     return sum(1 for n in graph.nodes if n.op == "get_attr" and "lowered_module" in str(n.target))
@@ -146,9 +162,10 @@ def check_backend_contract(
     report.decisions = dict(lowered.lowered("state").decisions)
     report.write_backs = write_backs(final)
     report.delegated = _delegate_count(final)
+    explained = explained_copies(final)
     for target, decision in sorted(report.decisions.items()):
         copied = decision.placeholder in report.write_backs
-        if decision.accepted and copied:
+        if decision.accepted and copied and decision.placeholder not in explained:
             raise ContractViolation(
                 f"backend {backend!r} accepted to write {target!r} ({decision.write}) in place "
                 f"(accepted by {', '.join(decision.accepted_by)}), but the lowered program still "
