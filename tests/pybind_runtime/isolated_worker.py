@@ -17,7 +17,8 @@ Modes:
   bytes, then calls it; rewrites the file with other bytes and calls
   again; prints whether every output matched eager.
 - ``truncate-before-method``: loads the PTE from its path, cuts or rewrites the
-  file (modification time moved on), then loads the method; prints the error
+  file (modification time moved on, or set back after a same-size rewrite), then
+  loads the method; prints the error
   each attempt raised (``None`` if it loaded).
 - ``cut-while-mapped``: loads the PTE from its path and, as a delegate does while
   a method loads, maps the bytes after its program flatbuffer; cuts the file (to
@@ -223,7 +224,7 @@ def truncate_before_method(runtime: Runtime, paths: list[str]) -> dict[str, obje
     errors: list[str | None] = []
     for path in paths:
         original = Path(path).read_bytes()
-        for change in ("cut", "zero", "rewrite"):
+        for change in ("cut", "zero", "rewrite", "rewrite-time-restored"):
             Path(path).write_bytes(original)
             program = runtime.load_program(path)
             stat = os.stat(path)
@@ -231,11 +232,16 @@ def truncate_before_method(runtime: Runtime, paths: list[str]) -> dict[str, obje
                 os.truncate(path, len(original) // 2)
             elif change == "zero":
                 os.truncate(path, 0)
-            else:
+            else:  # rewritten in place, same size
                 with open(path, "r+b") as handle:
                     handle.write(b"\xff" * len(original))
-            # A modification time the file system's clock would not have moved yet.
-            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+            if change == "rewrite-time-restored":
+                # Other bytes at the same size, the modification time set back to the
+                # nanosecond: only the status-change time, which no call sets back, moved.
+                os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            else:
+                # A modification time the file system's clock would not have moved yet.
+                os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
             try:
                 program.load_method("forward")
                 errors.append(None)

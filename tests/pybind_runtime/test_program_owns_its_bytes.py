@@ -39,18 +39,26 @@ def test_truncated_pte_after_load_method_still_runs_correctly(mlp_pte_bytes: dic
 def test_file_changed_before_load_method_is_an_error_not_a_crash(
     mlp_pte_bytes: dict[str, bytes], tmp_path: Path
 ) -> None:
-    """Cut in half, cut to 0 bytes, or rewritten in place between ``load_program``
-    and ``load_method``: the XNNPACK program's method refuses to load, naming the
-    file and the change and what to do. The portable programs hold every byte they
-    need from ``load_program`` on (their constants are read then), so they load."""
+    """Cut in half, cut to 0 bytes, rewritten in place, or rewritten in place at the
+    same size with its modification time set back to the nanosecond, between
+    ``load_program`` and ``load_method``: the XNNPACK program's method refuses to
+    load, naming the file and the change and what to do. The portable programs hold
+    every byte they need from ``load_program`` on (their constants are read then),
+    so they load."""
     paths = _ptes(mlp_pte_bytes, tmp_path)
     errors = run_isolated("truncate-before-method", *paths)["errors"]
-    assert errors[:6] == [None] * 6, errors
-    sizes = [str(paths[2].stat().st_size)] * 3
-    for error, now in zip(errors[6:], (str(int(sizes[0]) // 2), "0", sizes[0]), strict=True):
+    assert errors[:8] == [None] * 8, errors
+    size = str(paths[2].stat().st_size)
+    changes = (
+        f"{size} bytes then, {int(size) // 2} now",
+        f"{size} bytes then, 0 now",
+        f"{size} bytes then and now, written since",
+        f"{size} bytes then and now, written since",
+    )
+    for error, change in zip(errors[8:], changes, strict=True):
         assert error is not None, errors
         assert error.startswith("ProgramError: cannot load method 'forward'"), error
-        assert f"'{paths[2]}': the file changed since load_program ({sizes[0]} bytes then, {now} now)" in error
+        assert f"'{paths[2]}': the file changed since load_program ({change})" in error
         assert "load it again" in error
 
 

@@ -27,7 +27,7 @@
 // (private mappings too). For the duration of a method load a SIGBUS handler is
 // installed that turns a fault inside one of these mappings into zero pages
 // and a flag; any other SIGBUS goes to the handler installed before. When the
-// load ends, the file is checked again (size and modification time, as every
+// load ends, the file is checked again (size, modification and status-change time, as every
 // read checks it): a file cut or rewritten at any point of the load fails it
 // with an error saying so. Outside a method load every range is read, and a
 // short read is an error.
@@ -88,9 +88,14 @@ struct ProgramBytes {
   static constexpr size_t kPopulatedBytes = size_t{1} << 20;
 };
 
+// Size, modification time and status-change time, to the nanosecond. The kernel
+// moves the status-change time on every write and on every utime() call, and no
+// call sets it back: a file rewritten at the same size with its modification time
+// restored still differs here.
 inline bool same_file_state(const struct stat& a, const struct stat& b) {
   return a.st_size == b.st_size && a.st_mtim.tv_sec == b.st_mtim.tv_sec &&
-         a.st_mtim.tv_nsec == b.st_mtim.tv_nsec;
+         a.st_mtim.tv_nsec == b.st_mtim.tv_nsec && a.st_ctim.tv_sec == b.st_ctim.tv_sec &&
+         a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
 }
 
 // Reads [offset, offset + size) of `fd` into `into`; "" on success, else why not.
@@ -499,9 +504,11 @@ class FileLoader final : public etr::DataLoader {
       return false;
     }
     if (!same_file_state(now, opened_)) {
-      fail("the file changed since load_program (" + std::to_string(opened_.st_size) + " bytes then, " +
-           std::to_string(now.st_size) +
-           " now); load it again, or load its bytes to keep the whole program in memory");
+      std::string how = now.st_size == opened_.st_size
+                            ? std::to_string(now.st_size) + " bytes then and now, written since"
+                            : std::to_string(opened_.st_size) + " bytes then, " + std::to_string(now.st_size) + " now";
+      fail("the file changed since load_program (" + how +
+           "); load it again, or load its bytes to keep the whole program in memory");
       return false;
     }
     return true;
