@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The packages whose code the harnesses measure; the application keeps its own `writeback bench`.
-MEASURED = ("mlx-backend", "passes", "pybind-runtime", "trt-copyback")
+# The packages whose code the benchmarks measure: the application's `writeback bench` commands
+# come from writeback-bench's plugin too.
+MEASURED = ("app", "mlx-backend", "passes", "pybind-runtime", "trt-copyback")
 
 
 @pytest.mark.parametrize("package", MEASURED)

@@ -63,7 +63,7 @@ from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import (
+from writeback_bench.contenders import (
     EAGER,
     STOCK,
     WARMUP,

@@ -140,7 +140,7 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     # Each .pte is streamed to its file from exir's serialized pieces (exir's write_to_file, as
     # ExecuTorch's export scripts save it), never joined into one bytes object first.
     if contender == STOCK:
-        from writeback.bench_common import write_stock_pte
+        from writeback_bench.contenders import write_stock_pte
 
         with known_warnings_ignored():
             write_stock_pte(exported, pte, xnnpack=True, constant_methods=dict(case.constant_methods))
@@ -215,7 +215,7 @@ class ScaleRow:
 
 def _child(phase: str, contender: str, folder: Path, pte: Path, steps: int, quantize: str) -> dict[str, float]:
     """Run one phase of one contender in a fresh interpreter; its figures, or raise with its stderr."""
-    module = "writeback.bench_scale"
+    module = "writeback_bench.llama_scale"
     command = [sys.executable, "-m", module, phase, contender, str(folder), str(pte), str(steps), quantize]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()

@@ -1,4 +1,4 @@
-"""``python -m writeback.bench_attention [MODEL] [--cache-mib M]``: a model's prompt
+"""``python -m writeback_bench.prefill_attention [MODEL] [--cache-mib M]``: a model's prompt
 prefilled in one call, then decode steps, in stock ``executorch.runtime``, interleaved in one
 process on one thread.
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     from executorch.runtime import Runtime
     from writeback_core.llm_runner import load_runner_kernels
 
-    from writeback.bench_common import stock_program
+    from writeback_bench.contenders import stock_program
     from writeback.cli import resolve_model_option
     from writeback.lowering import export_case, lower
 

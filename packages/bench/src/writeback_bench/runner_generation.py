@@ -36,7 +36,7 @@ from rich.console import Console
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import write_stock_pte
+from writeback_bench.contenders import write_stock_pte
 from writeback.cli import accept_weights_option, quantize_option, quantized_case, resolve_model_option
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
