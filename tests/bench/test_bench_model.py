@@ -17,9 +17,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
-from writeback_bench.model_steps import model_contenders, model_table, run_model_bench
 from writeback.cli import main
 from writeback.zoo import DecoderConfig, decoder_case
+from writeback_bench.model_steps import model_contenders, model_table, run_model_bench
 from writeback_core.registry import load_registry
 from writeback_core.types import ModelCase
 

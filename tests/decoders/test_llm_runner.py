@@ -242,8 +242,8 @@ def _mapped_bench_ptes() -> set[str]:
 def test_bench_generate_times_each_contender_in_a_runner_of_its_own_one_loaded_at_a_time_all_giving_one_text(
     folder: tuple[Path, list[str]],
 ) -> None:
-    from writeback_bench.runner_generation import STOCK_SAME, WRITEBACK, bench_generation
     from writeback.cli import resolve_model_option
+    from writeback_bench.runner_generation import STOCK_SAME, WRITEBACK, bench_generation
     from writeback_core import load_registry
 
     model, expected = folder

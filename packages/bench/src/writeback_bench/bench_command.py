@@ -16,15 +16,15 @@ import click
 import torch
 from rich.console import Console
 from rich.progress import Progress
+from writeback import WriteFailed
+from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
+from writeback.pipeline import PipelineError, choose_backend
 from writeback_core.quiet import native_stderr_filtered
 from writeback_core.registry import Registry
 
-from writeback import WriteFailed
 from writeback_bench.cache_sizes import failures, run_bench, tables
 from writeback_bench.model_steps import BASELINE, model_contenders, model_table, run_model_bench
 from writeback_bench.plots import check_plot, plot, plot_model
-from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
-from writeback.pipeline import PipelineError, choose_backend
 
 __all__ = ["bench_command"]
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-
 from writeback.cli import quantize_option
 
 if TYPE_CHECKING:
@@ -126,10 +125,9 @@ def _folder_case(registry: Any, folder: str, quantize: str) -> ModelCase:
 
 def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, float]:
     import executorch.exir  # noqa: F401  (imported before the baseline: every contender imports it)
+    from writeback.lowering import export_case
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
-
-    from writeback.lowering import export_case
 
     registry = load_registry()
     base = _resident_gb()
@@ -163,11 +161,10 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
 
 def _run(contender: str, folder: str, pte: str, steps: int, quantize: str) -> dict[str, float]:
     import torch.utils._pytree as pytree
+    from writeback.pipeline import assemble
     from writeback_core.llm_runner import load_runner_kernels
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
-
-    from writeback.pipeline import assemble
 
     registry = load_registry()
     load_runner_kernels()

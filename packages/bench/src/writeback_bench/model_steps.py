@@ -29,6 +29,9 @@ import torch
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
+from writeback.eager_weights import same_weights
+from writeback.lowering import return_freed_memory
+from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
@@ -44,9 +47,6 @@ from writeback_bench.contenders import (
     short_error,
     write_stock_pte,
 )
-from writeback.eager_weights import same_weights
-from writeback.lowering import return_freed_memory
-from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 
 __all__ = [
     "BASELINE",

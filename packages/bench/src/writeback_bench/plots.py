@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-
 from writeback import replacing
+
 from writeback_bench.cache_sizes import PIPELINES, REINPLACE, SLICE_COPY, WRITEBACK, BenchResult
 from writeback_bench.contenders import EAGER, STOCK, WARMUP, XNNPACK
 from writeback_bench.model_steps import ModelBenchResult

@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
+    from writeback.cli import resolve_model_option
+    from writeback.lowering import export_case, lower
     from writeback_core.llm_runner import load_runner_kernels
 
     from writeback_bench.contenders import stock_program
-    from writeback.cli import resolve_model_option
-    from writeback.lowering import export_case, lower
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="et-llama")
