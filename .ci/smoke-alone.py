@@ -51,7 +51,7 @@ PLUGIN = {
     "writeback_example_backend": "example-backend",
     "writeback_testing": "writeback-testing",
     "writeback_decoders": "decoders",
-    "writeback_bench": "mlx-backend",
+    "writeback_bench": "writeback-bench",
 }
 
 
@@ -115,10 +115,22 @@ def core() -> None:
 
 def application() -> None:
     explain()
+    # The benchmarks' commands come with writeback-bench, not with the application alone.
+    listed = writeback("--help").split("Commands:")[-1].split()
+    if "bench" in listed:
+        raise SystemExit(f"`writeback --help` lists bench without writeback-bench installed: {listed}")
 
 
 def bench() -> None:
     for name in (
+        "bench_command",
+        "cache_sizes",
+        "contenders",
+        "llama_scale",
+        "model_steps",
+        "plots",
+        "prefill_attention",
+        "runner_generation",
         "mlx",
         "mlx_vs",
         "mlx_vs_calls",
@@ -136,6 +148,8 @@ def bench() -> None:
     with contextlib.redirect_stdout(out):
         passes_memory.main(["--size", "16"])
     expect(out.getvalue(), "ema")
+    expect(writeback("--help"), "bench-generate", "bench-scale")
+    expect(writeback("bench", "--help"), "--sizes")
 
 
 def testing() -> None:

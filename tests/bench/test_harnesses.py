@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The packages whose code the harnesses measure; the application keeps its own `writeback bench`.
-MEASURED = ("mlx-backend", "passes", "pybind-runtime", "trt-copyback")
+# The packages whose code the benchmarks measure: the application's `writeback bench` commands
+# come from writeback-bench's plugin too.
+MEASURED = ("app", "mlx-backend", "passes", "pybind-runtime", "trt-copyback")
 
 
 @pytest.mark.parametrize("package", MEASURED)
@@ -50,3 +52,40 @@ def test_the_memory_harness_lowers_every_built_in_model_both_ways_and_lets_no_wa
     stock, early, saved, state, _ = rows["early-ready"]
     assert int(state) == 16 * 16 * 4  # one [16, 16] fp32 state
     assert int(saved) >= int(state) and int(early) == int(stock) - int(saved)
+
+
+def _commands(env: dict[str, str]) -> list[str]:
+    """The subcommands ``writeback --help`` lists in a fresh process with ``env`` added."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "writeback", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    listing = done.stdout.split("Commands:")[1]
+    return [line.split()[0] for line in listing.splitlines() if line.startswith("  ") and line.split()]
+
+
+def test_the_bench_commands_come_from_writeback_bench_and_go_when_its_plugin_is_blocked() -> None:
+    """The application alone has no `bench`: writeback-bench's plugin adds all three, and
+    blocking it (as a user without the package has it) leaves the application's own commands."""
+    from writeback_bench import plugin
+
+    bench = {"bench", "bench-generate", "bench-scale"}
+    # Each command is the bench package's own object, added by its plugin's hook.
+    group = click.Group()
+    plugin.writeback_cli_commands(group)
+    assert sorted(group.commands) == sorted(bench)
+    assert all(c.callback.__module__.startswith("writeback_bench.") for c in group.commands.values())
+
+    assert bench <= set(_commands({}))
+    alone = _commands({"WRITEBACK_BLOCK_PLUGINS": "writeback-bench"})
+    assert not bench & set(alone), alone
+    assert {"run", "export", "generate", "explain", "plugins"} <= set(alone)

@@ -25,7 +25,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 _APPLICATION = (
     "writeback",
-    "writeback.bench",
+    "writeback_bench.bench_command",
     "writeback.cli",
     "writeback.default_plugin",
     "writeback.explain",

@@ -242,8 +242,8 @@ def _mapped_bench_ptes() -> set[str]:
 def test_bench_generate_times_each_contender_in_a_runner_of_its_own_one_loaded_at_a_time_all_giving_one_text(
     folder: tuple[Path, list[str]],
 ) -> None:
-    from writeback.bench_generate import STOCK_SAME, WRITEBACK, bench_generation
     from writeback.cli import resolve_model_option
+    from writeback_bench.runner_generation import STOCK_SAME, WRITEBACK, bench_generation
     from writeback_core import load_registry
 
     model, expected = folder
@@ -315,7 +315,7 @@ def test_bench_generate_quantize_lowers_every_contender_of_the_model_with_8da4w_
 ) -> None:
     """`bench-generate --quantize 8da4w`: the stock contenders (transformers' StaticCache, the same
     export) are quantized as writeback's program is, so the rows compare like with like."""
-    import writeback.bench_generate as bench
+    import writeback_bench.runner_generation as bench
     from transformers import AutoModelForCausalLM
 
     model, _ = folder

@@ -182,7 +182,7 @@ def test_bench_model_from_step_0_takes_greedy_tokens_from_the_rows_and_builds_no
     """`bench --model et-llama` from step 0: the reference and the timed rows hand their logits
     to the case, so its greedy tokens never need a private eager copy (a real-size model's
     weights once more). Models built: the eager reference, the export, the eager row."""
-    from writeback.bench_model import run_model_bench
+    from writeback_bench.model_steps import run_model_bench
     from writeback_decoders import et_llama
 
     built: list[int] = []

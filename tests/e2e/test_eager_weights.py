@@ -136,7 +136,7 @@ class _Unseeded(torch.nn.Module):
 def test_bench_of_a_factory_whose_builds_differ_is_refused_naming_the_tensor_no_silent_wrong_answer() -> None:
     """The model bench builds per row (one model's weights alive at a time); a build whose weights
     are not the first build's would time and compare another model, so it is refused."""
-    from writeback.bench_model import run_model_bench
+    from writeback_bench.model_steps import run_model_bench
 
     case = ModelCase("toy", "an unseeded toy", _Unseeded, lambda step: (torch.ones(4) * (step + 1),))
     result = run_model_bench(load_registry(), case, steps=2, contenders=["eager", "writeback+portable"])
@@ -147,7 +147,7 @@ def test_bench_of_a_factory_whose_builds_differ_is_refused_naming_the_tensor_no_
 
 
 def test_bench_of_a_seeded_factory_builds_per_row_and_matches_eager() -> None:
-    from writeback.bench_model import run_model_bench
+    from writeback_bench.model_steps import run_model_bench
 
     def seeded() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -40,6 +40,8 @@ __all__ = [
     "cache_mib_problem",
     "main",
     "progress_bar",
+    "quantize_option",
+    "quantized_case",
     "resolve_model_option",
     "writable_file",
 ]
@@ -320,7 +322,11 @@ class _PluginGroup(click.Group):
 
 @click.group(cls=_PluginGroup)
 def main() -> None:
-    """writeback: state that a model mutates, written once, in place, where the caller sees it."""
+    """writeback: state that a model mutates, written once, in place, where the caller sees it.
+
+    Commands come from the installed plugins (`writeback plugins` lists them): `bench`, `bench-generate`
+    and `bench-scale` with writeback-bench, `fuzz` and `fuzz-blobs` with writeback-testing.
+    """
 
 
 @click.command("plugins")

@@ -40,16 +40,10 @@ def writeback_cli_commands(group: click.Group) -> None:
 
     group.add_command(cli.plugins_command)
     group.add_command(cli.explain_command)
-    from writeback.bench import bench_command
-    from writeback.bench_generate import bench_generate_command
-    from writeback.bench_scale import bench_scale_command
     from writeback.export import export_command
     from writeback.generate import generate_command
     from writeback.run import run_command
 
     group.add_command(run_command)
-    group.add_command(bench_command)
-    group.add_command(bench_generate_command)
-    group.add_command(bench_scale_command)
     group.add_command(export_command)
     group.add_command(generate_command)

@@ -1,5 +1,19 @@
-"""writeback-bench: the backends' benchmark harnesses, each run as ``python -m writeback_bench.<name>``.
+"""writeback-bench: the benchmarks, apart from the code they measure.
 
+The ``writeback bench``, ``bench-generate`` and ``bench-scale`` commands (added by
+:mod:`writeback_bench.plugin` through ``writeback_cli_commands``):
+
+- :mod:`writeback_bench.bench_command`: ``writeback bench``, its options and tables.
+- :mod:`writeback_bench.cache_sizes`: one decode step at each cache size, stock beside writeback.
+- :mod:`writeback_bench.model_steps`: ``--model``: every contender on one model.
+- :mod:`writeback_bench.contenders`: what those share: names, the stock lowering, the cells.
+- :mod:`writeback_bench.plots`: ``--plot``.
+- :mod:`writeback_bench.runner_generation`: ``writeback bench-generate``, through ExecuTorch's LLM runner.
+- :mod:`writeback_bench.llama_scale`: ``writeback bench-scale``, a Llama of a given shape.
+
+The harnesses, each run as ``python -m writeback_bench.<name>``:
+
+- :mod:`writeback_bench.prefill_attention`: a prompt prefilled in one call, with and without the attention passes.
 - :mod:`writeback_bench.mlx`: the MLX delegate against eager, MLX written by hand and stock.
 - :mod:`writeback_bench.mlx_vs`: its ``--vs-mlx`` comparison (rows, rounds, tables).
 - :mod:`writeback_bench.mlx_vs_calls`: the models and timed calls that comparison runs.

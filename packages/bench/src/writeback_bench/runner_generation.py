@@ -33,11 +33,11 @@ from typing import Any
 
 import click
 from rich.console import Console
+from writeback.cli import accept_weights_option, quantize_option, quantized_case, resolve_model_option
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import write_stock_pte
-from writeback.cli import accept_weights_option, quantize_option, quantized_case, resolve_model_option
+from writeback_bench.contenders import write_stock_pte
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
 
@@ -154,9 +154,8 @@ def bench_generation(
     """
     import torch
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-    from writeback_core.llm_runner import load_runner_kernels
-
     from writeback.lowering import return_freed_memory
+    from writeback_core.llm_runner import load_runner_kernels
 
     load_runner_kernels()
     torch.set_num_threads(threads)

@@ -10,9 +10,9 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 from click.testing import CliRunner
 from rich.console import Console
-from writeback.bench_cache import REINPLACE, WRITEBACK, run_bench, tables
-from writeback.bench_common import STOCK, XNNPACK
 from writeback.cli import main
+from writeback_bench.cache_sizes import REINPLACE, WRITEBACK, run_bench, tables
+from writeback_bench.contenders import STOCK, XNNPACK
 from writeback_core.registry import load_registry
 
 # Slow tier: runs with --slow (CI does); see tests/conftest.py.

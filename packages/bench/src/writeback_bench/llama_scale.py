@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-
 from writeback.cli import quantize_option
 
 if TYPE_CHECKING:
@@ -126,10 +125,9 @@ def _folder_case(registry: Any, folder: str, quantize: str) -> ModelCase:
 
 def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, float]:
     import executorch.exir  # noqa: F401  (imported before the baseline: every contender imports it)
+    from writeback.lowering import export_case
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
-
-    from writeback.lowering import export_case
 
     registry = load_registry()
     base = _resident_gb()
@@ -140,7 +138,7 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     # Each .pte is streamed to its file from exir's serialized pieces (exir's write_to_file, as
     # ExecuTorch's export scripts save it), never joined into one bytes object first.
     if contender == STOCK:
-        from writeback.bench_common import write_stock_pte
+        from writeback_bench.contenders import write_stock_pte
 
         with known_warnings_ignored():
             write_stock_pte(exported, pte, xnnpack=True, constant_methods=dict(case.constant_methods))
@@ -163,11 +161,10 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
 
 def _run(contender: str, folder: str, pte: str, steps: int, quantize: str) -> dict[str, float]:
     import torch.utils._pytree as pytree
+    from writeback.pipeline import assemble
     from writeback_core.llm_runner import load_runner_kernels
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
-
-    from writeback.pipeline import assemble
 
     registry = load_registry()
     load_runner_kernels()
@@ -215,7 +212,7 @@ class ScaleRow:
 
 def _child(phase: str, contender: str, folder: Path, pte: Path, steps: int, quantize: str) -> dict[str, float]:
     """Run one phase of one contender in a fresh interpreter; its figures, or raise with its stderr."""
-    module = "writeback.bench_scale"
+    module = "writeback_bench.llama_scale"
     command = [sys.executable, "-m", module, phase, contender, str(folder), str(pte), str(steps), quantize]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()

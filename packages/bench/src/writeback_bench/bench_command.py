@@ -1,10 +1,10 @@
 """``writeback bench``: the command, and what it alone needs.
 
-Without ``--model`` it runs the cache-size bench (:mod:`writeback.bench_cache`: one
+Without ``--model`` it runs the cache-size bench (:mod:`writeback_bench.cache_sizes`: one
 decode step through stock ExecuTorch and through writeback, at each cache size); with
-``--model NAME``, the model bench (:mod:`writeback.bench_model`: every contender on
+``--model NAME``, the model bench (:mod:`writeback_bench.model_steps`: every contender on
 one model). Both are described in their modules. Here the options are checked before
-anything is lowered, the tables printed and ``--plot`` written (:mod:`writeback.bench_plot`).
+anything is lowered, the tables printed and ``--plot`` written (:mod:`writeback_bench.plots`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import click
 import torch
 from rich.console import Console
 from rich.progress import Progress
+from writeback import WriteFailed
+from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
+from writeback.pipeline import PipelineError, choose_backend
 from writeback_core.quiet import native_stderr_filtered
 from writeback_core.registry import Registry
 
-from writeback._files import WriteFailed
-from writeback.bench_cache import failures, run_bench, tables
-from writeback.bench_model import BASELINE, model_contenders, model_table, run_model_bench
-from writeback.bench_plot import check_plot, plot, plot_model
-from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
-from writeback.pipeline import PipelineError, choose_backend
+from writeback_bench.cache_sizes import failures, run_bench, tables
+from writeback_bench.model_steps import BASELINE, model_contenders, model_table, run_model_bench
+from writeback_bench.plots import check_plot, plot, plot_model
 
 __all__ = ["bench_command"]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import click
+from writeback import replacing
 
-from writeback._files import replacing
-from writeback.bench_cache import PIPELINES, REINPLACE, SLICE_COPY, WRITEBACK, BenchResult
-from writeback.bench_common import EAGER, STOCK, WARMUP, XNNPACK
-from writeback.bench_model import ModelBenchResult
+from writeback_bench.cache_sizes import PIPELINES, REINPLACE, SLICE_COPY, WRITEBACK, BenchResult
+from writeback_bench.contenders import EAGER, STOCK, WARMUP, XNNPACK
+from writeback_bench.model_steps import ModelBenchResult
 
 __all__ = ["check_plot", "plot", "plot_model"]
 

@@ -59,11 +59,13 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 from torch import nn
+from writeback.pipeline import Eager, Pipeline, PipelineError, Session, StepResult, assemble, compare, lower
+from writeback.zoo import DecoderConfig, decoder_case
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import (
+from writeback_bench.contenders import (
     EAGER,
     STOCK,
     WARMUP,
@@ -74,8 +76,6 @@ from writeback.bench_common import (
     short_error,
     stock_program,
 )
-from writeback.pipeline import Eager, Pipeline, PipelineError, Session, StepResult, assemble, compare, lower
-from writeback.zoo import DecoderConfig, decoder_case
 
 __all__ = [
     "MIB",
@@ -174,7 +174,6 @@ class Contender:
 
 def _stock_call(case: ModelCase, reinplace: bool, xnnpack: bool = False) -> Call:
     from executorch.exir import ExecutorchBackendConfig
-
     from writeback.lowering import export_case
 
     with known_warnings_ignored():

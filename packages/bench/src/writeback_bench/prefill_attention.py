@@ -1,4 +1,4 @@
-"""``python -m writeback.bench_attention [MODEL] [--cache-mib M]``: a model's prompt
+"""``python -m writeback_bench.prefill_attention [MODEL] [--cache-mib M]``: a model's prompt
 prefilled in one call, then decode steps, in stock ``executorch.runtime``, interleaved in one
 process on one thread.
 
@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
-    from writeback_core.llm_runner import load_runner_kernels
-
-    from writeback.bench_common import stock_program
     from writeback.cli import resolve_model_option
     from writeback.lowering import export_case, lower
+    from writeback_core.llm_runner import load_runner_kernels
+
+    from writeback_bench.contenders import stock_program
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="et-llama")

@@ -1,7 +1,7 @@
 """The model bench of ``writeback bench``: every contender on one model, side by side.
 
 ``writeback bench --model NAME`` (:func:`run_model_bench`) times one model
-instead of the cache sizes (:mod:`writeback.bench_cache`), resolved as
+instead of the cache sizes (:mod:`writeback_bench.cache_sizes`), resolved as
 ``writeback run`` resolves it (a built-in or plugin name, or ``file.py:factory``;
 ``--cache-mib`` for the built-in decoders) and exported once through
 :func:`writeback.lowering.export_case`. Its contenders, one row each,
@@ -29,11 +29,14 @@ import torch
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
+from writeback.eager_weights import same_weights
+from writeback.lowering import return_freed_memory
+from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
-from writeback.bench_common import (
+from writeback_bench.contenders import (
     EAGER,
     STOCK,
     WARMUP,
@@ -44,9 +47,6 @@ from writeback.bench_common import (
     short_error,
     write_stock_pte,
 )
-from writeback.eager_weights import same_weights
-from writeback.lowering import return_freed_memory
-from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
 
 __all__ = [
     "BASELINE",

@@ -1,5 +1,5 @@
 """What the benches share: the contenders' names that both benches of ``writeback bench``
-use (:mod:`writeback.bench_cache`, :mod:`writeback.bench_model`), their warm-up
+use (:mod:`writeback_bench.cache_sizes`, :mod:`writeback_bench.model_steps`), their warm-up
 count, the timed call, the text of their cells, and :func:`stock_program`, the stock
 ExecuTorch lowering every bench compares writeback with (``bench-generate`` and
 ``bench_attention`` included), with :func:`write_stock_pte` saving it as users do.

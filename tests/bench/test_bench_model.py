@@ -17,9 +17,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
-from writeback.bench_model import model_contenders, model_table, run_model_bench
 from writeback.cli import main
 from writeback.zoo import DecoderConfig, decoder_case
+from writeback_bench.model_steps import model_contenders, model_table, run_model_bench
 from writeback_core.registry import load_registry
 from writeback_core.types import ModelCase
 
@@ -156,7 +156,7 @@ def test_bench_model_times_with_one_model_of_weights_alive_the_export_and_loweri
     import gc
     import weakref
 
-    from writeback import bench_model
+    from writeback_bench import model_steps as bench_model
 
     base = decoder_case(DecoderConfig(layers=2))
     built: list[list[weakref.ref[torch.Tensor]]] = []
