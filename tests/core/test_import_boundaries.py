@@ -188,7 +188,7 @@ def test_the_walk_sees_an_application_import_from_a_plugin(tmp_path: Path, monke
 
 def _module_paths_outside_core() -> set[str]:
     """Every importable module path of the workspace's other packages (``writeback.zoo``,
-    ``writeback_mlx_backend.runtime``, ...), their top-level packages but the project's
+    ``writeback_mlx_backend.mlx_delegate``, ...), their top-level packages but the project's
     name itself (``writeback``, also the entry-point group) included."""
     paths = set()
     for name, (folder, modules, _) in _packages().items():
@@ -207,7 +207,7 @@ def test_the_contract_names_no_application_or_plugin_module_even_to_import_it_la
     """A lazy import (``importlib.import_module("writeback.zoo")``) escapes the import walk; a
     string in core's source that is exactly another package's module path is one."""
     outside = _module_paths_outside_core()
-    assert {"writeback.zoo", "writeback_mlx_backend.runtime"} <= outside
+    assert {"writeback.zoo", "writeback_mlx_backend.mlx_delegate"} <= outside
     found = []
     for path in sorted((_ROOT / "packages" / "core" / "src").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -16,13 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-import writeback_mlx_backend.fast.attention as attention_module
 import writeback_mlx_backend.fast.rms_norm as rms_norm_module
 import writeback_mlx_backend.fast.rope as rope_module
+import writeback_mlx_backend.fast.sdpa as attention_module
 import writeback_mlx_backend.op_indexing as op_indexing_module
 import writeback_mlx_backend.op_math as op_math_module
 import writeback_mlx_backend.op_shapes as op_shapes_module
-import writeback_mlx_backend.ops as ops_module
+import writeback_mlx_backend.op_table as ops_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_mlx_backend import MLXDelegate
