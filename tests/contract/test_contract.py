@@ -16,7 +16,7 @@ from writeback_testing.contract import (
     zoo_cases,
 )
 from writeback_testing.observations import InvalidProgram
-from writeback_testing.program import ProgramSpec, Read, Source, State, Write
+from writeback_testing.program_spec import ProgramSpec, Read, Source, State, Write
 from writeback_testing.strategies import programs
 
 EXAMPLE_PLUGINS = (
@@ -94,7 +94,7 @@ def test_functional_index_copy_on_a_read_only_buffer_leaves_it_alone(
     """Regression (found by the contract suite): the example delegate wrote every
     delegated ``index_copy`` into its destination in place, so a functional
     ``t = buf.index_copy(...)`` of a buffer the program never mutates changed the buffer."""
-    from writeback_testing.program import Derive, Source, State, Write
+    from writeback_testing.program_spec import Derive, Source, State, Write
 
     write = Write("s0", "index_copy", Source("x", (1, 3)), dim=0, index=None)
     spec = ProgramSpec(states=(State("s0", "buffer", (4, 3)),), statements=(Derive("t0", write),), outputs=("t0", "s0"))
@@ -106,7 +106,7 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
     """Without a pass that drops write-backs (only early write-back installed), an accepted
     mutation is still copied back: the contract must say so, naming the backend and state."""
     from writeback_core import ProgramPass, hookimpl
-    from writeback_testing.program import Source, State, Write
+    from writeback_testing.program_spec import Source, State, Write
 
     class EarlyOnly:
         writeback_name = "early-only"

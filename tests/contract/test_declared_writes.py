@@ -21,7 +21,7 @@ from writeback_core.blob import BlobError
 from writeback_core.registry import Registry, load_registry
 from writeback_testing.contract import ContractViolation, check_declared_writes
 from writeback_testing.observations import InvalidProgram, eager_reference
-from writeback_testing.program import Built, build
+from writeback_testing.program_spec import Built, build
 from writeback_testing.strategies import programs
 
 PLUGINS = (

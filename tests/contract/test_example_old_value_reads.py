@@ -11,7 +11,7 @@ import pytest
 import torch
 from writeback_core.registry import Registry, load_registry
 from writeback_testing.contract import check_backend_contract
-from writeback_testing.program import Built, ProgramSpec, State
+from writeback_testing.program_spec import Built, ProgramSpec, State
 
 PLUGINS = ("writeback_passes.plugin", "writeback_pybind_runtime.plugin", "writeback_example_backend.plugin")
 

@@ -11,7 +11,7 @@ import pytest
 from writeback_core.registry import load_registry
 from writeback_testing.contract import check_backend_contract
 from writeback_testing.fuzz import FuzzConfig, default_jobs, run_fuzz, summary
-from writeback_testing.program import ProgramSpec, Source, State, Write
+from writeback_testing.program_spec import ProgramSpec, Source, State, Write
 
 pytest.importorskip("writeback_mlx_backend")
 

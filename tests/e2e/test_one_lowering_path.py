@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from writeback.cli import main
 from writeback.zoo import builtin_models
 from writeback_core.registry import load_registry
-from writeback_testing.lowerings import Lowerings
+from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.oracle import built_from_case
 
 from tests.conftest import Decomposition

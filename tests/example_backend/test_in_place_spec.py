@@ -15,7 +15,7 @@ from writeback_core import InPlaceOutput, encode_in_place_outputs, in_place_outp
 from writeback_core.blob import BlobError
 from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 from writeback_example_backend.backend import ExampleRuntimeDelegate
-from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
 from tests.trt_copyback.test_hostile_blobs import _valid_record
 

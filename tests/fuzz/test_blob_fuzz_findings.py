@@ -138,7 +138,7 @@ def test_kv_alias_index_copy_dim_past_the_caches_rank_refused_by_name_nothing_wr
     ``index_copy`` update whose dim lies outside the cache's rank reached ``index_copy_`` as
     is (``ValueError: Overflow when unpacking long long`` for a huge one)."""
     from writeback_testing.blobseeds import seeds_of
-    from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+    from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
     seed = next(s for s in seeds_of("engine:kv-alias") if s.program == "cache-write#0")
     tree = json.loads(seed.blob)

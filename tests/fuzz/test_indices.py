@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from writeback_core.registry import Registry
 from writeback_testing.observations import Observation, compare_observations, eager_run
 from writeback_testing.oracle import check_program, check_source
-from writeback_testing.program import POS_MODES, ProgramSpec, Read, Source, State, Write, build, render_source
+from writeback_testing.program_spec import POS_MODES, ProgramSpec, Read, Source, State, Write, build, render_source
 from writeback_testing.strategies import programs
 from writeback_testing.targets import StockTarget, Target, registry_runtime, runtime_targets
 

@@ -10,10 +10,10 @@ import torch
 import torch.fx
 from writeback_core import ProgramPass, hookimpl
 from writeback_core.registry import Registry, load_registry
-from writeback_testing.lowerings import Lowerings
+from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.observations import Observation
 from writeback_testing.oracle import HarnessError, ProgramMismatch, TargetError, check_program, check_source
-from writeback_testing.program import ProgramSpec, Read, Source, State, Write, build
+from writeback_testing.program_spec import ProgramSpec, Read, Source, State, Write, build
 from writeback_testing.targets import StockTarget, registry_runtime, runtime_targets
 
 from .conftest import FUZZ_PLUGINS

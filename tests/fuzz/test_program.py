@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from writeback_testing.observations import InvalidProgram, eager_run
 from writeback_testing.oracle import check_program
 from writeback_testing.overlap import OverlappingWrite
-from writeback_testing.program import (
+from writeback_testing.program_spec import (
     Combine,
     Compute,
     Derive,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from writeback_core.program import MemoryPlan
 from writeback_core.registry import Registry
-from writeback_testing.lowerings import Lowerings
+from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.oracle import check_program
-from writeback_testing.program import ProgramSpec, Source, State, Write, build
+from writeback_testing.program_spec import ProgramSpec, Source, State, Write, build
 from writeback_testing.targets import registry_runtime, runtime_targets
 
 # Found by the fuzzer (pybind-unplanned target): with graph outputs left out of the memory

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import DelegateProgram
+from writeback_mlx_backend.delegate_program import DelegateProgram
 
 EMBEDDING = torch.arange(15, dtype=torch.float32).reshape(5, 3)  # 5 tokens, width 3
 

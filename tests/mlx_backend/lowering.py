@@ -64,7 +64,7 @@ class Lowered:
     def delegated_ops(self) -> set[str]:
         """The ops inside every MLX delegate of the program (``aten.mm.default`` style)."""
         from executorch.exir.lowered_backend_module import LoweredBackendModule
-        from writeback_mlx_backend.ops import op_key
+        from writeback_mlx_backend.op_table import op_key
 
         found = set()
         for module in self.program.exported_program().graph_module.children():

@@ -66,7 +66,7 @@ def test_a_parsed_blob_reads_its_data_through_a_view_and_refuses_to_grow_changes
     """``DelegateProgram.from_bytes`` keeps a view of the blob's data section (no copy):
     its records read the blob's bytes; adding a tensor to it raises ``TypeError`` and
     leaves it as it was; ``drop_data`` forgets the section."""
-    from writeback_mlx_backend.program import DelegateProgram
+    from writeback_mlx_backend.delegate_program import DelegateProgram
 
     from tests.mlx_backend.embedding_cache_blob import EMBEDDING, embedding_cache_program
 
@@ -90,7 +90,7 @@ def test_serializing_a_delegate_program_copies_its_weights_once() -> None:
     (Python's allocations, where ``bytes`` live) and by reading the blob back."""
     import tracemalloc
 
-    from writeback_mlx_backend.program import DelegateProgram
+    from writeback_mlx_backend.delegate_program import DelegateProgram
 
     size = 64 * 2**20
     data = bytearray(os.urandom(1 << 16) * (size >> 16))

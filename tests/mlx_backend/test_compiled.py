@@ -16,30 +16,30 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-import writeback_mlx_backend.fast.attention as attention_module
 import writeback_mlx_backend.fast.rms_norm as rms_norm_module
 import writeback_mlx_backend.fast.rope as rope_module
+import writeback_mlx_backend.fast.sdpa as sdpa_module
 import writeback_mlx_backend.op_indexing as op_indexing_module
 import writeback_mlx_backend.op_math as op_math_module
 import writeback_mlx_backend.op_shapes as op_shapes_module
-import writeback_mlx_backend.ops as ops_module
+import writeback_mlx_backend.op_table as op_table_module
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import lower_mlx
 
-# The op handlers: ATen ops (op_math.py, op_shapes.py, op_indexing.py, the table in ops.py)
+# The op handlers: ATen ops (op_math.py, op_shapes.py, op_indexing.py, the table in op_table.py)
 # and the fused steps the runtime makes (fast/).
 OPS_FILES = {
     str(Path(m.__file__).resolve())
     for m in (
-        ops_module,
+        op_table_module,
         op_math_module,
         op_shapes_module,
         op_indexing_module,
         rms_norm_module,
-        attention_module,
+        sdpa_module,
         rope_module,
     )
 }
@@ -123,7 +123,7 @@ def test_weights_read_through_a_transpose_are_laid_out_once_at_init() -> None:
     transposed = [
         s.name
         for s in handle.steps
-        if s.handler is ops_module.OPS["aten.permute_copy.default"] and s.args[0].name in handle.constants
+        if s.handler is op_table_module.OPS["aten.permute_copy.default"] and s.args[0].name in handle.constants
     ]
     assert transposed == []
     # The weights the program read only through their transpose are gone; their

@@ -14,7 +14,7 @@ import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch import nn
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import DelegateProgram
+from writeback_mlx_backend.delegate_program import DelegateProgram
 
 from tests.mlx_backend.lowering import lower_mlx
 

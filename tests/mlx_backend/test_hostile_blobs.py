@@ -16,7 +16,7 @@ import pytest
 import torch
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import MAGIC, MAX_HEADER_BYTES, pack
+from writeback_mlx_backend.delegate_program import MAGIC, MAX_HEADER_BYTES, pack
 
 from tests.hostile import at, fields, replaced, wrong_values
 from tests.mlx_backend.embedding_cache_blob import embedding_cache_program, run_embedding_cache

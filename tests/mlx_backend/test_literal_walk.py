@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from writeback_core.blob import BlobError
 from writeback_mlx_backend import MLXDelegate
-from writeback_mlx_backend.program import DelegateProgram
+from writeback_mlx_backend.delegate_program import DelegateProgram
 
 from tests.mlx_backend.embedding_cache_blob import embedding_cache_program
 
@@ -51,8 +51,8 @@ def test_a_step_that_fails_to_trace_warns_naming_the_fusions_it_loses() -> None:
     import mlx.core as mx
     from writeback_core.blob import Ref
     from writeback_mlx_backend._steps import Step
-    from writeback_mlx_backend.ops import OPS
-    from writeback_mlx_backend.runtime import FusionsSkippedWarning, _lazy_info
+    from writeback_mlx_backend.mlx_delegate import FusionsSkippedWarning, _lazy_info
+    from writeback_mlx_backend.op_table import OPS
 
     program = embedding_cache_program()
     view = "aten.view_copy.default"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from writeback_mlx_backend import empty
-from writeback_mlx_backend.memory import lookup
+from writeback_mlx_backend.allocations import lookup
 
 
 def test_the_tensor_empty_returned_is_found_and_shares_memory_both_ways() -> None:

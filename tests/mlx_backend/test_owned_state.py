@@ -115,7 +115,7 @@ def test_buffer_the_program_also_returns_stays_a_program_buffer_and_matches_eage
 
 def test_copy_record_stays_bounded_over_a_long_decode_while_the_total_counts_every_copy() -> None:
     """A long decode loop must not grow the delegate's memory: only the latest copies are kept."""
-    from writeback_mlx_backend.runtime import COPY_HISTORY
+    from writeback_mlx_backend.mlx_delegate import COPY_HISTORY
 
     delegate = MLXDelegate()
     handle = delegate.init(_lowered_blob(RowCache(), (torch.tensor([0]), torch.ones(1, 4))), {})

@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 from writeback_core.registry import Registry, hookimpl, load_registry
 from writeback_core.types import RuntimeDelegate
 from writeback_trt_copyback import CompiledProgram, KVAliasEngine, Mode, compile_for_engine
-from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
 
 def export(module: torch.nn.Module, args: tuple[Any, ...], dynamic_shapes: Any = None) -> ExportedProgram:

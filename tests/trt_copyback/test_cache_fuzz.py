@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from writeback_core.registry import load_registry
 from writeback_testing.engines import engine_targets
 from writeback_testing.oracle import check_program
-from writeback_testing.program import X_LEN, ProgramSpec, Read, Source, State, Write
+from writeback_testing.program_spec import X_LEN, ProgramSpec, Read, Source, State, Write
 from writeback_testing.strategies import cache_shapes
 from writeback_testing.targets import registry_runtime
 

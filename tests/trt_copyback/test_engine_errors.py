@@ -6,7 +6,7 @@ import pytest
 import torch
 from writeback_trt_copyback import KVAliasEngine
 from writeback_trt_copyback._blob import Blob
-from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
 
 def test_a_blob_of_another_backend_is_refused_by_name() -> None:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from writeback_core.registry import Registry, load_registry
 from writeback_testing.engines import engine_targets
-from writeback_testing.lowerings import export_built
+from writeback_testing.lowered_plans import export_built
 from writeback_testing.oracle import check_program, check_source
-from writeback_testing.program import Derive, ProgramSpec, Read, Source, State, Write, build
+from writeback_testing.program_spec import Derive, ProgramSpec, Read, Source, State, Write, build
 from writeback_testing.targets import registry_runtime
 from writeback_trt_copyback import (
     KVAliasEngine,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from writeback_core.blob import BlobError
 from writeback_trt_copyback._blob import FORMAT
-from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
 from tests.hostile import at, fields, replaced, wrong_values
 

@@ -13,7 +13,7 @@ from writeback.zoo import builtin_models
 from writeback_core.registry import hookimpl, load_registry
 from writeback_core.types import AliasingEngine, EngineWrite
 from writeback_trt_copyback import BACKEND_ID, KVAliasEngine
-from writeback_trt_copyback.explain import COLUMN, explain_columns
+from writeback_trt_copyback.alias_column import COLUMN, explain_columns
 
 
 def _engines(registry: object) -> list[AliasingEngine]:

@@ -22,11 +22,14 @@ __all__ = [
     "ExamplePartitioner",
     "ExampleRuntimeDelegate",
     "WritebackExampleBackend",
+    "single_index_dim",
 ]
 
 
-def _single_index_dim(node: torch.fx.Node) -> int | None:
-    """The dim of ``index_put(dest, [None, .., idx], src)`` with one 1-D index, else None."""
+def single_index_dim(node: torch.fx.Node) -> int | None:
+    """The dim of ``index_put(dest, [None, .., idx], src)`` with one 1-D index, else None: the
+    nodes this backend delegates (the partitioner) and the ones its plugin knows are not a plain
+    read of the state (``writeback_accepts_in_place``)."""
     if packet_name(node.target) != "index_put" or len(node.args) < 3:
         return None
     if len(node.args) > 3 and node.args[3]:
@@ -60,7 +63,7 @@ class ExamplePartitioner(Partitioner):  # type: ignore[misc]  # executorch is un
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         tags: dict[str, DelegationSpec] = {}
         for node in exported_program.graph_module.graph.nodes:
-            if node.op != "call_function" or _single_index_dim(node) is None:
+            if node.op != "call_function" or single_index_dim(node) is None:
                 continue
             tag = f"{BACKEND_NAME}_{len(tags)}"
             node.meta["delegation_tag"] = tag
@@ -76,10 +79,10 @@ class WritebackExampleBackend(BackendDetails):  # type: ignore[misc]  # executor
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         graph = edge_program.graph_module.graph
         inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
-        (node,) = [n for n in graph.nodes if n.op == "call_function" and _single_index_dim(n) is not None]
+        (node,) = [n for n in graph.nodes if n.op == "call_function" and single_index_dim(n) is not None]
         dest, indices, source = node.args[0], node.args[1], node.args[2]
         plan = {
-            "dim": _single_index_dim(node),
+            "dim": single_index_dim(node),
             "dest": inputs.index(dest.name),
             "index": inputs.index(indices[-1].name),
             "source": inputs.index(source.name),

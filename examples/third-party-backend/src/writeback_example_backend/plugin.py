@@ -76,11 +76,11 @@ def _kept_before(node: torch.fx.Node, write: torch.fx.Node, position: dict[torch
     partition (only one-index writes are delegated, each alone) and comes first in the graph,
     whose order exir keeps for the nodes it does not fuse; an aten op that computes a new
     value, not a clone, which the passes treat as a possible alias of the state."""
-    from writeback_example_backend.backend import _single_index_dim  # exir: only while lowering
+    from writeback_example_backend.backend import single_index_dim  # exir: only while lowering
 
     if node.op != "call_function" or packet_name(node.target) in (None, "clone"):
         return False  # a copy (exir's clone) may share the state's memory later: not a plain read
-    return _single_index_dim(node) is None and position[node] < position[write]
+    return single_index_dim(node) is None and position[node] < position[write]
 
 
 @hookimpl

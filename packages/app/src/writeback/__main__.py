@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from writeback_core._name import NAME
+from writeback_core import NAME
 
 from writeback.cli import main
 

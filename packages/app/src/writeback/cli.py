@@ -24,7 +24,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from writeback_core._name import NAME
+from writeback_core import NAME
 from writeback_core.memory import available_memory
 from writeback_core.quiet import quiet_upstream_noise
 from writeback_core.registry import Registry, load_registry

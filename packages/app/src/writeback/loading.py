@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from writeback_core._name import NAME
+from writeback_core import NAME
 from writeback_core.types import ModelCase
 
 __all__ = ["TRACEBACK_ENV", "ModelCodeError", "resolve_model", "user_code_error"]

@@ -164,7 +164,7 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     from executorch.exir.delegate import executorch_call_delegate
     from writeback.lowering import lower
     from writeback_core import load_registry
-    from writeback_mlx_backend.runtime import MLXDelegate
+    from writeback_mlx_backend.mlx_delegate import MLXDelegate
 
     registry = load_registry()
     # The one lowering path `writeback run --backend mlx` takes: with writeback-passes
@@ -189,7 +189,7 @@ def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
 
 
 def _mlx(max_seq: int, caller: str | None) -> Runner:
-    from writeback_mlx_backend.memory import empty
+    from writeback_mlx_backend.allocations import empty
 
     module = WindowDecodeStep(max_seq, caller_cache=caller is not None)
     dim = module.heads * module.head_dim

@@ -21,10 +21,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "MLXDelegate": "writeback_mlx_backend.runtime",
+    "MLXDelegate": "writeback_mlx_backend.mlx_delegate",
     "MLXPartitioner": "writeback_mlx_backend.partitioner",
     "WritebackMLXBackend": "writeback_mlx_backend.preprocess",
-    "empty": "writeback_mlx_backend.memory",
+    "empty": "writeback_mlx_backend.allocations",
 }
 
 

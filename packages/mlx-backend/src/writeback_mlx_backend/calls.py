@@ -1,7 +1,7 @@
-"""What a call of the MLX delegate does whichever path runs it (``writeback_mlx_backend.compiled``
+"""What a call of the MLX delegate does whichever path runs it (``writeback_mlx_backend.compiled_call``
 or ``writeback_mlx_backend.interpreted``): inputs bound into MLX, copies and evaluations
 counted, the memory a value points into compared (spans, snapshots), and the outputs
-written into the runtime's memory (guarantee 4 of ``writeback_mlx_backend.runtime``)."""
+written into the runtime's memory (guarantee 4 of ``writeback_mlx_backend.mlx_delegate``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from writeback_mlx_backend.allocations import lookup
 from writeback_mlx_backend.handle import Handle
-from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.op_handler import Region
 
 # How many of the latest input copies ``MLXDelegate.copied_input_bytes`` keeps.

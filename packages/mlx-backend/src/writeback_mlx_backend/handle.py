@@ -1,6 +1,6 @@
 """What ``MLXDelegate.init`` makes of a blob, and what each call reads: the :class:`Handle`,
 and the compiled path's record of its traced step (:class:`Compiled`, made by
-``writeback_mlx_backend.compiling``)."""
+``writeback_mlx_backend.compile_at_init``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from writeback_core.blob import Ref
 
 from writeback_mlx_backend._steps import Step
+from writeback_mlx_backend.delegate_program import DelegateProgram, InPlaceCandidate
 from writeback_mlx_backend.op_handler import OpHandler
-from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 from writeback_mlx_backend.window import Window
 
 
@@ -41,7 +41,7 @@ class Handle:
     # memory (a state replaced by a new value, its write-back dropped), after every
     # output is evaluated, as the write-back would have.
     whole: list[tuple[int, int]] = field(default_factory=list)
-    # The traced step (see ``writeback_mlx_backend.compiling``), or None with ``path`` saying why not.
+    # The traced step (see ``writeback_mlx_backend.compile_at_init``), or None with ``path`` saying why not.
     compiled: Compiled | None = None
     path: str = "interpreted"
     # The candidates the caller may take in place or not (not forced), checked per call.

@@ -2,7 +2,7 @@
 
 A write into a caller's tensor is done in place here when the runtime passed the same
 memory as that input and as the write's output (guarantee 3 of
-``writeback_mlx_backend.runtime``): the values still needed after it are evaluated first,
+``writeback_mlx_backend.mlx_delegate``): the values still needed after it are evaluated first,
 those sharing the destination's memory snapshotted, and only the written region stored.
 :func:`memory_plan` decides once, at ``init``, which values each such write must watch.
 """
@@ -19,9 +19,9 @@ from writeback_core.blob import Ref, resolve
 
 from writeback_mlx_backend._steps import Step, call_resolved, refs, resolve_kwargs
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, same_memory, snapshot, span, tensor_span
+from writeback_mlx_backend.delegate_program import DelegateProgram, InPlaceCandidate
 from writeback_mlx_backend.handle import Handle
 from writeback_mlx_backend.op_handler import UNKNOWN, Region
-from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
 
 
 def _resolve_known(value: Any, env: Mapping[str, Any]) -> Any:

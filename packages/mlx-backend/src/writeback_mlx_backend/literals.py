@@ -34,8 +34,8 @@ from writeback_core.blob import BlobError, resolve
 from writeback_core.ops import normalize_dim, normalize_index
 
 from writeback_mlx_backend._steps import Step, call, refs, resolve_kwargs
+from writeback_mlx_backend.delegate_program import DELEGATE
 from writeback_mlx_backend.op_handler import MAX_MLX_INT, mlx_dtype
-from writeback_mlx_backend.program import DELEGATE
 
 __all__ = ["LITERAL_RULES", "check_literals"]
 

@@ -1,7 +1,7 @@
 """What one entry of the MLX delegate's op table is (:class:`OpHandler`), what a write
 into part of a destination is (:class:`Region`), and the dtypes the delegate computes in.
 
-The table itself is ``writeback_mlx_backend.ops``; the handlers are in ``op_math``,
+The table itself is ``writeback_mlx_backend.op_table``; the handlers are in ``op_math``,
 ``op_shapes`` and ``op_indexing``, their support checks in ``op_checks``.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from writeback_mlx_backend.program import torch_dtype
+from writeback_mlx_backend.delegate_program import torch_dtype
 
 __all__ = ["MAX_MLX_INT", "MX_DTYPES", "UNKNOWN", "OpHandler", "Region", "mlx_dtype"]
 
@@ -35,7 +35,7 @@ MX_DTYPES: dict[torch.dtype, Any] = {
 
 def mlx_dtype(name: str) -> Any:
     """The MLX dtype of a blob's dtype name (``"float32"``); a name the blob format does not
-    know is refused by :func:`~writeback_mlx_backend.program.torch_dtype`."""
+    know is refused by :func:`~writeback_mlx_backend.delegate_program.torch_dtype`."""
     return MX_DTYPES[torch_dtype(name)]
 
 

@@ -21,7 +21,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from writeback_core.partition import wrapped
 
 from writeback_mlx_backend._names import BACKEND_ID, BACKEND_NAME
-from writeback_mlx_backend.ops import unsupported_reason
+from writeback_mlx_backend.op_table import unsupported_reason
 from writeback_mlx_backend.preprocess import WritebackMLXBackend
 
 __all__ = ["MLXPartitioner"]

@@ -104,13 +104,13 @@ def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation:
 
 @hookimpl
 def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
-    from writeback_mlx_backend.runtime import MLXDelegate
+    from writeback_mlx_backend.mlx_delegate import MLXDelegate
 
     return [MLXDelegate()]
 
 
 def _empty(shape: Sequence[int], dtype: Any) -> Any:
-    from writeback_mlx_backend.memory import empty
+    from writeback_mlx_backend.allocations import empty
 
     return empty(shape, dtype)
 
@@ -204,7 +204,7 @@ def writeback_explain_notes(registry: Registry, lower: Callable[[str], Executorc
     """
     from executorch.exir.delegate import executorch_call_delegate
 
-    from writeback_mlx_backend.runtime import MLXDelegate
+    from writeback_mlx_backend.mlx_delegate import MLXDelegate
 
     backend = registry.backends().get(BACKEND_NAME)
     if backend is None:

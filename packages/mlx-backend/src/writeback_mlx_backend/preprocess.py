@@ -16,8 +16,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from writeback_core.blob import dtype_name
 from writeback_core.ops import node_value
 
-from writeback_mlx_backend.ops import OPS, SPLIT, op_key, split_parts, unsupported_reason
-from writeback_mlx_backend.program import DelegateProgram, InPlaceCandidate
+from writeback_mlx_backend.delegate_program import DelegateProgram, InPlaceCandidate
+from writeback_mlx_backend.op_table import OPS, SPLIT, op_key, split_parts, unsupported_reason
 
 __all__ = ["WRITE_OPS", "WritebackMLXBackend", "build_program"]
 
@@ -26,7 +26,7 @@ WRITE_OPS = frozenset(k for k, h in OPS.items() if h.region is not None)
 
 
 def _encode(value: Any) -> Any:
-    """A JSON form of a node argument (see ``writeback_mlx_backend.program``)."""
+    """A JSON form of a node argument (see ``writeback_mlx_backend.delegate_program``)."""
     if isinstance(value, torch.fx.Node):
         return {"$v": value.name}
     if isinstance(value, (list, tuple)):

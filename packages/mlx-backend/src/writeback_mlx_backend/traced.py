@@ -1,6 +1,6 @@
 """The program as the functions ``mx.compile`` traces: the step, ``(inputs, state) ->
 [*outputs, *new state]``, with its attention bounded to a window's first ``L`` columns or
-not, and the indices the program computes, traced apart (``writeback_mlx_backend.compiling``
+not, and the indices the program computes, traced apart (``writeback_mlx_backend.compile_at_init``
 decides whether a program runs them)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import mlx.core as mx
 from writeback_core.blob import resolve
 
 from writeback_mlx_backend._steps import Step, call, call_resolved, refs, resolve_kwargs
+from writeback_mlx_backend.delegate_program import DelegateProgram
 from writeback_mlx_backend.handle import Handle, ShapeOnly
 from writeback_mlx_backend.op_handler import OpHandler, mlx_dtype
-from writeback_mlx_backend.program import DelegateProgram
 from writeback_mlx_backend.window import Window
 from writeback_mlx_backend.window_trace import Unread
 

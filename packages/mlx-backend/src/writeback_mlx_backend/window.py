@@ -44,7 +44,7 @@ is). A bounded trace therefore records, in ``window_trace.Bounded.sources``, eve
 whole (a state, a caller's tensor, a write into one, a constant): every removed column
 the proof reads comes from one of them. The runtime runs a call bounded only when it
 knows the removed rows of each source are finite, and over the whole axis otherwise, so
-every answer is the unbounded program's (``writeback_mlx_backend.compiled``).
+every answer is the unbounded program's (``writeback_mlx_backend.compiled_call``).
 
 Steps with keyword arguments the rules do not read (``add(x, mask, alpha=-1)`` turns a
 ``-inf`` mask into ``+inf``) are not followed: such a program has no window.
@@ -65,7 +65,7 @@ import numpy as np
 from writeback_core.blob import Ref
 
 from writeback_mlx_backend._steps import Step, call_resolved, refs, step_axis
-from writeback_mlx_backend.fast.attention import SDPA
+from writeback_mlx_backend.fast.sdpa import SDPA
 from writeback_mlx_backend.op_math import SOFTMAXES
 from writeback_mlx_backend.window_proof import EXIT, FORWARD, NEG_INF, Analysis, Tag, dim_arg
 from writeback_mlx_backend.window_trace import Bounded

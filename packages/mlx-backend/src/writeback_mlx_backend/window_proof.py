@@ -25,7 +25,7 @@ import numpy as np
 from writeback_core.blob import Ref
 
 from writeback_mlx_backend._steps import Step, refs, step_axis
-from writeback_mlx_backend.fast.attention import SDPA
+from writeback_mlx_backend.fast.sdpa import SDPA
 from writeback_mlx_backend.op_math import MATMULS, SOFTMAXES
 from writeback_mlx_backend.op_shapes import CASTS, PERMUTES, VIEWS
 
@@ -323,7 +323,7 @@ def _forward_matmul(an: Analysis, step: Step) -> Any:
 
 
 def _forward_sdpa(an: Analysis, step: Step) -> Any:
-    """The fused attention (``writeback_mlx_backend.fast.attention``) reading a mask: its output has
+    """The fused attention (``writeback_mlx_backend.fast.sdpa``) reading a mask: its output has
     no bounded axis, and the masked keys weigh zero when the mask holds -inf there."""
     q, k, v, mask = step.args[:4]
     tag = an.tags.get(mask.name) if isinstance(mask, Ref) else None

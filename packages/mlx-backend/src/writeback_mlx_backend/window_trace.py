@@ -21,7 +21,7 @@ import mlx.core as mx
 from writeback_core.blob import Ref, resolve
 
 from writeback_mlx_backend._steps import Step, call, index_write_axes, refs, resolve_kwargs, step_axis
-from writeback_mlx_backend.fast.attention import SDPA
+from writeback_mlx_backend.fast.sdpa import SDPA
 from writeback_mlx_backend.op_math import MATMULS, SOFTMAXES
 from writeback_mlx_backend.op_shapes import CASTS, PERMUTES, VIEWS
 from writeback_mlx_backend.window_proof import view_axis

@@ -16,16 +16,12 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
-from writeback_core import AliasAnalysis, meta
+from writeback_core import meta
 from writeback_core.ops import aten_op, packet_name, write_back_copies
 
-__all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early", "user_input_test"]
+from writeback_passes.graph import StorageAliases
 
-# Ops that exir turns into real views after the passes of ``ExecutorchBackendConfig``
-# run (``ReplaceViewCopyWithViewPass``, keyed on ``view_copy.default``). At the time
-# this pass runs they still copy, but once memory is planned their result shares
-# the input's storage, so a read through them is a read of their input.
-_BECOMES_VIEW = frozenset({"view_copy"})
+__all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early", "user_input_test"]
 
 _COPY_PACKET = "copy_"
 
@@ -94,49 +90,6 @@ def _write_backs(graph: torch.fx.Graph) -> list[_WriteBack]:
     return found
 
 
-class _Storage:
-    """Alias classes widened by the view edges exir adds later (see :data:`_BECOMES_VIEW`)."""
-
-    def __init__(self, graph: torch.fx.Graph) -> None:
-        self.alias = AliasAnalysis(graph)
-        self._cache: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
-
-    def members(self, node: torch.fx.Node) -> frozenset[torch.fx.Node]:
-        """Every node that may share storage with ``node`` once exir's views exist."""
-        cached = self._cache.get(node)
-        if cached is not None:
-            return cached
-        seen: set[torch.fx.Node] = set()
-        frontier = [node]
-        while frontier:
-            current = frontier.pop()
-            if current in seen:
-                continue
-            group = self.alias.aliases(current) or frozenset({current})
-            seen.update(group)
-            for member in group:
-                if packet_name(member.target) in _BECOMES_VIEW and member.args:
-                    base = member.args[0]
-                    if isinstance(base, torch.fx.Node):
-                        frontier.append(base)
-                frontier.extend(
-                    u for u in member.users if packet_name(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
-                )
-        result = frozenset(seen)
-        for member in result:
-            self._cache[member] = result
-        return result
-
-    def writers(self, node: torch.fx.Node) -> Iterable[torch.fx.Node]:
-        """Every node that may write storage ``node`` may point to (views included)."""
-        roots: dict[int, torch.fx.Node] = {}
-        for member in self.members(node):
-            group = self.alias.aliases(member)
-            roots.setdefault(id(group), member)
-        for member in roots.values():
-            yield from self.alias.writers_of(member)
-
-
 def _latest(nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int], limit: int) -> torch.fx.Node | None:
     """The latest of ``nodes`` placed before position ``limit``.
 
@@ -152,7 +105,7 @@ def _latest(nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int], 
     return best
 
 
-def _interference(write_backs: Sequence[_WriteBack], storage: _Storage) -> tuple[str, str] | None:
+def _interference(write_backs: Sequence[_WriteBack], storage: StorageAliases) -> tuple[str, str] | None:
     """The first pair of write-backs whose order matters, or ``None`` when all are independent.
 
     Write-back ``a`` and ``b`` interfere when ``a``'s state may share storage
@@ -173,7 +126,7 @@ def _interference(write_backs: Sequence[_WriteBack], storage: _Storage) -> tuple
 
 def _anchor(
     wb: _WriteBack,
-    storage: _Storage,
+    storage: StorageAliases,
     copies: frozenset[torch.fx.Node],
     position: dict[torch.fx.Node, int],
     last_placeholder: torch.fx.Node | None,
@@ -193,7 +146,7 @@ def _lifetime(value: torch.fx.Node, position: dict[torch.fx.Node, int]) -> int:
     return max(users, default=position[value]) - position[value]
 
 
-def _fallback_order(write_backs: Sequence[_WriteBack], storage: _Storage) -> list[_WriteBack]:
+def _fallback_order(write_backs: Sequence[_WriteBack], storage: StorageAliases) -> list[_WriteBack]:
     """The order for end-of-graph copies: the original one, unless a copy would read a state
     an earlier copy already overwrote.
 
@@ -415,7 +368,7 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
         return EarlyWriteBack(gm, modified=renamed)
     order = {n: i for i, n in enumerate(graph.nodes)}
     write_backs.sort(key=lambda wb: order[wb.copy])
-    storage = _Storage(graph)
+    storage = StorageAliases(graph)
     clash = _interference(write_backs, storage)
     if clash is not None:
         moved = _move_to_end(_fallback_order(write_backs, storage), graph)

@@ -6,10 +6,12 @@ for ``aten.view_copy.default`` or its edge wrapper).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
+from writeback_core import AliasAnalysis
 from writeback_core.ops import packet_name
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "METADATA_ONLY",
     "UNIT_DIM_RESHAPES",
     "VIEWS_AND_EXPANDS",
+    "StorageAliases",
     "arg_value",
     "reads_no_value",
     "source_of",
@@ -43,6 +46,58 @@ METADATA_ONLY = frozenset(
         "sym_constrain_range_for_size",
     }
 )
+
+# Ops that exir turns into real views after the passes of ``ExecutorchBackendConfig``
+# run (``ReplaceViewCopyWithViewPass``, keyed on ``view_copy.default``). At the time
+# this pass runs they still copy, but once memory is planned their result shares
+# the input's storage, so a read through them is a read of their input.
+_BECOMES_VIEW = frozenset({"view_copy"})
+
+
+class StorageAliases:
+    """Alias classes of ``graph`` widened by the view edges exir adds after the program passes
+    run (``view_copy`` becomes a real view): which nodes may share storage once memory is
+    planned, and which nodes may write it. The passes that move or reinplace a write-back
+    ask it whether a read or a write touches the state's memory."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.alias = AliasAnalysis(graph)
+        self._cache: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+
+    def members(self, node: torch.fx.Node) -> frozenset[torch.fx.Node]:
+        """Every node that may share storage with ``node`` once exir's views exist."""
+        cached = self._cache.get(node)
+        if cached is not None:
+            return cached
+        seen: set[torch.fx.Node] = set()
+        frontier = [node]
+        while frontier:
+            current = frontier.pop()
+            if current in seen:
+                continue
+            group = self.alias.aliases(current) or frozenset({current})
+            seen.update(group)
+            for member in group:
+                if packet_name(member.target) in _BECOMES_VIEW and member.args:
+                    base = member.args[0]
+                    if isinstance(base, torch.fx.Node):
+                        frontier.append(base)
+                frontier.extend(
+                    u for u in member.users if packet_name(u.target) in _BECOMES_VIEW and u.args and u.args[0] is member
+                )
+        result = frozenset(seen)
+        for member in result:
+            self._cache[member] = result
+        return result
+
+    def writers(self, node: torch.fx.Node) -> Iterable[torch.fx.Node]:
+        """Every node that may write storage ``node`` may point to (views included)."""
+        roots: dict[int, torch.fx.Node] = {}
+        for member in self.members(node):
+            group = self.alias.aliases(member)
+            roots.setdefault(id(group), member)
+        for member in roots.values():
+            yield from self.alias.writers_of(member)
 
 
 def reads_no_value(node: torch.fx.Node) -> bool:

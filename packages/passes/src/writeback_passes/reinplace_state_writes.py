@@ -47,7 +47,7 @@ from writeback_core import ProgramPass
 from writeback_core.ops import write_back_copies
 from writeback_core.registry import InPlaceDecision
 
-from writeback_passes.early_write_back import _Storage
+from writeback_passes.graph import StorageAliases
 from writeback_passes.state_write_plans import Write
 from writeback_passes.state_write_refusals import peel_copy, plan_state_write
 from writeback_passes.state_write_rewrite import fake_mode, guard_index_copies, rewrite_in_place
@@ -153,7 +153,7 @@ def reinplace_state_writes(program: ExportedProgram | torch.fx.GraphModule) -> S
 
 
 def _reinplace(graph: torch.fx.Graph, copies: Sequence[torch.fx.Node], report: StateWriteReport) -> None:
-    storage = _Storage(graph)
+    storage = StorageAliases(graph)
     plans: list[tuple[torch.fx.Node, torch.fx.Node, list[Write], list[torch.fx.Node]]] = []
     for copy in copies:
         placeholder = copy.args[0]

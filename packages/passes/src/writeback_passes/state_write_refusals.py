@@ -21,8 +21,7 @@ import torch.fx
 from writeback_core.ops import packet_name
 from writeback_core.partition import DELEGATION_TAG as _TAG
 
-from writeback_passes.early_write_back import _Storage
-from writeback_passes.graph import reads_no_value
+from writeback_passes.graph import StorageAliases, reads_no_value
 from writeback_passes.state_write_plans import Write, write_chain
 
 __all__ = ["in_place_kernel_refusal", "peel_copy", "plan_state_write"]
@@ -31,7 +30,7 @@ __all__ = ["in_place_kernel_refusal", "peel_copy", "plan_state_write"]
 def _hazard(
     writes: Sequence[Write],
     placeholder: torch.fx.Node,
-    storage: _Storage,
+    storage: StorageAliases,
     after: Callable[[torch.fx.Node, torch.fx.Node], bool],
     ignored: frozenset[torch.fx.Node],
 ) -> str | None:
@@ -120,7 +119,7 @@ def plan_state_write(
     placeholder: torch.fx.Node,
     value: object,
     ignored: Iterable[torch.fx.Node] = (),
-    storage: _Storage | None = None,
+    storage: StorageAliases | None = None,
 ) -> list[Write] | str:
     value, peeled = peel_copy(value, placeholder)
     writes = write_chain(value, placeholder)
@@ -128,7 +127,7 @@ def plan_state_write(
         return writes
     if isinstance(placeholder.meta.get(_TAG), str):
         return f"{placeholder.name!r} is consumed into a delegate as constant data"
-    storage = storage if storage is not None else _Storage(graph)
+    storage = storage if storage is not None else StorageAliases(graph)
     reason = _hazard(writes, placeholder, storage, _order(graph), frozenset([*ignored, *peeled]))
     return reason if reason is not None else writes
 

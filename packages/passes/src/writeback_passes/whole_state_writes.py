@@ -56,8 +56,7 @@ from writeback_core import ProgramPass, meta
 from writeback_core.ops import packet_name, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
-from writeback_passes.early_write_back import _Storage
-from writeback_passes.graph import reads_no_value, source_of, tensor_value
+from writeback_passes.graph import StorageAliases, reads_no_value, source_of, tensor_value
 
 __all__ = ["ELEMENTWISE", "SCATTERS", "WholeStateReport", "whole_state_writes", "whole_state_writes_pass"]
 
@@ -114,7 +113,7 @@ def whole_state_writes(gm: torch.fx.GraphModule) -> WholeStateReport:
     docstring); record on every copy kept (a declined one too) why, where this pass can say."""
     report = WholeStateReport(gm)
     graph = gm.graph
-    storage = _Storage(graph)
+    storage = StorageAliases(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = []
     for copy in write_back_copies(graph):
@@ -150,7 +149,7 @@ def _refusal(
     state: torch.fx.Node,
     new: object,
     copy: torch.fx.Node,
-    storage: _Storage,
+    storage: StorageAliases,
     position: Callable[[torch.fx.Node], int],
 ) -> str | None:
     """Why ``copy_(state, new)`` must stay, in the model's terms, or ``None``."""

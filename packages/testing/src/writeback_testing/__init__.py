@@ -6,13 +6,13 @@ ships. Names are imported lazily, so ``writeback_testing.cli`` (which the
 ``writeback`` CLI loads through this package's plugin) costs nothing until
 ``writeback fuzz`` runs.
 
-- ``program``: :class:`ProgramSpec` (state, statements, outputs), rendered to
+- ``program_spec``: :class:`ProgramSpec` (state, statements, outputs), rendered to
   Python source by :func:`render_source` and built by :func:`build`.
 - ``strategies``: :func:`programs`, the hypothesis strategy.
 - ``oracle``: :func:`check_program` (eager against every :class:`Target`),
   :class:`ProgramMismatch` (its message is a reproducer), :func:`check_source`.
 - ``observations``: what a call produced, eager's record of it, and the comparison.
-- ``lowerings``: one program through the lowering path, per memory plan.
+- ``lowered_plans``: one program through the lowering path, per memory plan.
 - ``targets``: :class:`Target`, :class:`StockTarget`, :class:`RuntimeTarget`,
   :func:`runtime_targets`, :func:`registry_runtime`.
 - ``engines``: :func:`engine_targets` (:class:`EngineTarget`: each program
@@ -57,10 +57,10 @@ __all__ = [
 ]
 
 _HOME = {
-    "Built": "program",
-    "ProgramSpec": "program",
-    "build": "program",
-    "render_source": "program",
+    "Built": "program_spec",
+    "ProgramSpec": "program_spec",
+    "build": "program_spec",
+    "render_source": "program_spec",
     "programs": "strategies",
     "ProgramMismatch": "oracle",
     "RuntimeTarget": "targets",

@@ -39,10 +39,10 @@ from writeback_core import meta
 from writeback_core.program import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
 
-from writeback_testing.lowerings import Lowerings
+from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.observations import DEFAULT_CALLS, compare_observations, eager_reference
 from writeback_testing.oracle import ProgramMismatch, built_from_case
-from writeback_testing.program import Built, ProgramSpec, build
+from writeback_testing.program_spec import Built, ProgramSpec, build
 from writeback_testing.targets import RuntimeTarget, StockTarget, Target, registry_runtime
 
 __all__ = [

@@ -29,7 +29,7 @@ from typing import Any
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 
-from writeback_testing.lowerings import Lowerings, export_built
+from writeback_testing.lowered_plans import Lowerings, export_built
 from writeback_testing.observations import Observation
 from writeback_testing.oracle import LoweringError, TargetSkipped
 from writeback_testing.targets import RuntimeTarget, StockTarget

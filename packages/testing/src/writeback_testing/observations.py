@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from writeback.pipeline import ATOL, RTOL
 
-from writeback_testing.program import Built
+from writeback_testing.program_spec import Built
 
 __all__ = [
     "DEFAULT_CALLS",

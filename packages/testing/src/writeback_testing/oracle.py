@@ -1,6 +1,6 @@
 """The differential oracle: eager PyTorch against lowered programs, call by call.
 
-:func:`check_program` builds a :class:`~writeback_testing.program.ProgramSpec`,
+:func:`check_program` builds a :class:`~writeback_testing.program_spec.ProgramSpec`,
 runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
 piece of state after each call, and compares each :class:`Target` against
 that record. Every target lowers the program through the one lowering path
@@ -36,7 +36,7 @@ source (a complete module) followed by what differed, where, and whether the
 same program is also wrong without writeback's passes (an upstream bug).
 
 What is compared lives in ``observations`` (:class:`Observation`, the eager run,
-:func:`compare_observations`), the lowering per memory plan in ``lowerings``
+:func:`compare_observations`), the lowering per memory plan in ``lowered_plans``
 (:class:`Lowerings`) and the targets in ``targets``; this module holds the
 check, its errors and its report, and re-exports the public names of the others.
 """
@@ -53,7 +53,7 @@ from writeback_core.program import LoweringError
 from writeback_core.registry import Registry
 
 from writeback_testing.failure_origin import HarnessError, failure_origin
-from writeback_testing.lowerings import Lowerings, export_built
+from writeback_testing.lowered_plans import Lowerings, export_built
 from writeback_testing.observations import (
     DEFAULT_CALLS,
     InvalidProgram,
@@ -62,7 +62,7 @@ from writeback_testing.observations import (
     eager_reference,
     eager_run,
 )
-from writeback_testing.program import Built, ProgramSpec, build
+from writeback_testing.program_spec import Built, ProgramSpec, build
 from writeback_testing.targets import (
     RegistryRuntime,
     RuntimeTarget,
@@ -284,7 +284,7 @@ def built_from_case(case: Any) -> Built:
     Its buffers and caller-owned state are read off a fresh instance; its
     "source" names the case (zoo models are code in the repository already).
     """
-    from writeback_testing.program import State
+    from writeback_testing.program_spec import State
 
     if case.exported is not None or case.strict or case.dynamic_shapes is not None or case.example_kwargs(0):
         # The oracle exports and calls positionally, non-strict (export_built): such a case
@@ -317,7 +317,7 @@ def check_source(
     spec = ProgramSpec(states=(), statements=(), outputs=())
     # A reproducer carries no spec: describe its state from the module itself.
     instance = module.__dict__["FuzzModule"]()
-    from writeback_testing.program import State
+    from writeback_testing.program_spec import State
 
     buffers = tuple(State(n, "buffer", tuple(b.shape)) for n, b in instance.named_buffers())
     state = module.__dict__["make_state"]()

@@ -102,7 +102,7 @@ def _programs(config: pytest.Config) -> list[ContractCase]:
     if count:
         from hypothesis import HealthCheck, given, settings
 
-        from writeback_testing.program import ProgramSpec, build
+        from writeback_testing.program_spec import ProgramSpec, build
         from writeback_testing.strategies import programs
 
         drawn: list[ProgramSpec] = []

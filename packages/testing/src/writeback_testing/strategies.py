@@ -1,4 +1,4 @@
-"""Hypothesis strategies for :class:`~writeback_testing.program.ProgramSpec`.
+"""Hypothesis strategies for :class:`~writeback_testing.program_spec.ProgramSpec`.
 
 ``programs()`` draws one to three registered buffers and zero to two
 caller-owned state inputs, then a forward of reads (clones, computed values,
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from writeback_testing.program import (
+from writeback_testing.program_spec import (
     X_LEN,
     Combine,
     Compute,

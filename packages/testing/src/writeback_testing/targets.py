@@ -14,7 +14,7 @@ import torch
 from writeback_core.program import MemoryPlan
 from writeback_core.registry import Registry
 
-from writeback_testing.lowerings import Lowerings
+from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.observations import Observation, error_text, snapshot
 
 __all__ = [

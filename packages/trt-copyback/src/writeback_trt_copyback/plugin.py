@@ -35,14 +35,14 @@ def writeback_lower_for_engine(engine: AliasingEngine, program: ExportedProgram)
 
 @hookimpl
 def writeback_runtime_delegates() -> Sequence[RuntimeDelegate]:
-    from writeback_trt_copyback.runtime import KVAliasRuntimeDelegate
+    from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
 
     return [KVAliasRuntimeDelegate()]
 
 
 @hookimpl
 def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> dict[str, str] | None:
+    from writeback_trt_copyback.alias_column import explain_columns
     from writeback_trt_copyback.engine import KVAliasEngine
-    from writeback_trt_copyback.explain import explain_columns
 
     return explain_columns(program, mutation, KVAliasEngine())

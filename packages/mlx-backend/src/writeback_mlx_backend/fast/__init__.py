@@ -2,9 +2,9 @@
 
 - :mod:`writeback_mlx_backend.fast.rms_norm`: RMSNorm as ``mx.fast.rms_norm``
   (:func:`~writeback_mlx_backend.fast.rms_norm.fuse_rms_norms`);
-- :mod:`writeback_mlx_backend.fast.attention`: attention as
+- :mod:`writeback_mlx_backend.fast.sdpa`: attention as
   ``mx.fast.scaled_dot_product_attention`` in place of the steps PyTorch exports for it
-  (:func:`~writeback_mlx_backend.fast.attention.fuse_attention`);
+  (:func:`~writeback_mlx_backend.fast.sdpa.fuse_attention`);
 - :mod:`writeback_mlx_backend.fast.rope`: rotary embeddings in Hugging Face's form as
   ``mx.fast.rope`` (:func:`~writeback_mlx_backend.fast.rope.fuse_ropes`).
 

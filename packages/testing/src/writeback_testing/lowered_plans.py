@@ -21,7 +21,7 @@ from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
 from writeback_core.types import BackendSpec
 
-from writeback_testing.program import Built, ProgramSpec
+from writeback_testing.program_spec import Built, ProgramSpec
 
 __all__ = ["Lowerings", "export_built"]
 

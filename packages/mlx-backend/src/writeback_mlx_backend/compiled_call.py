@@ -1,4 +1,4 @@
-"""The compiled path: one call on the step traced at ``init`` (``writeback_mlx_backend.compiling``).
+"""The compiled path: one call on the step traced at ``init`` (``writeback_mlx_backend.compile_at_init``).
 
 A compiled call checks its indices, runs the traced graph, evaluates it once, then writes
 outputs and state: no op is interpreted in Python and nothing is evaluated midway. With
@@ -21,10 +21,10 @@ from writeback_core.blob import Ref, resolve
 from writeback_core.ops import normalize_index
 
 from writeback_mlx_backend._steps import refs, resolve_kwargs
+from writeback_mlx_backend.allocations import lookup
 from writeback_mlx_backend.calls import Calls, apply, check_whole, overlaps, snapshot, span, tensor_span
-from writeback_mlx_backend.compiling import TRIAL_STATE_BYTES, inside, trace_bounded, written_rows
+from writeback_mlx_backend.compile_at_init import TRIAL_STATE_BYTES, inside, trace_bounded, written_rows
 from writeback_mlx_backend.handle import Compiled, Handle, ShapeOnly
-from writeback_mlx_backend.memory import lookup
 from writeback_mlx_backend.op_handler import Region
 from writeback_mlx_backend.op_indexing import INDEX_WRITES
 from writeback_mlx_backend.window import Window, lengths

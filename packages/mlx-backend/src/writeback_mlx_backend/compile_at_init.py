@@ -8,10 +8,10 @@ the host too). A softmax whose mask rules out later positions is computed over t
 positions it lets through (``writeback_mlx_backend.window``).
 
 A write the program requires in a caller's tensor (guarantee 3 of
-``writeback_mlx_backend.runtime``) runs compiled too when an attention window bounds every
+``writeback_mlx_backend.mlx_delegate``) runs compiled too when an attention window bounds every
 read of it: the traced step reads the write over the window's first ``L`` columns only (the
 same write into the first ``L`` columns of the destination, so no whole copy is made), and
-returns the written values, which the call stores (``writeback_mlx_backend.compiled``). A
+returns the written values, which the call stores (``writeback_mlx_backend.compiled_call``). A
 call whose written index or mask reaches past the longest traced length runs the
 interpreted path, as does a program that reads the write whole, or one with no window.
 :func:`compile_step` says which path a handle got and why (:meth:`MLXDelegate.path`).

@@ -25,8 +25,8 @@ How a call runs. At ``init`` every step whose arguments are all constants (the
 transposes of weights that ``linear`` decomposes into, masks built from
 ``arange``) is computed once and kept contiguous, so matmuls read weights laid out
 for them. Then the step is traced once with ``mx.compile`` when the program allows
-it (``writeback_mlx_backend.compiling``), and a call runs the traced step
-(``writeback_mlx_backend.compiled``); otherwise, and for a call the traced step
+it (``writeback_mlx_backend.compile_at_init``), and a call runs the traced step
+(``writeback_mlx_backend.compiled_call``); otherwise, and for a call the traced step
 cannot take, the program is interpreted (``writeback_mlx_backend.interpreted``),
 which evaluates at each in-place write. :meth:`MLXDelegate.path` says which path a
 handle got and why. What a handle holds is in ``writeback_mlx_backend.handle``; what
@@ -46,23 +46,23 @@ from writeback_core.meta import IN_PLACE_OUTPUTS_SPEC
 from writeback_mlx_backend._names import BACKEND_ID
 from writeback_mlx_backend._steps import Step, call_resolved, refs
 from writeback_mlx_backend.calls import COPY_HISTORY, same_memory
-from writeback_mlx_backend.compiled import CompiledPath
-from writeback_mlx_backend.compiling import compile_step
-from writeback_mlx_backend.fast.attention import fuse_attention
-from writeback_mlx_backend.fast.rms_norm import fuse_rms_norms
-from writeback_mlx_backend.fast.rope import fuse_ropes
-from writeback_mlx_backend.handle import Handle
-from writeback_mlx_backend.interpreted import InterpretedPath, memory_plan
-from writeback_mlx_backend.literals import check_literals
-from writeback_mlx_backend.op_handler import mlx_dtype
-from writeback_mlx_backend.ops import OPS
-from writeback_mlx_backend.program import (
+from writeback_mlx_backend.compile_at_init import compile_step
+from writeback_mlx_backend.compiled_call import CompiledPath
+from writeback_mlx_backend.delegate_program import (
     DELEGATE,
     DelegateProgram,
     InPlaceCandidate,
     TensorRecord,
     float_value,
 )
+from writeback_mlx_backend.fast.rms_norm import fuse_rms_norms
+from writeback_mlx_backend.fast.rope import fuse_ropes
+from writeback_mlx_backend.fast.sdpa import fuse_attention
+from writeback_mlx_backend.handle import Handle
+from writeback_mlx_backend.interpreted import InterpretedPath, memory_plan
+from writeback_mlx_backend.literals import check_literals
+from writeback_mlx_backend.op_handler import mlx_dtype
+from writeback_mlx_backend.op_table import OPS
 
 __all__ = ["COPY_HISTORY", "IN_PLACE_OUTPUTS_SPEC", "FusionsSkippedWarning", "MLXDelegate"]
 
