@@ -29,13 +29,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Where the run's longest tests go under ``--dist worksteal`` (pyproject.toml), which hands
+# each worker a contiguous half of the collection and lets an idle worker steal the tail of
+# the other's queue. Modules whose tests run one long process each go first: they start
+# early and the other worker takes the cheap tail. The CI fuzz chunks go last: each spreads
+# its programs over both cores itself, so whichever runs last alone still keeps both busy.
+_FIRST = ("tests/decoders/test_hf_states.py", "tests/decoders/test_et_hybrid.py", "tests/e2e/test_hostile_calls.py")
+_LAST = ("tests/fuzz/test_fuzz_ci.py",)
+
+
+def _place(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return 0 if path in _FIRST else 2 if path in _LAST else 1
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--slow"):
-        return
-    kept = [item for item in items if item.get_closest_marker("slow") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
-        items[:] = kept
+    if not config.getoption("--slow"):
+        kept = [item for item in items if item.get_closest_marker("slow") is None]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
+            items[:] = kept
+    items.sort(key=_place)  # stable: each module's tests keep their order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

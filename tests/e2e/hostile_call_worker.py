@@ -1,10 +1,11 @@
 """Child process of tests/e2e/test_hostile_calls.py: feeds a decoder `.pte` hostile calls in one
-runtime and prints one JSON line per case (a case that aborts the process leaves a ``start`` line
-without its result, which the parent reports as an abort).
+runtime or both and prints one JSON line per case (a case that aborts the process leaves a
+``start`` line without its result, which the parent reports as an abort).
 
-``python -m tests.e2e.hostile_call_worker RUNTIME PTE CASE...`` with RUNTIME ``writeback`` or
-``stock``. For each case, in a fresh method: a good prefill of three tokens at positions 0-2, the
-hostile call, then one probe token at position 3. The line holds the hostile call's outcome
+``python -m tests.e2e.hostile_call_worker PTE RUNTIME/CASE...`` with RUNTIME ``writeback`` or
+``stock``: both runtimes' cases in one process, which imports torch and ExecuTorch once. For
+each case, in a fresh method: a good prefill of three tokens at positions 0-2, the hostile call,
+then one probe token at position 3. The line holds the hostile call's outcome
 (``error`` with its type and message, or ``ok`` with whether its logits hold NaN and whether
 they equal a contiguous call's), and whether the probe's logits equal those of the same prefill
 and probe with no hostile call between (``unchanged``: nothing the refused call did is left in
@@ -70,17 +71,20 @@ def _probe(call: Callable[[list[Any]], list[Any]]) -> torch.Tensor:
 
 
 def main() -> None:
-    runtime, pte, *names = sys.argv[1:]
+    pte, *pairs = sys.argv[1:]
     cases = _cases()
-    clean = _method(runtime, pte)
-    clean([PROMPT, torch.arange(3)])
-    expected_probe = _probe(clean)
-    for name in names:
-        print(json.dumps({"start": name}), flush=True)
+    expected_probes: dict[str, torch.Tensor] = {}
+    for pair in pairs:
+        runtime, name = pair.split("/")
+        if runtime not in expected_probes:
+            clean = _method(runtime, pte)
+            clean([PROMPT, torch.arange(3)])
+            expected_probes[runtime] = _probe(clean)
+        print(json.dumps({"start": pair}), flush=True)
         tokens, positions = cases[name]
         call = _method(runtime, pte)
         call([PROMPT, torch.arange(3)])
-        result: dict[str, Any] = {"case": name}
+        result: dict[str, Any] = {"case": pair}
         try:
             logits = call([tokens, positions])[0]
         except Exception as error:  # the outcome is reported, whatever the type
@@ -91,7 +95,7 @@ def main() -> None:
             fresh([PROMPT, torch.arange(3)])
             contiguous = fresh([tokens.contiguous(), positions.contiguous()])[0]
             result["equals_contiguous_call"] = bool(torch.equal(logits, contiguous))
-        result["unchanged"] = bool(torch.equal(_probe(call), expected_probe))
+        result["unchanged"] = bool(torch.equal(_probe(call), expected_probes[runtime]))
         print(json.dumps(result), flush=True)
 
 

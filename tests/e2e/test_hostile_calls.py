@@ -3,8 +3,9 @@
 caller makes, in writeback's runtime and in ExecuTorch's stock runtime (``executorch.runtime``):
 each is refused with an error (never a SIGABRT from a kernel's ``ET_CHECK``, never NaN logits),
 and the caches are left as they were (the next call gives the logits it gives with no refused
-call between). The calls run in child processes (tests/e2e/hostile_call_worker.py), so an
-abort shows as this case failing, not as a dead pytest.
+call between). The calls run in a child process (tests/e2e/hostile_call_worker.py), so an
+abort shows as this case failing, not as a dead pytest; after an abort the cases left run in a
+new child.
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ def pte(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _run(runtime: str, pte: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Each case's outcome; a case during which the child died is ``{"outcome": "abort"}``, and
-    the cases after it run in a new child."""
+def _run(pte: Path, pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """Each ``runtime/case`` pair's outcome, all in one child while none aborts; a case during
+    which the child died is ``{"outcome": "abort"}``, and the cases after it run in a new child."""
     tests = Path(__file__).parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
     outcomes: dict[str, dict[str, Any]] = {}
-    remaining = list(names)
+    remaining = list(pairs)
     while remaining:
         done = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.hostile_call_worker", runtime, str(pte), *remaining],
+            [sys.executable, "-m", "tests.e2e.hostile_call_worker", str(pte), *remaining],
             capture_output=True,
             text=True,
             encoding="utf-8",
@@ -88,7 +89,7 @@ def _run(runtime: str, pte: Path, names: list[str]) -> dict[str, dict[str, Any]]
                 outcomes[record["case"]] = record
                 started = None
         if started is None and done.returncode != 0:
-            pytest.fail(f"the {runtime} worker failed outside a case (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            pytest.fail(f"the worker failed outside a case (exit {done.returncode}):\n{done.stderr[-3000:]}")
         if started is not None:
             outcomes[started] = {"outcome": "abort", "exit": done.returncode, "stderr": done.stderr[-1500:]}
         remaining = [n for n in remaining if n not in outcomes]
@@ -97,7 +98,9 @@ def _run(runtime: str, pte: Path, names: list[str]) -> dict[str, dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def outcomes(pte: Path) -> dict[str, dict[str, dict[str, Any]]]:
-    return {runtime: _run(runtime, pte, CASES) for runtime in RUNTIMES}
+    """runtime -> case -> outcome; both runtimes' cases in one child process."""
+    found = _run(pte, [f"{runtime}/{case}" for runtime in RUNTIMES for case in CASES])
+    return {runtime: {case: found[f"{runtime}/{case}"] for case in CASES} for runtime in RUNTIMES}
 
 
 @pytest.mark.parametrize("case", CASES)
