@@ -8,17 +8,19 @@ real MLX."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 from writeback.pipeline import Eager, Session, assemble, compare, lower
 from writeback_core.registry import load_registry
+from writeback_core.types import Stage
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
 from writeback_mlx_backend import MLXDelegate
 
 from tests.mlx_backend.lowering import count_kernel_calls, lower_mlx
+from tests.mlx_backend.lowering import registry as mlx_registry
 
 ATOL = RTOL = 1e-5
 FUSED = "attention(s) as mx.fast.scaled_dot_product_attention"
@@ -81,6 +83,28 @@ def test_pytorch_sdpa_runs_as_one_kernel_and_matches_eager(
     assert path.endswith(f"; 1 {FUSED}"), path
     # q, then k and v with their own heads: repeated heads are not copied for the kernel.
     assert calls["n"] >= 1 and calls["shapes"][:3] == [(1, heads, 3, 4), (1, kv_heads, 6, 4), (1, kv_heads, 6, 4)]
+    with torch.no_grad():
+        torch.testing.assert_close(out, module(*inputs), rtol=RTOL, atol=ATOL)
+
+
+def test_sdpa_is_one_kernel_without_the_scale_pass_the_delegate_moves_the_scale_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PyTorch's decomposed SDPA scales both ``q`` and ``K^T``; the kernel takes one scale. The
+    MLX lowering runs no ``scale_smaller_operand`` pass (writeback-passes offers it to the stock
+    runtime's lowerings only): the delegate's own ``preprocess`` moves the scale to the smaller
+    operand, so the attention is still one kernel, computing what eager does."""
+    registry = mlx_registry()
+    ran = [p.name for stage in get_args(Stage) for p in registry.program_passes(stage, "mlx")]
+    assert "scale_smaller_operand" not in ran and "functional_copies_as_views" in ran
+    module, inputs = Sdpa(4, 2), _inputs(4, 2, s=9)
+    calls = count_kernel_calls(monkeypatch, "scaled_dot_product_attention")
+    lowered = lower_mlx(module, tuple(inputs), registry_=registry)
+    assert lowered.only_delegate_runs()
+    (out,) = lowered.method().execute(inputs)
+    (path,) = lowered.delegate().execution_paths
+    assert path.endswith(f"; 1 {FUSED}"), path
+    assert calls["n"] >= 1 and calls["shapes"][:3] == [(1, 4, 3, 4), (1, 2, 9, 4), (1, 2, 9, 4)]
     with torch.no_grad():
         torch.testing.assert_close(out, module(*inputs), rtol=RTOL, atol=ATOL)
 

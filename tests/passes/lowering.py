@@ -46,18 +46,12 @@ DELEGATE_PASSES = (
     "insert_write_back_early",
 )
 
-# MLX also takes the two attention rewrites its delegate builds on: the window bound_attention
-# leaves (tests/mlx_backend/test_window.py) and the scale scale_smaller_operand moves, which
-# its fused attention matches (tests/mlx_backend/test_compiled.py); none of the passes that
-# make state writes and index checks for the stock kernels, nor the LLM runner's attention.
-MLX_PASSES = (
-    "bound_attention",
-    "functional_copies_as_views",
-    "scale_smaller_operand",
-    "reinplace_delegate_input_mutations",
-    "copies_as_views",
-    "insert_write_back_early",
-)
+# MLX runs the same passes as any delegate's backend: its delegate bounds attention to the
+# window its masks leave (tests/mlx_backend/test_window.py) and moves attention's scale to
+# the smaller operand in its own preprocess (tests/mlx_backend/test_fast_attention.py), so it
+# runs none of the five passes for the stock runtime's kernels (the LLM runner's attention,
+# bound_attention, scale_smaller_operand, in-place state writes, indices checked first).
+MLX_PASSES = DELEGATE_PASSES
 
 # What each backend's lowering runs, by the backend's name (None: no backend).
 PASSES_BY_BACKEND: dict[str | None, tuple[str, ...]] = {

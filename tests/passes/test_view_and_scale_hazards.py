@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from writeback_passes.attention import scale_smaller_operand
+from writeback_core.matmul_scaling import scale_smaller_operand
 from writeback_passes.view_copies import copies_as_views
 
 aten = torch.ops.aten

@@ -179,7 +179,7 @@ def _step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_scalar_multiply_of_the_big_matmul_operand_moves_to_the_small_one() -> None:
     """``bmm(q * a, view(k * a))`` (decomposed attention: ``k`` is the whole cache) becomes
     ``bmm(q * a * a, view(k))``: the same product, and no multiply of the cache-sized operand."""
-    from writeback_passes.attention import scale_smaller_operand
+    from writeback_core.matmul_scaling import scale_smaller_operand
 
     def fn(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         small = aten.mul.Scalar(q, 0.5)
@@ -196,7 +196,7 @@ def test_scalar_multiply_of_the_big_matmul_operand_moves_to_the_small_one() -> N
 
 
 def test_scalar_multiply_read_elsewhere_or_of_the_small_operand_stays() -> None:
-    from writeback_passes.attention import scale_smaller_operand
+    from writeback_core.matmul_scaling import scale_smaller_operand
 
     def read_twice(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scaled = aten.mul.Scalar(k, 0.5)

@@ -13,6 +13,8 @@ import torch
 import torch.fx
 
 __all__ = [
+    "MATMULS",
+    "VIEWS_AND_EXPANDS",
     "aten_op",
     "decomposed_from",
     "node_value",
@@ -24,6 +26,13 @@ __all__ = [
     "schema_of",
     "write_back_copies",
 ]
+
+
+# Op families, as packet names (:func:`packet_name`), each named once for every pass and backend.
+# Matrix products of two operands (no batch broadcasting).
+MATMULS = frozenset({"bmm", "mm"})
+# Copies exir's later passes turn into views (``view_copy``) or that only broadcast (``expand_copy``).
+VIEWS_AND_EXPANDS = frozenset({"view_copy", "expand_copy"})
 
 
 def normalize_dim(dim: object, rank: int, *, what: str = "dim") -> int:

@@ -1,4 +1,14 @@
-"""``WritebackMLXBackend.preprocess``: serialize a delegated edge subgraph into a blob."""
+"""``WritebackMLXBackend.preprocess``: serialize a delegated edge subgraph into a blob.
+
+Before serializing, the subgraph's attention gets the one graph rewrite the delegate builds
+on: each scalar multiply of a matmul operand moves to the smaller operand
+(:func:`writeback_core.matmul_scaling.scale_smaller_operand`). PyTorch's decomposed SDPA
+scales both ``q`` and ``K^T``; with the scale on ``q`` alone the delegate runs the attention
+as one ``mx.fast.scaled_dot_product_attention`` (``writeback_mlx_backend.fast``) and no step
+scales the whole key cache. The delegate owns this: no program pass of another package is
+needed for it (the stock runtime's lowerings run the same rewrite as writeback-passes'
+``scale_smaller_operand`` pass).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +24,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from writeback_core.blob import dtype_name
+from writeback_core.matmul_scaling import scale_smaller_operand
 from writeback_core.ops import node_value
 
 from writeback_mlx_backend.delegate_program import DelegateProgram, InPlaceCandidate
@@ -212,5 +223,9 @@ class WritebackMLXBackend(BackendDetails):  # type: ignore[misc]  # executorch i
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
-        """Serialize the delegated subgraph, weights and initial state into one blob."""
+        """Move each attention's scale to its smaller operand (the module docstring), then
+        serialize the delegated subgraph, weights and initial state into one blob.
+
+        ``edge_program`` is exir's copy of the partition, the delegate's to change."""
+        scale_smaller_operand(edge_program)
         return PreprocessResult(processed_bytes=build_program(edge_program).to_bytes())

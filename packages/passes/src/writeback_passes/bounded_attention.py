@@ -291,13 +291,15 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
 
 
 def bound_attention_pass() -> ProgramPass:
-    """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`."""
-    from writeback_passes.plugin import ATTENTION_REWRITES
+    """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`, for the stock
+    runtime's lowerings: MLX's delegate bounds each attention itself, to the window its masks
+    leave at each call (``writeback_mlx_backend.window``), whatever form the mask takes."""
+    from writeback_passes.plugin import STOCK_RUNTIME
 
     return ProgramPass(
         name="bound_attention",
         stage="exported",
         run=bound_attention,
-        backends=ATTENTION_REWRITES,
+        backends=STOCK_RUNTIME,
         reason="attention reads only the keys its mask opens",
     )

@@ -1,7 +1,8 @@
 """Readers of an edge graph's nodes and the op families the passes share, each in one place.
 
 Op families are sets of packet names (:func:`writeback_core.ops.packet_name`: ``view_copy``
-for ``aten.view_copy.default`` or its edge wrapper).
+for ``aten.view_copy.default`` or its edge wrapper); those a backend shares with the passes
+(``MATMULS``, ``VIEWS_AND_EXPANDS``) are :mod:`writeback_core.ops`'.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from writeback_core.ops import packet_name
 
 __all__ = [
     "CLONES",
-    "MATMULS",
     "METADATA_ONLY",
     "UNIT_DIM_RESHAPES",
-    "VIEWS_AND_EXPANDS",
     "StorageAliases",
     "arg_value",
     "reads_no_value",
@@ -27,13 +26,10 @@ __all__ = [
     "tensor_value",
 ]
 
-# Copies exir's later passes turn into views (view_copy) or that only broadcast (expand_copy).
-VIEWS_AND_EXPANDS = frozenset({"view_copy", "expand_copy"})
 # Copies that add or drop a dimension of size one.
 UNIT_DIM_RESHAPES = frozenset({"unsqueeze_copy", "squeeze_copy"})
 # Whole-tensor copies, the dim-order variant exir writes included.
 CLONES = frozenset({"clone", "_clone_dim_order"})
-MATMULS = frozenset({"bmm", "mm"})
 # Ops that look at a tensor's shape, dtype or strides and never at its elements.
 METADATA_ONLY = frozenset(
     {

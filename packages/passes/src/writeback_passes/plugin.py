@@ -23,12 +23,8 @@ XNNPACK = "xnnpack"
 KERNEL_BACKENDS = (PORTABLE, XNNPACK)
 # The lowerings whose programs run on the stock runtime's kernels (a lowering with no backend
 # too): the passes that rewrite a graph for those kernels serve these and no delegate's
-# backend (MLX's delegate writes state and checks indices itself).
+# backend (MLX's delegate writes state, checks indices, bounds and scales attention itself).
 STOCK_RUNTIME = frozenset({PORTABLE, XNNPACK, NO_BACKEND})
-# writeback-mlx-backend's backend: its delegate bounds an attention to the window bound_attention
-# leaves, and fuses one whose scale scale_smaller_operand moved (mx.fast's attention).
-MLX = "mlx"
-ATTENTION_REWRITES = STOCK_RUNTIME | {MLX}
 
 
 def _portable(registry: Registry, **options: Any) -> Any:
@@ -125,7 +121,7 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
 
         return (runner_attention_pass(), bound_attention_pass())
     if stage == "before_partition":
-        from writeback_passes.attention import scale_smaller_operand_pass
+        from writeback_passes.smaller_operand_scaling import scale_smaller_operand_pass
         from writeback_passes.view_copies import functional_copies_as_views_pass
 
         return (functional_copies_as_views_pass(), scale_smaller_operand_pass())

@@ -47,9 +47,9 @@ import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass, meta
 from writeback_core.alias import AliasAnalysis
-from writeback_core.ops import packet_name
+from writeback_core.ops import VIEWS_AND_EXPANDS, packet_name
 
-from writeback_passes.graph import CLONES, UNIT_DIM_RESHAPES, VIEWS_AND_EXPANDS, tensor_value
+from writeback_passes.graph import CLONES, UNIT_DIM_RESHAPES, tensor_value
 
 __all__ = [
     "ViewCopyReport",

@@ -6,16 +6,26 @@ step ``q`` is one position and ``K^T`` is the whole cache, so the second multipl
 writes a cache-sized tensor per layer per step. Since ``(s*A) @ B == A @ (s*B)``, the
 multiply can move to the operand with fewer elements.
 
-For each ``bmm(A, B)`` (and ``mm``) of the functional edge graph: when ``B`` is
-``mul.Scalar(X, s)`` reached through reshape-only ops (``view_copy``, ``expand_copy``)
-that nothing else reads, and ``A`` has fewer elements than ``X``, the ``bmm`` reads
-``X`` through the same reshapes and ``A`` becomes ``mul.Scalar(A, s)``. The same
-with the roles of ``A`` and ``B`` swapped. Results differ from the original by
+:func:`scale_smaller_operand`, for each ``bmm(A, B)`` (and ``mm``) of a functional graph
+(ATen or edge dialect):
+
+1. when ``B`` is ``mul.Scalar(X, s)`` reached through reshape-only ops (``view_copy``,
+   ``expand_copy``) that nothing else reads,
+2. and ``A`` has fewer elements than ``X``, both sizes static,
+3. and ``A``, ``X`` and the multiply's result have one dtype,
+
+the ``bmm`` reads ``X`` through the same reshapes and ``A`` becomes ``mul.Scalar(A, s)``.
+The same with the roles of ``A`` and ``B`` swapped. Results differ from the original by
 floating-point rounding only (one multiply moves; none is added).
 
 Refused: a multiply whose result has another dtype than its input or than the other
-operand (``bmm(q, int_cache * 0.5)``: the matmul needs the converted operand), and
-any operand whose ``val`` is unknown. The moved multiply gets its own ``val``.
+operand (``bmm(q, int_cache * 0.5)``: the matmul needs the converted operand), a size
+that is symbolic, and any operand whose ``val`` is unknown. The moved multiply gets its
+own ``val``.
+
+Two callers share it: writeback-passes' ``scale_smaller_operand`` pass (the stock runtime's
+lowerings, before partitioning) and writeback-mlx-backend's ``preprocess`` (the graph its
+delegate runs, where the moved scale also lets the attention fuse into one kernel).
 """
 
 from __future__ import annotations
@@ -26,12 +36,10 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from writeback_core import ProgramPass
-from writeback_core.ops import aten_op, packet_name
 
-from writeback_passes.graph import MATMULS, VIEWS_AND_EXPANDS, tensor_value
+from writeback_core.ops import MATMULS, VIEWS_AND_EXPANDS, aten_op, node_value, packet_name
 
-__all__ = ["ScaleReport", "scale_smaller_operand", "scale_smaller_operand_pass"]
+__all__ = ["ScaleReport", "scale_smaller_operand"]
 
 
 @dataclass
@@ -46,8 +54,13 @@ class ScaleReport:
         return bool(self.moved)
 
 
+def _tensor_value(node: object) -> torch.Tensor | None:
+    val = node_value(node)
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _numel(node: Any) -> int | None:
-    val = tensor_value(node)
+    val = _tensor_value(node)
     if val is None or not all(isinstance(d, int) for d in val.shape):
         return None
     return int(val.numel())
@@ -73,7 +86,7 @@ def _scaled_source(operand: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node
 
 def _same_dtype(*nodes: torch.fx.Node) -> bool:
     """Whether every node has a known ``val`` of one dtype."""
-    dtypes = {val.dtype if val is not None else None for val in map(tensor_value, nodes)}
+    dtypes = {val.dtype if val is not None else None for val in map(_tensor_value, nodes)}
     return len(dtypes) == 1 and None not in dtypes
 
 
@@ -81,7 +94,7 @@ def _product(other: torch.fx.Node, scale: Any, target: Any) -> torch.Tensor | No
     """The fake ``val`` of ``target(other, scale)``, computed in ``other``'s fake mode."""
     from torch._guards import detect_fake_mode
 
-    val = tensor_value(other)
+    val = _tensor_value(other)
     fake = detect_fake_mode([val])
     if val is None or fake is None:
         return None
@@ -91,7 +104,9 @@ def _product(other: torch.fx.Node, scale: Any, target: Any) -> torch.Tensor | No
 
 
 def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> ScaleReport:
-    """Move each scalar multiply of a matmul operand to the smaller operand (module docstring)."""
+    """Move each scalar multiply of a matmul operand to the smaller operand (the module's
+    steps and refusals). Edits the graph of ``program`` in place and returns which matmuls
+    changed; a graph with nothing to move is left as it was."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
     graph = gm.graph
     report = ScaleReport(gm)
@@ -128,18 +143,3 @@ def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> Sc
         graph.lint()
         gm.recompile()
     return report
-
-
-def scale_smaller_operand_pass() -> ProgramPass:
-    """This pass as a ``"before_partition"`` :class:`~writeback_core.ProgramPass` (after the
-    reshape copies are made views, which leaves the multiply next to its matmul)."""
-    from writeback_passes.plugin import ATTENTION_REWRITES
-
-    return ProgramPass(
-        name="scale_smaller_operand",
-        stage="before_partition",
-        run=scale_smaller_operand,
-        after=("functional_copies_as_views",),
-        backends=ATTENTION_REWRITES,
-        reason="attention scaled on its smaller operand",
-    )
