@@ -30,18 +30,13 @@ PROMPT = [3, 141, 59, 265, 358, 979, 323]
 
 
 def _config() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=CACHE,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    """writeback's tiny Llama (2 layers, hidden 64, 4 heads of 16, 32 positions) with a vocabulary of VOCAB."""
+    from writeback_decoders import hf_config
+
+    config = hf_config("llama")
+    config.vocab_size, config.bos_token_id, config.eos_token_id = VOCAB, 0, 1
+    assert config.max_position_embeddings == CACHE
+    return config
 
 
 @pytest.fixture(scope="module")

@@ -174,15 +174,17 @@ def _static_generation(model: Any, max_cache_len: int) -> Any:
 
 
 @functools.cache
-def _static_module() -> type[nn.Module]:
+def _static_module() -> Callable[[Any, bool], nn.Module]:
     """transformers' ``TorchExportableModuleWithStaticCache`` with one change: its ``forward``
-    returns the last position's logits unless the module's ``all_logits`` is set
+    returns the last position's logits unless built with ``all_logits``
     (:mod:`writeback_decoders.logits`); the cache, its buffers and the inputs are the integration's."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    class StaticCacheModule(TorchExportableModuleWithStaticCache):  # type: ignore[misc]  # transformers is untyped
-        all_logits = False
-        keeps = True  # set by _wrap: keeps_logits(model), read outside the traced call
+    class StaticCacheModule(TorchExportableModuleWithStaticCache):
+        def __init__(self, model: Any, all_logits: bool) -> None:
+            super().__init__(model)
+            self.all_logits = all_logits
+            self.keeps = keeps_logits(model)  # read outside the traced call
 
         def forward(
             self,
@@ -208,8 +210,7 @@ def _static_module() -> type[nn.Module]:
 def _wrap(model: Any, max_cache_len: int, all_logits: bool = False) -> nn.Module:
     """The integration's exportable module around ``model``, with a static cache of ``max_cache_len``,
     returning the last position's logits (every position's with ``all_logits``)."""
-    wrapped = _static_module()(_static_generation(model, max_cache_len))
-    wrapped.all_logits, wrapped.keeps = all_logits, keeps_logits(model)
+    wrapped = _static_module()(_static_generation(model, max_cache_len), all_logits)
     return wrapped.eval().requires_grad_(False)
 
 
@@ -376,23 +377,28 @@ def _case(
         exported=exported,
         constant_methods=_Deferred(lambda: runner_metadata_of(config_of(source()), max_cache_len)),
     )
+
+    def again(name: str, description: str, quantization: str | None, all_logits: bool) -> ModelCase:
+        """The same model under another name and description, quantized or returning logits otherwise."""
+        return _case(
+            source,
+            name,
+            description,
+            max_cache_len,
+            seed,
+            dtype,
+            prompt_token,
+            integration_export,
+            attention,
+            quantization=quantization,
+            all_logits=all_logits,
+        )
+
     if quantization is None:
 
-        def quantized(name: str) -> ModelCase:
-            chosen = scheme(name, getattr(config_of(source()).get_text_config(), "hidden_size", None))
-            return _case(
-                source,
-                f"{case.name}-{name}",
-                f"{description}; {chosen.description}",
-                max_cache_len,
-                seed,
-                dtype,
-                prompt_token,
-                integration_export,
-                attention,
-                quantization=name,
-                all_logits=all_logits,
-            )
+        def quantized(scheme_name: str) -> ModelCase:
+            chosen = scheme(scheme_name, getattr(config_of(source()).get_text_config(), "hidden_size", None))
+            return again(f"{name}-{scheme_name}", f"{description}; {chosen.description}", scheme_name, all_logits)
 
         case = replace(case, quantized=quantized, quantizations=tuple(QUANTIZATIONS))
     else:
@@ -400,19 +406,7 @@ def _case(
         case = replace(case, rtol=chosen.rtol, atol=chosen.atol)
 
     def every_position() -> ModelCase:
-        return _case(
-            source,
-            name,
-            f"{description}; {ALL_LOGITS_NOTE}",
-            max_cache_len,
-            seed,
-            dtype,
-            prompt_token,
-            integration_export,
-            attention,
-            quantization,
-            all_logits=True,
-        )
+        return again(name, f"{description}; {ALL_LOGITS_NOTE}", quantization, True)
 
     if not all_logits:
         case = replace(case, all_logits=every_position)
