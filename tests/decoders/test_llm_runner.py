@@ -118,11 +118,13 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
         assert "get_max_seq_len=64, get_max_context_len=64" in output
         assert "enable_dynamic_shape=True" in output
         assert "prefill: the whole prompt in one call (up to 64 tokens)" in output
+        assert "logits: the last position's only (what the runner reads;" in output
     else:
         output = _export(model, backend, tmp_path, "--token-by-token")
         assert "get_max_seq_len=1, get_max_context_len=64" in output
         assert "enable_dynamic_shape=False" in output
         assert "prefill: one token per call" in output
+        assert "logits: the one position of a call (one token per call)" in output
     assert "written by llama::update_cache, read by llama::custom_sdpa" in " ".join(output.split())
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output

@@ -4,8 +4,8 @@ Exports MODEL, checks it against the runner's contract
 (:mod:`writeback_core.llm_runner`), lowers it through the one lowering path with the
 model's runner metadata as constant methods, writes the ``.pte`` and, for a model
 folder, copies its ``tokenizer.json`` beside it. It prints what it wrote: the
-metadata, how the runner will prefill a prompt, where each state lives and which
-whole-state copies are left.
+metadata, how the runner will prefill a prompt, which positions' logits a call returns, where
+each state lives and which whole-state copies are left.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from writeback_core.llm_runner import RUNNER_METADATA, RunnerContractError, check_runner_contract
+from writeback_core.llm_runner import RUNNER_METADATA, RunnerContractError, check_runner_contract, logits_rows
 from writeback_core.program import LoweringError
 from writeback_core.registry import Registry
 from writeback_core.units import format_bytes
@@ -46,6 +46,8 @@ class ExportReport:
     lowered: Lowered
     pte_path: Path
     tokenizer: Path | None
+    #: Which positions' logits a call returns (:func:`writeback_core.llm_runner.logits_rows`).
+    logits: str | None = None
 
 
 def runner_loads(backend: str | None) -> bool:
@@ -93,6 +95,7 @@ def _lines(report: ExportReport) -> list[str]:
             if dynamic
             else "one token per call (the token dimension is static)"
         ),
+        *_logits_lines(report.logits),
         f"{len(lowered.mutations)} mutated states; whole-state copies left per call: "
         + (f"{len(copies)} ({format_bytes(sum(p.copy_bytes for p in copies))}/call)" if copies else "none"),
         *state_lines(places),
@@ -108,6 +111,21 @@ def _lines(report: ExportReport) -> list[str]:
     else:
         lines.append(where_it_loads(lowered.backend, report.pte_path))
     return lines
+
+
+# What export prints for each answer of logits_rows.
+_LOGITS_LINES = {
+    "last": "logits: the last position's only (what the runner reads; the LM head runs on one row); --all-logits "
+    "returns every position's",
+    "every": "logits: every position's, [1, n, vocab] for a call of n tokens (--all-logits)",
+    "one": "logits: the one position of a call (one token per call)",
+}
+
+
+def _logits_lines(rows: str | None) -> list[str]:
+    """The line saying which positions' logits a call returns (none for a program whose output is
+    not logits)."""
+    return [_LOGITS_LINES[rows]] if rows in _LOGITS_LINES else []
 
 
 def _tokenizer_of(model: str) -> Path | None:
@@ -136,6 +154,13 @@ def _tokenizer_of(model: str) -> Path | None:
     help="Export one token per call (the runner then prefills a prompt token by token) even where the model and "
     "backend take a dynamic token dimension.",
 )
+@click.option(
+    "--all-logits",
+    is_flag=True,
+    help="Return every position's logits, [1, n, vocab] for a call of n tokens, for a tool that scores every "
+    "position. Default: the last position's only, which is all ExecuTorch's LLM runner reads (the LM head then runs "
+    "on one row and the program plans no [1, max_seq_len, vocab] buffer).",
+)
 @quantize_option()
 @accept_weights_option()
 @click.pass_context
@@ -145,6 +170,7 @@ def export_command(
     backend: str | None,
     output: Path,
     token_by_token: bool,
+    all_logits: bool,
     quantize: str | None,
     accept_weights: bool,
 ) -> None:
@@ -156,7 +182,8 @@ def export_command(
     inputs: tokens [1, n] and positions; one output: the logits; metadata as constant
     methods) before anything is written. Where the backend takes dynamic shapes
     (xnnpack, portable) and the model offers it, the token dimension is dynamic: the
-    runner prefills a prompt in one call."""
+    runner prefills a prompt in one call. A call returns the last position's logits, all
+    the runner reads; --all-logits returns every position's."""
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)
@@ -165,6 +192,13 @@ def export_command(
     except PipelineError as error:
         raise click.UsageError(str(error)) from error
     case = quantized_case(resolve_model_option(registry, model, accept_weights), quantize)
+    if all_logits:
+        if case.all_logits is None:
+            raise click.UsageError(
+                f"--all-logits: model {case.name!r} does not offer it: its program returns the logits its module "
+                "returns; write the module to return every position's logits instead"
+            )
+        case = case.all_logits()
     dynamic = pipeline.backend is None or pipeline.backend.dynamic_shapes
     if dynamic and not token_by_token and case.dynamic_prefill is not None:
         case = case.dynamic_prefill()
@@ -176,6 +210,7 @@ def export_command(
     try:
         exported = export_case(case)
         check_runner_contract(exported, case.constant_methods)
+        rows = logits_rows(exported)
         lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
         lowered.write_pte(output)
     except RunnerContractError as error:
@@ -188,5 +223,5 @@ def export_command(
         tokenizer = output.parent / "tokenizer.json"
         if tokenizer.resolve() != source.resolve():
             shutil.copyfile(source, tokenizer)
-    for line in _lines(ExportReport(lowered, output, tokenizer)):
+    for line in _lines(ExportReport(lowered, output, tokenizer, rows)):
         console.print(line, markup=False, highlight=False)

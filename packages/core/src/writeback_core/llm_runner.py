@@ -37,6 +37,7 @@ __all__ = [
     "RunnerContractError",
     "check_runner_contract",
     "load_runner_kernels",
+    "logits_rows",
     "runner_contract_problems",
     "runner_metadata",
 ]
@@ -199,6 +200,27 @@ def runner_contract_problems(program: ExportedProgram, methods: Mapping[str, Any
             "prefills the prompt in one call"
         )
     return problems
+
+
+def logits_rows(program: ExportedProgram) -> str | None:
+    """Which positions of a call ``program`` returns logits for, read from its output's shape:
+    ``"last"`` (``[1, V]``, or ``[1, 1, V]`` from a call of a dynamic number of tokens: what the
+    runner reads, the LM head run on one row), ``"every"`` (``[1, n, V]`` with ``n`` the call's
+    tokens), ``"one"`` (the call takes one token: its one position); ``None`` when the program
+    has not one floating output of rank 2 or 3."""
+    inputs, outputs = _user_values(program)
+    if len(outputs) != 1:
+        return None
+    logits = outputs[0]
+    if not (isinstance(logits, torch.Tensor) and logits.dim() in (2, 3) and logits.is_floating_point()):
+        return None
+    if logits.dim() == 2:
+        return "last"
+    tokens = inputs[0] if inputs else None
+    dynamic = isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and _static(tokens.shape[1]) is None
+    if _static(logits.shape[1]) == 1:
+        return "last" if dynamic else "one"
+    return "every"
 
 
 def _describe(value: object) -> str:

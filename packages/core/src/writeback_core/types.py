@@ -410,6 +410,12 @@ class ModelCase:
     named scheme (``--quantize`` of ``run`` and ``export``; ``quantizations`` lists the
     schemes it takes); a case without it has nothing to quantize.
 
+    ``all_logits``, when given, builds the same model returning every position's logits
+    (``[1, n, vocab]``; ``writeback export --all-logits``): a decoder whose program returns only the
+    last position's (what ExecuTorch's LLM runner reads, so a prefill of ``n`` tokens runs its LM
+    head on one row and plans no ``[1, n, vocab]`` buffer) offers it for a model or tool that scores
+    every position.
+
     ``observe``, when given, is called with ``(step, outputs)`` after each call a run makes
     (eager's outputs where the run compares, the program's where it does not): a case whose
     next inputs follow from the outputs (greedy decoding) takes them from here instead of
@@ -436,6 +442,7 @@ class ModelCase:
     dynamic_prefill: Callable[[], ModelCase] | None = None
     quantized: Callable[[str], ModelCase] | None = None
     quantizations: tuple[str, ...] = ()
+    all_logits: Callable[[], ModelCase] | None = None
     observe: Callable[[int, Sequence[Any]], None] | None = None
     rtol: float = 1e-4
     atol: float = 1e-4

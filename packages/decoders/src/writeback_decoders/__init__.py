@@ -8,6 +8,8 @@
 - ``hf``: Hugging Face causal LMs with a ``StaticCache``, exported as transformers'
   ExecuTorch integration does (:func:`hf_case` for a local folder or a config,
   :func:`hf_model_case` for the named defaults; needs the ``hf`` extra).
+- ``logits``: which positions' logits a Hugging Face decoder returns (the last by default,
+  what ExecuTorch's LLM runner reads; every position's when a case's ``all_logits`` asks).
 - ``folder_checks``: a local model folder checked as data before a model is built
   (:func:`check_folder`, refusing with :class:`FolderRefused`): config, size against
   memory, safetensors headers, weights against the architecture.

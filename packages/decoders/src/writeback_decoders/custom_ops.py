@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from writeback_decoders.logits import causal_lm_logits, keeps_logits
+
 __all__ = [
     "ATTENTION_NAME",
     "CustomOpsDecoder",
@@ -142,7 +144,8 @@ def _started_at(start: Any) -> Iterator[None]:
 
 class CustomOpsDecoder(nn.Module):
     """``model`` (a transformers causal LM) as ExecuTorch's runner calls it, ``forward(input_ids
-    [1, n], cache_position [n]) -> logits [1, n, V]``, its caches written by
+    [1, n], cache_position [n]) -> logits [1, 1, V]`` (the last position's; every position's,
+    ``[1, n, V]``, with ``all_logits``: :mod:`writeback_decoders.logits`), its caches written by
     ``llama::update_cache`` and read by ``llama::custom_sdpa`` up to the last written position.
 
     Cache buffers ``key_cache_{i}``/``value_cache_{i}`` are ``[1, max_cache_len, kv_heads,
@@ -152,7 +155,7 @@ class CustomOpsDecoder(nn.Module):
     :raises CustomOpsUnsupported: the config uses attention these kernels do not compute.
     """
 
-    def __init__(self, model: Any, max_cache_len: int) -> None:
+    def __init__(self, model: Any, max_cache_len: int, all_logits: bool = False) -> None:
         super().__init__()
         from transformers import StaticCache
         from transformers.integrations.executorch import get_head_shapes  # type: ignore[attr-defined]  # not in its __all__
@@ -171,6 +174,8 @@ class CustomOpsDecoder(nn.Module):
         model.config.use_cache = True
         self.model = model
         self.max_cache_len = max_cache_len
+        self.all_logits = all_logits
+        self._keeps = keeps_logits(model)
         text = model.config.get_text_config()
         heads, head_dim = get_head_shapes(text)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
@@ -203,12 +208,13 @@ class CustomOpsDecoder(nn.Module):
         for i, layer in enumerate(self._layers):
             layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
         with _started_at(start):
-            out = self.model(
+            return causal_lm_logits(
+                self.model,
+                self.all_logits,
+                self._keeps,
                 input_ids=input_ids,
                 attention_mask=None,
                 position_ids=position_ids,
                 past_key_values=self.cache,
                 use_cache=True,
             )
-        logits: torch.Tensor = out.logits
-        return logits

@@ -26,6 +26,7 @@ from torch import nn
 from writeback_core.llm_runner import runner_metadata
 from writeback_core.types import ModelCase
 
+from writeback_decoders.logits import ALL_LOGITS_NOTE
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class ETLlamaConfig:
     layer_types: tuple[str, ...] = ()
     #: Further ``ModelArgs`` fields, as (name, value) pairs.
     extra_args: tuple[tuple[str, Any], ...] = ()
+    #: Every position's logits (``ModelArgs.generate_full_logits``, ``[1, n, vocab]``); by default
+    #: the last position's only (``[1, vocab]``), as ExecuTorch's own export returns them.
+    all_logits: bool = False
 
     @classmethod
     def for_cache_mib(cls, cache_mib: float, seed: int = 0) -> ETLlamaConfig:
@@ -86,7 +90,14 @@ class ETLlamaConfig:
         kinds = tuple(self.layer_types[i % len(self.layer_types)] for i in range(4)) if self.layer_types else ()
         attending = sum(1 for kind in kinds if kind not in _STATE_LAYERS) if kinds else 4
         sized = self.for_cache_mib(cache_mib * 4 / max(attending, 1), self.seed)
-        return replace(sized, name=self.name, title=self.title, layer_types=kinds, extra_args=self.extra_args)
+        return replace(
+            sized,
+            name=self.name,
+            title=self.title,
+            layer_types=kinds,
+            extra_args=self.extra_args,
+            all_logits=self.all_logits,
+        )
 
     @property
     def attention_layers(self) -> int:
@@ -126,6 +137,7 @@ def _model_args(cfg: ETLlamaConfig, dynamic: bool = False) -> Any:
         max_context_len=cfg.max_seq,
         use_kv_cache=True,
         enable_dynamic_shape=dynamic,
+        generate_full_logits=cfg.all_logits,
         layer_types=list(cfg.layer_types) or None,
         **dict(cfg.extra_args),
     )
@@ -244,7 +256,8 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
     the step before (:class:`~writeback_decoders.steps.GreedyTokens`, computed once
     and cached in the case). The call is ``model(tokens, attn_options={"input_pos":
     pos})``; the program's inputs are ``tokens`` and ``input_pos``; it returns the
-    logits ``[1, vocab]``.
+    logits ``[1, vocab]`` (the last position's; its ``all_logits`` form, every position's
+    ``[1, n, vocab]``).
 
     Its ``dynamic_prefill`` is the model ExecuTorch's ``export_llama --enable_dynamic_shape``
     exports: ``n`` tokens from ``input_pos`` in one call (1 to ``max_seq``), logits of the
@@ -261,12 +274,13 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
     def step_kwargs(step: int) -> dict[str, Any]:
         return _inputs(greedy.token(step), greedy.position(step))[1]
 
+    every = f"; {ALL_LOGITS_NOTE}" if cfg.all_logits else ""
     case = ModelCase(
         name=cfg.name,
         description=(
             f"{cfg.title}, {cfg.layers} layers{_kinds(cfg)}, dim {cfg.dim}, KV cache "
             f"{cfg.max_seq} positions ({cfg.cache_nbytes / (1 << 20):.3g} MiB K+V) in buffers, "
-            "seeded random weights, greedy tokens"
+            f"seeded random weights, greedy tokens{every}"
         ),
         build=lambda: _build(cfg),
         step_inputs=step_inputs,
@@ -280,6 +294,12 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
             max_seq_len=1, max_context_len=cfg.max_seq, vocab_size=cfg.vocab, bos_id=1, eos_ids=(), dynamic_shape=False
         ),
     )
+
+    def every_position() -> ModelCase:
+        return et_llama_case(config=replace(cfg, all_logits=True))
+
+    if not cfg.all_logits:
+        case = replace(case, all_logits=every_position)
 
     def dynamic_prefill() -> ModelCase:
         return replace(
@@ -303,6 +323,13 @@ def et_llama_case(cache_mib: float | None = None, config: ETLlamaConfig | None =
                 dynamic_shape=True,
             ),
             dynamic_prefill=None,
+            all_logits=None if cfg.all_logits else lambda: _dynamic(every_position()),
         )
 
     return replace(case, dynamic_prefill=dynamic_prefill)
+
+
+def _dynamic(case: ModelCase) -> ModelCase:
+    """``case``'s dynamic-prefill form (every case :func:`et_llama_case` makes has one)."""
+    assert case.dynamic_prefill is not None, "et_llama_case gives every case a dynamic form"
+    return case.dynamic_prefill()

@@ -16,6 +16,7 @@ called, so this package imports, and offers its other models, without it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +29,7 @@ from torch import nn
 from writeback_core.llm_runner import runner_metadata
 from writeback_core.types import ModelCase
 
+from writeback_decoders.logits import ALL_LOGITS_NOTE, causal_lm_logits, keeps_logits
 from writeback_decoders.quantize import QUANTIZATIONS, quantize, scheme
 from writeback_decoders.steps import GreedyTokens, cache_positions, seeded
 
@@ -171,11 +173,44 @@ def _static_generation(model: Any, max_cache_len: int) -> Any:
     return model
 
 
-def _wrap(model: Any, max_cache_len: int) -> nn.Module:
-    """The integration's exportable module around ``model``, with a static cache of ``max_cache_len``."""
+@functools.cache
+def _static_module() -> Callable[[Any, bool], nn.Module]:
+    """transformers' ``TorchExportableModuleWithStaticCache`` with one change: its ``forward``
+    returns the last position's logits unless built with ``all_logits``
+    (:mod:`writeback_decoders.logits`); the cache, its buffers and the inputs are the integration's."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    wrapped: nn.Module = TorchExportableModuleWithStaticCache(_static_generation(model, max_cache_len))
+    class StaticCacheModule(TorchExportableModuleWithStaticCache):
+        def __init__(self, model: Any, all_logits: bool) -> None:
+            super().__init__(model)
+            self.all_logits = all_logits
+            self.keeps = keeps_logits(model)  # read outside the traced call
+
+        def forward(
+            self,
+            input_ids: torch.Tensor | None = None,
+            inputs_embeds: torch.Tensor | None = None,
+            cache_position: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            return causal_lm_logits(
+                self.model,
+                self.all_logits,
+                self.keeps,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                cache_position=cache_position,
+                attention_mask=None,
+                past_key_values=self.static_cache,
+                use_cache=True,
+            )
+
+    return StaticCacheModule
+
+
+def _wrap(model: Any, max_cache_len: int, all_logits: bool = False) -> nn.Module:
+    """The integration's exportable module around ``model``, with a static cache of ``max_cache_len``,
+    returning the last position's logits (every position's with ``all_logits``)."""
+    wrapped = _static_module()(_static_generation(model, max_cache_len), all_logits)
     return wrapped.eval().requires_grad_(False)
 
 
@@ -247,6 +282,12 @@ def _static_export(build: Callable[[], nn.Module], max_cache_len: int, name: str
     return export_model(build(), (), _kwargs(1, 0), strict=True, name=f"model {name!r}")
 
 
+def _dynamic(case: ModelCase) -> ModelCase:
+    """``case``'s dynamic-prefill form (every case :func:`_case` makes with a dynamic form has one)."""
+    assert case.dynamic_prefill is not None, "the all-logits form of a case with a dynamic form has one too"
+    return case.dynamic_prefill()
+
+
 # The contender a custom-ops case carries: the same weights through transformers' StaticCache.
 STATIC_CONTENDER = "transformers StaticCache"
 
@@ -285,9 +326,12 @@ def _case(
     integration_export: bool,
     attention: str = "static",
     quantization: str | None = None,
+    all_logits: bool = False,
 ) -> ModelCase:
     """The case; ``source()`` gives the folder or config (called only when a model is built);
-    ``quantization``: a scheme of :mod:`writeback_decoders.quantize` applied to every build."""
+    ``quantization``: a scheme of :mod:`writeback_decoders.quantize` applied to every build;
+    ``all_logits``: every call returns every position's logits, not the last one's only
+    (:mod:`writeback_decoders.logits`)."""
 
     def model() -> Any:
         loaded = _load(source(), seed, dtype)
@@ -299,12 +343,12 @@ def _case(
         if attention == "custom-ops":
             from writeback_decoders.custom_ops import CustomOpsDecoder
 
-            return CustomOpsDecoder(model(), max_cache_len).eval().requires_grad_(False)
+            return CustomOpsDecoder(model(), max_cache_len, all_logits).eval().requires_grad_(False)
         if attention == "states":
             from writeback_decoders.hf_states import StatesDecoder
 
-            return StatesDecoder(model(), max_cache_len).eval().requires_grad_(False)
-        return _wrap(model(), max_cache_len)
+            return StatesDecoder(model(), max_cache_len, all_logits).eval().requires_grad_(False)
+        return _wrap(model(), max_cache_len, all_logits)
 
     # ExecuTorch's ops take the start position as an int read from the tensor (.item()),
     # which only the non-strict export traces; the states' cache layers are Python objects.
@@ -333,30 +377,42 @@ def _case(
         exported=exported,
         constant_methods=_Deferred(lambda: runner_metadata_of(config_of(source()), max_cache_len)),
     )
+
+    def again(name: str, description: str, quantization: str | None, all_logits: bool) -> ModelCase:
+        """The same model under another name and description, quantized or returning logits otherwise."""
+        return _case(
+            source,
+            name,
+            description,
+            max_cache_len,
+            seed,
+            dtype,
+            prompt_token,
+            integration_export,
+            attention,
+            quantization=quantization,
+            all_logits=all_logits,
+        )
+
     if quantization is None:
 
-        def quantized(name: str) -> ModelCase:
-            chosen = scheme(name, getattr(config_of(source()).get_text_config(), "hidden_size", None))
-            return _case(
-                source,
-                f"{case.name}-{name}",
-                f"{description}; {chosen.description}",
-                max_cache_len,
-                seed,
-                dtype,
-                prompt_token,
-                integration_export,
-                attention,
-                quantization=name,
-            )
+        def quantized(scheme_name: str) -> ModelCase:
+            chosen = scheme(scheme_name, getattr(config_of(source()).get_text_config(), "hidden_size", None))
+            return again(f"{name}-{scheme_name}", f"{description}; {chosen.description}", scheme_name, all_logits)
 
         case = replace(case, quantized=quantized, quantizations=tuple(QUANTIZATIONS))
     else:
         chosen = scheme(quantization)
         case = replace(case, rtol=chosen.rtol, atol=chosen.atol)
 
+    def every_position() -> ModelCase:
+        return again(name, f"{description}; {ALL_LOGITS_NOTE}", quantization, True)
+
+    if not all_logits:
+        case = replace(case, all_logits=every_position)
+
     def static_build() -> nn.Module:
-        return _wrap(model(), max_cache_len)
+        return _wrap(model(), max_cache_len, all_logits)
 
     if attention == "custom-ops":
         # What a user exports without these kernels: transformers' own static cache.
@@ -373,6 +429,7 @@ def _case(
             constant_methods=_Deferred(lambda: runner_metadata_of(config_of(source()), max_cache_len, True)),
             dynamic_prefill=None,
             contenders=contenders,
+            all_logits=None if all_logits else lambda: _dynamic(every_position()),
         )
 
     # The states' layers take another path for one token than for several (hf_states).
@@ -419,7 +476,9 @@ def hf_case(
     Step ``s`` calls ``module(input_ids=[[token]], cache_position=[s % max_cache_len])``;
     the token is ``prompt_token`` at step 0, then the greedy token eager PyTorch
     produced at the step before (:class:`~writeback_decoders.steps.GreedyTokens`,
-    computed once and cached in the case). It returns the logits ``[1, 1, vocab]``.
+    computed once and cached in the case). It returns the logits ``[1, 1, vocab]``: a call of
+    ``n`` tokens (the ``dynamic_prefill`` form) returns its last position's, the LM head run on
+    that row only; the case's ``all_logits`` form returns every position's, ``[1, n, vocab]``.
 
     :raises TransformersMissingError: transformers is not installed (the message says
         how to install it).

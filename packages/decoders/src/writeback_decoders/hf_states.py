@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from writeback_decoders.logits import causal_lm_logits, keeps_logits
+
 __all__ = [
     "StateLostError",
     "StateSlot",
@@ -170,7 +172,8 @@ def _tensors(layer: Any) -> Iterator[tuple[str, Any, torch.Tensor]]:
 
 class StatesDecoder(nn.Module):
     """``model`` (a transformers causal LM) as ExecuTorch's runner calls it, one token per call:
-    ``forward(input_ids [1, 1], cache_position [1]) -> logits [1, 1, V]``, every tensor of its
+    ``forward(input_ids [1, 1], cache_position [1]) -> logits [1, 1, V]`` (its one position, cut
+    before the LM head unless ``all_logits``: :mod:`writeback_decoders.logits`), every tensor of its
     ``StaticCache`` layers held as a registered buffer and written there by the model's own code.
 
     :ivar slots: where each buffer is bound, in buffer order.
@@ -178,7 +181,7 @@ class StatesDecoder(nn.Module):
         describe (:func:`states_refusal`).
     """
 
-    def __init__(self, model: Any, max_cache_len: int) -> None:
+    def __init__(self, model: Any, max_cache_len: int, all_logits: bool = False) -> None:
         super().__init__()
         from transformers import StaticCache
         from transformers.cache_utils import DummyLayer
@@ -189,6 +192,8 @@ class StatesDecoder(nn.Module):
         model.config.use_cache = True
         self.model = model
         self.max_cache_len = max_cache_len
+        self.all_logits = all_logits
+        self._keeps = keeps_logits(model)
         self._argument = _cache_argument(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         with torch.no_grad():  # every layer allocates its tensors at their real shapes
@@ -230,7 +235,10 @@ class StatesDecoder(nn.Module):
         # The layers write the buffers as this call sees them (torch.export traces the module's
         # attributes, not tensors held elsewhere).
         self._bind()
-        out = self.model(
+        logits = causal_lm_logits(
+            self.model,
+            self.all_logits,
+            self._keeps,
             input_ids=input_ids,
             position_ids=cache_position.unsqueeze(0),
             use_cache=True,
@@ -245,5 +253,4 @@ class StatesDecoder(nn.Module):
                     f"{type(self.cache.layers[slot.layer]).__name__} instead of written in place: the exported "
                     "program would not carry it to the next call; this model cannot be exported this way"
                 )
-        logits: torch.Tensor = out.logits
         return logits
