@@ -70,8 +70,9 @@ def test_lower_decomposes_the_models_graph_as_often_as_stock_lowering_does(
     ``to_executorch`` of the same program (its mutations are read from the edge program
     the partitioner gets, not from a decomposition of its own)."""
     from writeback.bench_common import stock_program
-    from writeback.lowering import export_case, lower
-    from writeback.pipeline import assemble
+    from writeback.model_build import export_case
+    from writeback.session import assemble
+    from writeback_core.lowering import lower
 
     case = builtin_models()["decoder"]
     exported = export_case(case)

@@ -24,7 +24,7 @@ from writeback.bench_cache import failures, run_bench, tables
 from writeback.bench_model import BASELINE, model_contenders, model_table, run_model_bench
 from writeback.bench_plot import check_plot, plot, plot_model
 from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
-from writeback.pipeline import PipelineError, choose_backend
+from writeback.session import PipelineError, choose_backend
 
 __all__ = ["bench_command"]
 

@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
     from writeback_core.llm_runner import load_runner_kernels
+    from writeback_core.lowering import lower
 
     from writeback.bench_common import stock_program
     from writeback.cli import resolve_model_option
-    from writeback.lowering import export_case, lower
+    from writeback.model_build import export_case
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="et-llama")

@@ -129,7 +129,7 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
 
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
 
     registry = load_registry()
     base = _resident_gb()
@@ -145,11 +145,13 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
         with known_warnings_ignored():
             write_stock_pte(exported, pte, xnnpack=True, constant_methods=dict(case.constant_methods))
     else:
-        from writeback.lowering import lower
-        from writeback.pipeline import assemble
+        from writeback_core.lowering import lower
+
+        from writeback.process_memory import return_freed_memory
+        from writeback.session import assemble
 
         pipeline = assemble(registry, contender.removeprefix(WRITEBACK_PREFIX))
-        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
+        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory)
         lowered.write_pte(Path(pte))
     lowered_at = time.perf_counter()
     return {
@@ -167,7 +169,7 @@ def _run(contender: str, folder: str, pte: str, steps: int, quantize: str) -> di
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
 
-    from writeback.pipeline import assemble
+    from writeback.session import assemble
 
     registry = load_registry()
     load_runner_kernels()

@@ -133,7 +133,7 @@ def scale_smaller_operand(program: ExportedProgram | torch.fx.GraphModule) -> Sc
 def scale_smaller_operand_pass() -> ProgramPass:
     """This pass as a ``"before_partition"`` :class:`~writeback_core.ProgramPass` (after the
     reshape copies are made views, which leaves the multiply next to its matmul)."""
-    from writeback_passes.plugin import ATTENTION_REWRITES
+    from writeback_passes.backend_names import ATTENTION_REWRITES
 
     return ProgramPass(
         name="scale_smaller_operand",

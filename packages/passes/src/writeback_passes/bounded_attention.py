@@ -292,7 +292,7 @@ def bound_attention(program: ExportedProgram) -> BoundReport:
 
 def bound_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`."""
-    from writeback_passes.plugin import ATTENTION_REWRITES
+    from writeback_passes.backend_names import ATTENTION_REWRITES
 
     return ProgramPass(
         name="bound_attention",
