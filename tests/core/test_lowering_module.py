@@ -15,14 +15,16 @@ from writeback_core.exporting import export_model
 from writeback_core.lowering import lower, to_executorch
 
 
-class _Counter(torch.nn.Module):
+class _Total(torch.nn.Module):
+    """Keeps a running total of its inputs and returns the total plus the input."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("count", torch.zeros(2))
+        self.register_buffer("total", torch.zeros(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(x)
-        return self.count * 2
+        self.total.add_(x)
+        return self.total + x
 
 
 def test_writeback_passes_to_executorch_is_the_lowering_modules_own_function() -> None:
@@ -54,15 +56,15 @@ class _Steps:
 def test_lower_runs_the_callers_housekeeping_once_between_partitioning_and_serializing() -> None:
     steps = _Steps()
     registry = load_registry(entry_points=False, plugins=[steps])
-    exported = export_model(_Counter(), (torch.ones(2),))
+    exported = export_model(_Total(), (torch.ones(3),))
     lowered = lower(exported, registry, None, between_steps=lambda: steps.seen.append("housekeeping"))
     assert steps.seen == ["exported", "housekeeping", "edge"]
     # Without a caller's housekeeping, nothing runs between the steps.
     steps.seen.clear()
     lower(exported, registry, None)
     assert steps.seen == ["exported", "edge"]
-    # The program is the model's: two calls with ones leave the count at 2, doubled: 4 (by hand).
+    # The program is the model's: after ones then twos the total is 3, plus the input 2: 5 (by hand).
     method = Runtime.get().load_program(lowered.pte).load_method("forward")
-    method.execute([torch.ones(2)])
-    (out,) = method.execute([torch.ones(2)])
-    assert out.tolist() == [4.0, 4.0]
+    method.execute([torch.ones(3)])
+    (out,) = method.execute([torch.full((3,), 2.0)])
+    assert out.tolist() == [5.0, 5.0, 5.0]
