@@ -14,6 +14,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
 from writeback.cli import main
+from writeback.process_memory import return_freed_memory
 from writeback.session import Session, assemble, lower_case
 from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core.registry import load_registry
@@ -232,7 +233,9 @@ def test_write_pte_streams_exirs_bytes_without_joining_them_and_refuses_once_rel
 
 
 def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_them(tmp_path: Path) -> None:
-    """After ``Lowered.release`` nothing in the process keeps the lowering's XNNPACK delegates
+    """After ``Lowered.release`` and the housekeeping ``writeback run`` asks for next
+    (``writeback.process_memory.return_freed_memory``) nothing in the process keeps the
+    lowering's XNNPACK delegates
     (each ``LoweredBackendModule`` holds a ``submodule_program`` with the weights it took):
     torch's fake-tensor dispatch cache, exir's ``is_same_node`` cache and the partitioners'
     module-level ``WhyNoPartition`` reporters held them for the life of the process, which
@@ -250,6 +253,7 @@ def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_the
     assert delegates, "the decoder lowers to XNNPACK delegates"
     del module
     lowered.release()
+    return_freed_memory()
     gc.collect()
     alive = [ref() for ref in delegates if ref() is not None]
     assert not alive, f"{len(alive)} of {len(delegates)} XNNPACK delegates outlive Lowered.release"
