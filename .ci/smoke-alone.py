@@ -107,7 +107,7 @@ def core() -> None:
             self.count.add_(1)
             return x + self.count
 
-    program = writeback_core.program.export_model(Counter(), (torch.ones(1),))
+    program = writeback_core.exporting.export_model(Counter(), (torch.ones(1),))
     (mutation,) = writeback_core.find_mutations(program.run_decompositions())
     assert mutation.target == "count", mutation
     assert writeback_core.load_registry().plugin_names() == [], "no plugin is installed beside core"

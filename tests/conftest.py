@@ -65,7 +65,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 class Decomposition:
     """One ``ExportedProgram.run_decompositions`` call: the size of the graph decomposed,
     whether a decomposition table was given (exir's ``to_edge``; none: core ATen, as
-    ``writeback_core.program.decomposed`` asks) and the module that called it."""
+    ``writeback_core.program_passes.decomposed`` asks) and the module that called it."""
 
     nodes: int
     table: bool

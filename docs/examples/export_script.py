@@ -10,9 +10,10 @@ import sys
 import warnings
 
 from executorch.exir import to_edge_transform_and_lower
-from writeback.lowering import export_case, lower
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import CopyLeftWarning, load_registry, to_edge_arguments
+from writeback_core.lowering import lower
 from writeback_passes import to_executorch
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "xnnpack"

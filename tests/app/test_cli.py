@@ -30,7 +30,7 @@ def test_plugins_lists_every_plugin_and_its_hooks() -> None:
 def test_explain_decoder_shows_each_cache_with_its_write_and_stock_cost(decompositions: list[Decomposition]) -> None:
     """Also: the rows and the columns that read the core ATen decomposition (mlx, stock
     kernels, trt engine: its lift changes a copy of the graphs) share one, made by
-    ``writeback_core.program.decomposed``. (exir's ``to_edge`` decomposes with its
+    ``writeback_core.program_passes.decomposed``. (exir's ``to_edge`` decomposes with its
     own table: not counted.)"""
     result = CliRunner().invoke(main, ["explain"])
     assert result.exit_code == 0, result.output
@@ -39,7 +39,7 @@ def test_explain_decoder_shows_each_cache_with_its_write_and_stock_cost(decompos
     # stock copies the whole cache (1*2*16*16 fp32 = 2 KiB) back every call
     assert "2.0 KiB" in result.output
     callers = sorted(d.caller for d in decompositions if not d.table)
-    assert callers == ["writeback_core.program"], callers
+    assert callers == ["writeback_core.program_passes"], callers
 
 
 def test_explain_model_from_a_file_factory(tmp_path: Path) -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from writeback.lowering import export_case
-from writeback.pipeline import InputSignature, StepInputError, flatten_step_inputs
-from writeback_core.program import LoweringError, export_model
-from writeback_core.types import ModelCase
+from writeback.model_build import export_case
+from writeback.session import StepInputError, flatten_step_inputs
+from writeback_core.exporting import export_model
+from writeback_core.lowered import InputSignature
+from writeback_core.types import LoweringError, ModelCase
 
 
 class ListCache(nn.Module):
@@ -238,14 +239,14 @@ def test_a_factory_tuple_with_keywords_gives_every_step_fresh_copies_of_the_same
 
 
 def test_decomposed_is_made_once_per_program_its_mutations_named_as_in_core_aten_and_released_with_it() -> None:
-    """``writeback_core.program.decomposed``: the same decomposed program for every caller
+    """``writeback_core.program_passes.decomposed``: the same decomposed program for every caller
     (explain's rows and each plugin's column), the core ATen one (``add_`` of the buffer is a
     functional ``add`` written back), and dropped once the exported program is."""
     import gc
     import weakref
 
     from writeback_core.mutations import find_mutations
-    from writeback_core.program import decomposed
+    from writeback_core.program_passes import decomposed
 
     class Counter(nn.Module):
         def __init__(self) -> None:
@@ -277,7 +278,7 @@ def test_a_program_reading_a_position_from_a_tensor_lowers_again_after_to_edge_n
     ``unbacked_symbols_settled`` every ``to_edge`` of the program succeeds and gives the same
     graph, each cache still written by the op."""
     from executorch.exir import to_edge
-    from writeback_core.program import unbacked_symbols_settled
+    from writeback_core.program_passes import unbacked_symbols_settled
     from writeback_core.quiet import known_warnings_ignored
 
     from tests.core.update_cache_model import make
@@ -294,11 +295,11 @@ def test_a_program_reading_a_position_from_a_tensor_lowers_again_after_to_edge_n
 
 
 def test_graphs_copy_shares_the_weights_and_changing_its_graph_leaves_the_programs_unchanged() -> None:
-    """``writeback_core.program.graphs_copy``: the copy's weights are the program's own tensors
+    """``writeback_core.program_passes.graphs_copy``: the copy's weights are the program's own tensors
     (no copy of them at any model size), its graph is its own (a node erased there is still
     in the program), for an exported program and for exir's edge program manager alike."""
     from executorch.exir import to_edge
-    from writeback_core.program import graphs_copy
+    from writeback_core.program_passes import graphs_copy
 
     program = export_model(ListCache(), (torch.ones(1, 4), torch.tensor([1])), strict=True)
     edge = to_edge(program)

@@ -4,8 +4,8 @@ kind of place, and the grouped lines past eight states (a many-layer decoder).""
 from __future__ import annotations
 
 import torch
-from writeback.lowering import StatePlace
-from writeback.run import place_text, state_lines
+from writeback.lowered_lines import place_text, state_lines
+from writeback_core.lowered import StatePlace
 from writeback_core.mutations import Mutation, MutationKind, WriteKind, WriteShape
 
 

@@ -78,7 +78,7 @@ def test_contract_check_refuses_a_program_eager_itself_fails_on_before_lowering_
     example_registry: Registry,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import writeback.lowering as lowering
+    import writeback_core.lowering as lowering
 
     def no_lowering(*args: object) -> object:
         raise AssertionError("lowered a program eager PyTorch cannot run")
@@ -113,7 +113,7 @@ def test_contract_names_a_backend_that_accepts_what_no_pass_drops() -> None:
 
         @hookimpl
         def writeback_program_passes(self, stage: str) -> list[ProgramPass]:
-            from writeback_passes.pipeline import early_write_back_pass
+            from writeback_passes.early_write_back import early_write_back_pass
 
             return [early_write_back_pass()] if stage == "before_memory_planning" else []
 

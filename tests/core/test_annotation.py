@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import PartitionView, annotating, find_mutations, in_place_decisions, load_registry
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from writeback_core.carried_state import StateLostError, carried_states, mutated_buffers
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
 
 from tests.core.lazy_state_model import DIM, LazyStateDecoder
 

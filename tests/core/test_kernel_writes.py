@@ -7,9 +7,10 @@ from typing import Any
 
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from writeback.lowering import export_case, partition
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import BackendSpec, Mutation, PartitionView, hookimpl, load_registry
+from writeback_core.lowering import partition
 
 
 class _TagsNothing(Partitioner):  # type: ignore[misc]  # executorch is untyped

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import Dynamic, MutationKind, WriteKind, find_mutations
 
@@ -214,7 +214,7 @@ def test_a_cache_a_custom_op_writes_is_written_in_place_by_that_op_not_a_full_ov
     cache``) as ``auto_functionalized_v2`` and the cache's slot of its results: the write is
     the op's, in place, on the cache it names (each cache the op's own call, worked out from
     the model)."""
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     from tests.core.update_cache_model import make
 

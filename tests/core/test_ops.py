@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 from executorch.exir import to_edge
+from writeback_core.exporting import export_model
 from writeback_core.ops import aten_op, packet_name, schema_of, write_back_copies
-from writeback_core.program import export_model
 
 
 class SlotWrite(torch.nn.Module):

@@ -14,7 +14,7 @@ import torch
 import writeback.default_plugin as default_plugin
 from writeback.explain import explain_notes
 from writeback_core import BackendSpec, PassOrderError, ProgramPass, Stage, hookimpl, load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
 
 
 def _nothing(gm: torch.fx.GraphModule) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pluggy
 import pytest
 import torch
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import InPlaceConflictError, Mutation, PartitionView, find_mutations, hookimpl, load_registry
 

@@ -155,9 +155,9 @@ def test_positions_past_the_cache_are_refused_and_the_cache_is_unchanged() -> No
 @pytest.mark.slow  # a lowering
 def test_lowered_for_xnnpack_every_cache_stays_in_place_and_answers_as_eager() -> None:
     from executorch.runtime import Runtime
-    from writeback.lowering import lower
     from writeback_core import load_registry
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
+    from writeback_core.lowering import lower
     from writeback_passes import plugin as passes_plugin
 
     model = _model(_qwen2())

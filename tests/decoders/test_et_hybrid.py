@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from writeback.pipeline import assemble
 from writeback.run import run_model
+from writeback.session import assemble
 from writeback_core.registry import load_registry
 
 from tests.decoders.cases import call, fed

@@ -55,7 +55,7 @@ def test_export_model_of_transformers_wrapper_raises_state_lost_naming_every_sta
     from transformers import FalconH1ForCausalLM, GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
     from writeback_core.carried_state import StateLostError
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     torch.manual_seed(0)
     model = FalconH1ForCausalLM(_config()).eval()

@@ -98,9 +98,10 @@ def test_export_all_logits_returns_every_positions_logits_equal_to_transformers(
 
 def _planned_bytes(folder: Path, backend: str, all_logits: bool) -> int:
     from writeback.cli import resolve_model_option
-    from writeback.lowering import export_case, lower
-    from writeback.pipeline import assemble
+    from writeback.model_build import export_case
+    from writeback.session import assemble
     from writeback_core import load_registry
+    from writeback_core.lowering import lower
     from writeback_passes.memory_report import memory_plan_report
 
     registry = load_registry()

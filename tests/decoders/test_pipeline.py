@@ -1,4 +1,4 @@
-"""Each real decoder, tiny, exported through writeback.lowering.export_case as its case says
+"""Each real decoder, tiny, exported through writeback.model_build.export_case as its case says
 (strict keyword inputs for the Hugging Face models), lowered and run for several greedy decode
 steps through the pipeline on backends none and mlx: every step's logits equal an eager copy's,
 every cache of every layer found as a mutated buffer. Slow: each lowering takes 20-60 s here."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from executorch.exir import memory
 from executorch.exir.delegate import executorch_call_delegate
-from writeback.lowering import export_case
-from writeback.pipeline import assemble, lower
+from writeback.model_build import export_case
 from writeback.run import run_model
+from writeback.session import assemble, lower_case
 from writeback_core.mutations import find_mutations
 from writeback_core.registry import load_registry
 from writeback_decoders import hf_case, hf_config
@@ -130,7 +130,7 @@ def test_more_hugging_face_architectures_run_every_step_like_eager(
     assert not report.failures
     if backend == "mlx":  # every op in the delegate: LayerNorm and the chunked MLP included
         # run_model released its lowering before the steps: lower again to read the graph.
-        graph = lower(case, assemble(load_registry(), backend)).program.exported_program().graph
+        graph = lower_case(case, assemble(load_registry(), backend)).program.exported_program().graph
         outside = [
             str(n.target)
             for n in graph.nodes

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 from writeback.cli import main
-from writeback.lowering import state_places
-from writeback.pipeline import assemble
 from writeback.run import run_model
+from writeback.session import assemble
+from writeback_core.lowered import state_places
 from writeback_core.registry import load_registry
 from writeback_decoders import hf_case, hf_config
 from writeback_decoders.quantize import QUANTIZATIONS, QuantizationError, quantize

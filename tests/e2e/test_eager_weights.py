@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from writeback.cli import main
 from writeback.eager_weights import ExportedWeights, WeightsDiffer
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback_core.registry import load_registry
 from writeback_core.types import ModelCase
 

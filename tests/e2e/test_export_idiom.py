@@ -15,9 +15,10 @@ import pytest
 import torch
 import writeback_passes
 from executorch.exir import to_edge_transform_and_lower
-from writeback.lowering import export_case, lower
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import CopyLeftWarning, Mutation, PartitionView, hookimpl, load_registry, to_edge_arguments
+from writeback_core.lowering import lower
 from writeback_core.types import ModelCase
 
 

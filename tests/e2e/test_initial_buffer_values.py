@@ -1,5 +1,5 @@
 """A mutated buffer that starts non-zero keeps its initial value in the ``.pte`` the lowering
-path writes (``writeback_core.program.backend_config``): the runtimes zero-fill a mutable
+path writes (``writeback_core.lowering.backend_config``): the runtimes zero-fill a mutable
 buffer that carries no data, so without it the first call would start from zeros."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from executorch.runtime import Runtime as StockRuntime
-from writeback.lowering import lower
 from writeback_core import load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowering import lower
 from writeback_pybind_runtime import Runtime
 
 _START = (1.0, 2.0, 3.0, 4.0)

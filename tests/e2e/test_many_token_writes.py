@@ -17,9 +17,9 @@ import pytest
 import torch
 from executorch.runtime import Runtime
 from torch import nn
-from writeback.lowering import lower
 from writeback_core import load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowering import lower
 
 POSITIONS = 16
 WIDTH = 4

@@ -69,9 +69,10 @@ def test_lower_decomposes_the_models_graph_as_often_as_stock_lowering_does(
     ``lower`` runs as many as ExecuTorch's own ``to_edge_transform_and_lower`` +
     ``to_executorch`` of the same program (its mutations are read from the edge program
     the partitioner gets, not from a decomposition of its own)."""
-    from writeback.lowering import export_case, lower
-    from writeback.pipeline import assemble
+    from writeback.model_build import export_case
+    from writeback.session import assemble
     from writeback_bench.contenders import stock_program
+    from writeback_core.lowering import lower
 
     case = builtin_models()["decoder"]
     exported = export_case(case)

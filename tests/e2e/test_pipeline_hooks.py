@@ -13,7 +13,7 @@ import torch
 import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
-from writeback.pipeline import PipelineError, Session, assemble, lower
+from writeback.session import PipelineError, Session, assemble, lower_case
 from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core import hookimpl
 from writeback_core.registry import DuplicateNameError, load_registry
@@ -42,7 +42,7 @@ def _check_against_eager(session: Session, steps: int, expect_copied: int) -> No
 def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     pipeline = assemble(registry)
-    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    lowered = lower_case(decoder_case(CFG, caller_cache=True), pipeline)
     assert lowered.passes == MLX_PASSES  # none of the stock runtime's state-write passes
     assert lowered.write_back_bytes == {}
     # Only the token and the position (8 B each) are copied, into the delegate.
@@ -52,7 +52,7 @@ def test_registered_passes_drop_write_backs_the_delegate_accepted() -> None:
 def test_without_any_pass_plugin_no_pass_runs_and_every_copy_is_reported() -> None:
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, runtime_plugin])
     pipeline = assemble(registry)
-    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    lowered = lower_case(decoder_case(CFG, caller_cache=True), pipeline)
     assert lowered.passes == ()
     # Stock exir keeps a whole-cache write-back copy_ per cache, every call.
     assert lowered.write_back_bytes == {"caches_0": CACHE_BYTES, "caches_1": CACHE_BYTES}
@@ -77,7 +77,7 @@ def test_a_third_party_pass_runs_without_writeback_passes_installed() -> None:
             return [ProgramPass("count", "before_memory_planning", count)] if stage == "before_memory_planning" else []
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, runtime_plugin, Counter()])
-    lowered = lower(decoder_case(CFG, caller_cache=True), assemble(registry))
+    lowered = lower_case(decoder_case(CFG, caller_cache=True), assemble(registry))
     assert lowered.passes == ("count",)
     assert len(seen) == 1 and seen[0] > 0
 
@@ -88,7 +88,7 @@ def test_state_not_from_the_backend_allocator_is_copied_into_the_delegate_and_re
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     assert set(registry.state_allocators()) == {"mlx"}
     pipeline = dataclasses.replace(assemble(registry), allocator=None)
-    lowered = lower(decoder_case(CFG, caller_cache=True), pipeline)
+    lowered = lower_case(decoder_case(CFG, caller_cache=True), pipeline)
     _check_against_eager(Session.open(pipeline, lowered), steps=2, expect_copied=16 + 2 * CACHE_BYTES)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from writeback.cli import main
-from writeback.pipeline import assemble
+from writeback.session import assemble
 from writeback_core.registry import load_registry
 
 # The projections are quantized one by one and the decoder holds them: re-exporting a whole

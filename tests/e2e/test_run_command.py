@@ -14,7 +14,8 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from torch.export import ExportedProgram
 from writeback.cli import main
-from writeback.pipeline import Session, assemble, lower
+from writeback.process_memory import return_freed_memory
+from writeback.session import Session, assemble, lower_case
 from writeback.zoo import CallerCacheDecoder, DecoderConfig, decoder_case
 from writeback_core.registry import load_registry
 
@@ -62,7 +63,7 @@ def test_run_cache_is_updated_in_place_in_caller_memory_like_eager() -> None:
     cfg = DecoderConfig(max_seq=8, layers=2)
     case = decoder_case(cfg, caller_cache=True)
     pipeline = assemble(load_registry())
-    lowered = lower(case, pipeline)
+    lowered = lower_case(case, pipeline)
     assert lowered.write_back_bytes == {}
     assert {d.target for d in lowered.decisions.values() if d.accepted} == {f"caches_{i}" for i in range(4)}
     session = Session.open(pipeline, lowered)
@@ -127,7 +128,7 @@ def test_a_session_opened_from_the_written_file_loads_that_file(tmp_path: Path) 
     cfg = DecoderConfig(max_seq=8, layers=1)
     case = decoder_case(cfg, caller_cache=True)
     pipeline = assemble(load_registry())
-    lowered = lower(case, pipeline)
+    lowered = lower_case(case, pipeline)
     pte = tmp_path / "decoder.pte"
     pte.write_bytes(lowered.pte)
     session = Session.open(pipeline, lowered, path=pte)
@@ -180,8 +181,9 @@ def test_run_model_releases_the_export_before_its_steps_and_still_reports_every_
     import gc
     import weakref
 
-    from writeback.lowering import ReleasedError, export_case, state_places
+    from writeback.model_build import export_case
     from writeback.run import run_model
+    from writeback_core.lowered import ReleasedError, state_places
 
     case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
     seen: list[weakref.ref[torch.export.ExportedProgram]] = []
@@ -197,7 +199,7 @@ def test_run_model_releases_the_export_before_its_steps_and_still_reports_every_
     gc.collect()
     assert len(seen) == 1 and seen[0]() is None
     assert report.checked and report.failures == [] and report.lowered.released
-    independent = lower(case, pipeline)
+    independent = lower_case(case, pipeline)
     assert report.lowered.pte_nbytes == pte.stat().st_size == len(independent.pte)
     assert state_places(report.lowered) == state_places(independent)
     assert report.lowered.copies_left == independent.copies_left and independent.copies_left
@@ -211,10 +213,10 @@ def test_write_pte_streams_exirs_bytes_without_joining_them_and_refuses_once_rel
     same bytes as exir's own ``ExecutorchProgramManager.buffer``) without first joining them
     into ``Lowered.pte``; after a read of ``pte`` it writes those bytes; a released lowering
     refuses to write and leaves the existing file as it was."""
-    from writeback.lowering import ReleasedError
+    from writeback_core.lowered import ReleasedError
 
     case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
-    lowered = lower(case, assemble(load_registry(), "none"))
+    lowered = lower_case(case, assemble(load_registry(), "none"))
     streamed = tmp_path / "streamed.pte"
     lowered.write_pte(streamed)
     assert lowered._pte is None  # nothing joined
@@ -231,7 +233,9 @@ def test_write_pte_streams_exirs_bytes_without_joining_them_and_refuses_once_rel
 
 
 def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_them(tmp_path: Path) -> None:
-    """After ``Lowered.release`` nothing in the process keeps the lowering's XNNPACK delegates
+    """After ``Lowered.release`` and the housekeeping ``writeback run`` asks for next
+    (``writeback.process_memory.return_freed_memory``) nothing in the process keeps the
+    lowering's XNNPACK delegates
     (each ``LoweredBackendModule`` holds a ``submodule_program`` with the weights it took):
     torch's fake-tensor dispatch cache, exir's ``is_same_node`` cache and the partitioners'
     module-level ``WhyNoPartition`` reporters held them for the life of the process, which
@@ -242,13 +246,14 @@ def test_release_frees_every_xnnpack_delegate_and_its_weights_no_cache_keeps_the
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
     case = decoder_case(DecoderConfig(max_seq=8, layers=1), caller_cache=False)
-    lowered = lower(case, assemble(load_registry(), "xnnpack"))
+    lowered = lower_case(case, assemble(load_registry(), "xnnpack"))
     lowered.write_pte(tmp_path / "model.pte")
     module = lowered.program.exported_program().graph_module
     delegates = [weakref.ref(m) for m in module.modules() if isinstance(m, LoweredBackendModule)]
     assert delegates, "the decoder lowers to XNNPACK delegates"
     del module
     lowered.release()
+    return_freed_memory()
     gc.collect()
     alive = [ref() for ref in delegates if ref() is not None]
     assert not alive, f"{len(alive)} of {len(delegates)} XNNPACK delegates outlive Lowered.release"
@@ -301,8 +306,8 @@ def test_a_delegates_preprocess_shares_its_partitions_weights_instead_of_a_copy(
     the serialized weights, which set ``writeback run``'s peak). Outside the lowering, exir's
     own copy is back."""
     from executorch.exir.lowered_backend_module import get_lowered_submodules
-    from writeback.lowering import partition
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
+    from writeback_core.lowering import partition
     from writeback_core.types import BackendSpec
 
     program = export_model(_Mlp(), (torch.randn(2, 8),), name="mlp")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from writeback.cli import main
-from writeback.pipeline import assemble
+from writeback.session import assemble
 from writeback_core.registry import load_registry
 
 # Cache tensors in a list attribute aliasing registered buffers, as Hugging Face's

@@ -39,7 +39,7 @@ def test_backend_spec_partitioner_only_tags_and_core_records_the_decisions() -> 
     spec = registry.backends()["example"]
     plain = spec.partitioner(registry)
     assert isinstance(plain, ExamplePartitioner) and not hasattr(plain, "registry")
-    # What the one lowering path (writeback.lowering.partition) does with it.
+    # What the one lowering path (writeback_core.lowering.partition) does with it.
     partitioner = annotating(plain, spec.name, registry)
     assert isinstance(partitioner, AnnotatingPartitioner)
     edge = to_edge_transform_and_lower(_export(), partitioner=[partitioner])

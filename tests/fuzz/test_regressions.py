@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from writeback_core.program import MemoryPlan
 from writeback_core.registry import Registry
+from writeback_core.types import MemoryPlan
 from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.oracle import check_program
 from writeback_testing.program_spec import ProgramSpec, Source, State, Write, build

@@ -15,8 +15,7 @@ import writeback_passes.plugin as passes_plugin
 from executorch.exir import ExecutorchProgramManager
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
-from writeback import lowering
-from writeback_core import program
+from writeback_core import exporting, lowering
 from writeback_core.registry import InPlaceDecision, Registry, load_registry
 from writeback_mlx_backend import MLXDelegate
 from writeback_pybind_runtime import Method, Runtime
@@ -28,8 +27,8 @@ def registry(*extra: object) -> Registry:
 
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...]) -> ExportedProgram:
-    """torch.export as the project does (:func:`writeback_core.program.export_model`)."""
-    return program.export_model(module, args)
+    """torch.export as the project does (:func:`writeback_core.exporting.export_model`)."""
+    return exporting.export_model(module, args)
 
 
 @dataclass
@@ -118,7 +117,12 @@ def lower_mlx(
         spec = dataclasses.replace(spec, partitioner=lambda r: factory(r, own_buffers=False))
     partitioned = lowering.partition(exported, reg, spec)
     manager = lowering.to_executorch(
-        partitioned.edge, reg if passes else None, "planned" if planned_inputs else "state", backend=spec.name
+        partitioned.edge,
+        registry=reg,
+        plan="planned" if planned_inputs else "state",
+        backend=spec.name,
+        passes=passes,
+        warn_copies=False,
     )
     lowered = Lowered(manager, list(partitioned.decisions.values()), reg)
     if key is not None:

@@ -14,9 +14,10 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
 from executorch.exir import to_edge
-from writeback import lowering
-from writeback.pipeline import Eager, Session, assemble, compare
+from writeback.model_build import export_case
+from writeback.session import Eager, Session, assemble, compare
 from writeback.zoo import DecoderConfig, decoder_case
+from writeback_core import lowering
 from writeback_core.registry import Registry, load_registry
 from writeback_core.types import ModelCase
 from writeback_decoders import ETLlamaConfig, et_llama_case
@@ -34,7 +35,7 @@ def _sizes_and_steps(case: ModelCase) -> tuple[int, int]:
     """``(writeback .pte bytes, stock .pte bytes)`` of ``case``; its steps checked against eager."""
     registry = _registry()
     pipeline = assemble(registry, "mlx")
-    exported = lowering.export_case(case)
+    exported = export_case(case)
     lowered = lowering.lower(exported, registry, pipeline.backend, "state", case)
     stock = len(to_edge(exported).to_executorch().buffer)
     session, eager = Session.open(pipeline, lowered), Eager(case)
@@ -74,7 +75,7 @@ def test_non_zero_initial_buffer_comes_back_on_the_first_step() -> None:
     )
     registry = _registry()
     pipeline = assemble(registry, "mlx")
-    lowered = lowering.lower(lowering.export_case(case), registry, pipeline.backend, "state", case)
+    lowered = lowering.lower(export_case(case), registry, pipeline.backend, "state", case)
     (first,) = Session.open(pipeline, lowered).step(0).outputs
     # Worked out by hand: column j sums 8 * j + (0 + 8 + ... + 56) = 8j + 224; row 1 (8 + j)
     # becomes -1, so the sum drops by 9 + j; doubled.

@@ -279,8 +279,8 @@ def test_index_computed_from_state_and_input_is_checked_before_the_graph_and_a_b
 def test_hugging_face_decoder_runs_compiled_in_one_delegate_with_bounded_attention_and_matches_eager(
     name: str, tmp_path: Path
 ) -> None:
-    from writeback.pipeline import assemble
     from writeback.run import run_model
+    from writeback.session import assemble
     from writeback_core.registry import load_registry
     from writeback_decoders import hf_case, hf_config
 

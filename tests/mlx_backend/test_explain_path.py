@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 from writeback.explain import explain_notes
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import DecoderConfig, decoder_case
 
 from tests.mlx_backend.lowering import export_module, registry

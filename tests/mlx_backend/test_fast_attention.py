@@ -13,7 +13,7 @@ from typing import Any, get_args
 import pytest
 import torch
 import torch.nn.functional as F
-from writeback.pipeline import Eager, Session, assemble, compare, lower
+from writeback.session import Eager, Session, assemble, compare, lower_case
 from writeback_core.registry import load_registry
 from writeback_core.types import Stage
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
@@ -138,7 +138,7 @@ def test_et_llama_runs_each_layers_attention_as_one_kernel_over_the_window_and_m
     cfg = ETLlamaConfig(max_seq=72)
     case = et_llama_case(config=cfg)
     pipeline = assemble(load_registry(), "mlx")
-    lowered = lower(case, pipeline)
+    lowered = lower_case(case, pipeline)
     delegate = pipeline.delegates["WritebackMLXBackend"]
     assert isinstance(delegate, MLXDelegate)
     session = Session.open(pipeline, lowered)

@@ -15,9 +15,9 @@ import writeback_mlx_backend.plugin as mlx_plugin
 import writeback_passes.plugin as passes_plugin
 import writeback_pybind_runtime.plugin as runtime_plugin
 from executorch.exir.lowered_backend_module import LoweredBackendModule
-from writeback.lowering import Lowered
-from writeback.pipeline import Eager, Session, assemble, compare, lower
-from writeback_core import program as core_program
+from writeback.session import Eager, Session, assemble, compare, lower_case
+from writeback_core import exporting
+from writeback_core.lowered import Lowered
 from writeback_core.registry import load_registry
 from writeback_core.types import ModelCase
 
@@ -90,7 +90,7 @@ def _lower_and_run(case: ModelCase) -> Lowered:
     """Lower ``case`` for MLX and run :data:`STEPS` steps, each compared with eager."""
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
     pipeline = assemble(registry, "mlx")
-    lowered = lower(case, pipeline)
+    lowered = lower_case(case, pipeline)
     session, eager = Session.open(pipeline, lowered), Eager(case)
     for step in range(STEPS):
         check = compare(session.step(step), eager.step(step), session.state, eager.state)
@@ -187,7 +187,7 @@ def test_explain_column_names_the_owner_of_each_buffer_as_the_split_lowering_doe
     """explain's "mlx" column works on the real partitions: ``a`` and ``c`` are read in
     partition 1 and written in partition 2, so neither is delegate-owned (it once said so for
     every buffer whose write MLX can run)."""
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
     from writeback_core import find_mutations
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
@@ -227,7 +227,7 @@ def test_buffer_read_in_a_partition_and_returned_lowers_and_matches_eager() -> N
         make_state=lambda: (),
     )
     pipeline = assemble(registry, "mlx")
-    session = Session.open(pipeline, lower(case, pipeline), case)
+    session = Session.open(pipeline, lower_case(case, pipeline), case)
     eager = Eager(case)
     for step in range(3):
         result = session.step(step)
@@ -250,10 +250,10 @@ class MaskRows(torch.nn.Module):
 def test_lowering_leaves_the_callers_program_whole_so_it_lowers_again() -> None:
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
-    from writeback import lowering
+    from writeback_core import lowering
 
     registry = load_registry(entry_points=False, plugins=[mlx_plugin, passes_plugin, runtime_plugin])
-    exported = core_program.export_model(MaskRows(), (torch.tensor([1]),))
+    exported = exporting.export_model(MaskRows(), (torch.tensor([1]),))
     constants = dict(exported.constants)
     lowering.lower(exported, registry, registry.backends()["mlx"])
     assert set(exported.constants) == set(constants)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from writeback.pipeline import Eager, Session, assemble, compare, lower
+from writeback.session import Eager, Session, assemble, compare, lower_case
 from writeback.zoo import DecoderConfig, TinyDecoder
 from writeback_core.registry import load_registry
 from writeback_decoders.et_llama import ETLlamaConfig, et_llama_case
@@ -58,7 +58,7 @@ def test_et_llama_attends_over_the_filled_positions_and_matches_eager_at_every_p
     case = et_llama_case(config=cfg)
     registry = load_registry()
     pipeline = assemble(registry, "mlx")
-    lowered = lower(case, pipeline)
+    lowered = lower_case(case, pipeline)
     delegate = pipeline.delegates["WritebackMLXBackend"]
     assert isinstance(delegate, MLXDelegate)
     session = Session.open(pipeline, lowered)

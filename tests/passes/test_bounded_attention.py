@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from writeback.lowering import export_case, lower
+from writeback.model_build import export_case
 from writeback_core import load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowering import lower
 from writeback_passes import plugin as passes_plugin
 from writeback_passes.bounded_attention import BoundReport, bound_attention
 from writeback_passes.runner_attention import attention_to_runner_kernels

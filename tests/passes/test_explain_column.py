@@ -6,7 +6,7 @@ import re
 
 from click.testing import CliRunner
 from writeback.cli import main
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import MutationKind, find_mutations, load_registry
 from writeback_passes import plugin

@@ -10,9 +10,9 @@ import pytest
 import torch
 import writeback_passes
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-from writeback.lowering import lower as lower_program
-from writeback.lowering import pass_names
 from writeback_core import ProgramPass, Stage, hookimpl, load_registry, to_edge_arguments
+from writeback_core.lowering import lower as lower_program
+from writeback_core.lowering import pass_names
 from writeback_passes import plugin
 
 from .hazard_models import Plain, seeded

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from writeback.lowering import Lowered, lower
 from writeback_core import find_mutations, load_registry
-from writeback_core.program import MemoryPlan, export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowered import Lowered
+from writeback_core.lowering import lower
+from writeback_core.types import MemoryPlan
 from writeback_passes import plugin as passes_plugin
 from writeback_passes.explain_columns import stock_kernel_columns
 from writeback_passes.state_write_refusals import in_place_kernel_refusal
@@ -240,7 +242,7 @@ def _kernel_cells(program: Any) -> dict[str, str]:
 
 
 def test_explain_column_says_in_place_or_why_the_copy_stays() -> None:
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
     from writeback.zoo import builtin_models
 
     buffers = _kernel_cells(export_case(builtin_models()["decoder"]))

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from writeback.lowering import Lowered, lower
 from writeback_core import load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowered import Lowered
+from writeback_core.lowering import lower
 from writeback_passes import plugin as passes_plugin
 
 SHAPE = (1, 2, 16, 8)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from writeback.lowering import lower
 from writeback_core import load_registry
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
+from writeback_core.lowering import lower
 from writeback_passes import plugin as passes_plugin
 
 LAYERS = 2

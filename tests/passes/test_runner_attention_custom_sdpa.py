@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from writeback_core.exporting import export_model
 from writeback_core.llm_runner import load_runner_kernels
-from writeback_core.program import export_model
 from writeback_passes.runner_attention import attention_to_runner_kernels
 
 POSITIONS, HEADS, KV_HEADS, DIM = 16, 4, 2, 8

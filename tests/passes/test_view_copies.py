@@ -124,9 +124,9 @@ def test_decoder_attention_reads_its_cache_without_copying_it(backend: str) -> N
     through writeback, no ``unsqueeze_copy`` or ``expand_copy`` of the cache's size is left outside
     a delegate, and every step of stock ``executorch.runtime`` equals eager."""
     from executorch.runtime import Runtime
-    from writeback.lowering import lower
     from writeback_core import load_registry
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
+    from writeback_core.lowering import lower
     from writeback_passes import plugin as passes_plugin
 
     torch.manual_seed(0)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from writeback.pipeline import assemble
 from writeback.run import run_model
+from writeback.session import assemble
 from writeback_core.registry import load_registry
 from writeback_core.types import ModelCase
 

@@ -48,7 +48,8 @@ def test_a_runtime_error_still_prints_at_the_default_level() -> None:
     raises; nothing informational is printed."""
     code = (
         "import torch\n"
-        "from writeback.lowering import export_model, lower\n"
+        "from writeback_core.exporting import export_model\n"
+        "from writeback_core.lowering import lower\n"
         "from writeback_pybind_runtime import Runtime\n"
         "class M(torch.nn.Module):\n"
         "    def forward(self, x, i): return x[i]\n"

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 from writeback_trt_copyback import KVAliasEngine, TensorRTCacheRule, engine_write, lift_mutated_buffers, resolve_bounds
+from writeback_trt_copyback.kv_alias_backend import _check_slice_source
 from writeback_trt_copyback.kv_alias_delegate import KVAliasRuntimeDelegate
-from writeback_trt_copyback.lowering import _check_slice_source
 
 from tests.trt_copyback.conftest import compile_quietly, export, run_against_eager
 from tests.trt_copyback.models import SliceWrite

@@ -80,7 +80,7 @@ def test_plugin_module_imports_no_exir_backend_machinery() -> None:
 
 
 def _columns(name: str) -> dict[str, dict[str, str]]:
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
     from writeback_core.mutations import find_mutations
 
     program = export_case(builtin_models()[name])
@@ -99,7 +99,7 @@ def test_explain_columns_show_aliased_and_copy_back_cost_per_call() -> None:
 
 
 def test_writeback_explain_columns_hook_answers_through_the_registry() -> None:
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
     from writeback_core.mutations import find_mutations
 
     program = export_case(builtin_models()["recurrent"])

@@ -4,8 +4,10 @@
 calls it at start through ``optimum.commands.register``). The recipe lowers the program
 optimum exports (with ``--use_custom_sdpa`` and friends as given) through ExecuTorch's
 ``to_edge_transform_and_lower`` with :func:`writeback_core.to_edge_arguments` for
-``xnnpack`` and :func:`writeback_passes.to_executorch`: the caches are written in place,
-and optimum's runner metadata is kept.
+``xnnpack`` (delegates preprocessing under
+:func:`writeback_core.lowering.preprocess_shares_constants`, as the lowering path's own
+partition step does) and writeback's one :func:`writeback_core.lowering.to_executorch`: the
+caches are written in place, and optimum's runner metadata is kept.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
     ``{"model": ExecutorchProgramManager}`` as optimum's own recipes do."""
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from writeback_core import to_edge_arguments
-    from writeback_passes import to_executorch
+    from writeback_core.lowering import preprocess_shares_constants, to_executorch
 
     programs = model.export()
     if len(programs) == 1:
@@ -35,12 +37,13 @@ def export_with_writeback_xnnpack(model: Any, **kwargs: Any) -> dict[str, Any]:
     )
 
     arguments["transform_passes"] = [RemovePaddingIdxEmbeddingPass(), *(arguments["transform_passes"] or [])]
-    edge = to_edge_transform_and_lower(
-        programs,
-        **arguments,
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-        constant_methods=model.metadata,
-    )
+    with preprocess_shares_constants():
+        edge = to_edge_transform_and_lower(
+            programs,
+            **arguments,
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            constant_methods=model.metadata,
+        )
     return {"model": to_executorch(edge, backend=_BACKEND)}
 
 

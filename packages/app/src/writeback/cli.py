@@ -281,7 +281,7 @@ class _PluginGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> object:
         from writeback.loading import TRACEBACK_ENV, user_code_error
-        from writeback.lowering import ModelBuildError
+        from writeback.model_build import ModelBuildError
 
         try:
             ctx.obj = self.registry()
@@ -348,11 +348,12 @@ def plugins_command(ctx: click.Context) -> None:
 @click.pass_context
 def explain_command(ctx: click.Context, model: str, accept_weights: bool) -> None:
     """Export MODEL (a built-in name or path/to/file.py:factory) and explain its mutations."""
-    from writeback_core.program import LoweringError, unbacked_symbols_settled
+    from writeback_core.program_passes import unbacked_symbols_settled
     from writeback_core.quiet import known_warnings_ignored
+    from writeback_core.types import LoweringError
 
     from writeback.explain import explain_notes, explain_rows
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
 
     registry = _registry(ctx)
     case = resolve_model_option(registry, model, accept_weights)

@@ -35,7 +35,7 @@ import torch
 from torch.export import ExportedProgram
 from writeback_core.types import ModelCase
 
-from writeback.lowering import build_case_module
+from writeback.model_build import build_case_module
 
 __all__ = ["EAGER_WEIGHTS_HELP", "EagerWeights", "ExportedWeights", "WeightsDiffer", "available_bytes", "same_weights"]
 

@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import TensorArgument
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.pass_order import PassOrderError
-from writeback_core.program import decomposed, unbacked_symbols_settled, write_back_positions
+from writeback_core.program_passes import decomposed, unbacked_symbols_settled, write_back_positions
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import NO_BACKEND, ProgramPass, Stage
@@ -21,7 +21,8 @@ from writeback_core.units import format_bytes
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
 
-from writeback.lowering import lower
+from writeback_core.lowering import lower
+
 from writeback.pass_reasons import listed, why_it_runs
 
 __all__ = ["ExplainRow", "explain_notes", "explain_rows", "pass_lines"]
@@ -57,7 +58,7 @@ def stock_positions(program: ExportedProgram) -> dict[str, tuple[int, int, int]]
 
 def explain_rows(program: ExportedProgram) -> list[ExplainRow]:
     """The core columns of the explain table for ``program`` (an exported aten program); the
-    mutations are found in :func:`~writeback_core.program.decomposed` ``(program)``, the
+    mutations are found in :func:`~writeback_core.program_passes.decomposed` ``(program)``, the
     decomposition plugins read for their columns."""
     rows = []
     stock = stock_positions(program)

@@ -17,11 +17,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 from writeback_core.llm_runner import RUNNER_METADATA, RunnerContractError, check_runner_contract, logits_rows
-from writeback_core.program import LoweringError
+from writeback_core.lowered import Lowered, state_places
+from writeback_core.lowering import lower
 from writeback_core.registry import Registry
+from writeback_core.types import LoweringError
 from writeback_core.units import format_bytes
 
-from writeback._files import WriteFailed
+from writeback._files import WriteFailed, replacing
 from writeback.cli import (
     accept_weights_option,
     quantize_option,
@@ -29,14 +31,12 @@ from writeback.cli import (
     resolve_model_option,
     writable_file,
 )
-from writeback.lowering import Lowered, export_case, lower, state_places
-from writeback.pipeline import PipelineError, assemble
-from writeback.run import state_lines
+from writeback.lowered_lines import runner_loads, state_lines, where_it_loads
+from writeback.model_build import export_case
+from writeback.process_memory import return_freed_memory
+from writeback.session import PipelineError, assemble
 
-__all__ = ["ExportReport", "export_command", "runner_loads", "where_it_loads"]
-
-# Backends whose delegates the stock ExecuTorch runtime (and so its LLM runner) has linked in.
-_STOCK_BACKENDS = frozenset({"portable", "xnnpack"})
+__all__ = ["ExportReport", "export_command"]
 
 
 @dataclass(frozen=True)
@@ -48,26 +48,6 @@ class ExportReport:
     tokenizer: Path | None
     #: Which positions' logits a call returns (:func:`writeback_core.llm_runner.logits_rows`).
     logits: str | None = None
-
-
-def runner_loads(backend: str | None) -> bool:
-    """Whether ExecuTorch's stock runtime, and so ``TextLLMRunner``, can load a program
-    lowered for ``backend`` (``None``: no delegate)."""
-    return backend is None or backend in _STOCK_BACKENDS
-
-
-def where_it_loads(backend: str | None, pte_path: Path) -> str:
-    """One line saying which runtime loads a program lowered for ``backend``, and how."""
-    if runner_loads(backend):
-        return (
-            f"loads in ExecuTorch's stock runtime (executorch.runtime.Runtime.get().load_program('{pte_path}')) "
-            "and its LLM runner"
-        )
-    return (
-        f"needs writeback's runtime: writeback_pybind_runtime.Runtime.get().load_program('{pte_path}') with the "
-        f"{backend} backend's package installed (writeback-pybind-runtime registers its delegate); ExecuTorch's "
-        "stock runtime and TextLLMRunner fail to load it (backend not registered)"
-    )
 
 
 def _default_backend(registry: Registry) -> str:
@@ -211,8 +191,9 @@ def export_command(
         exported = export_case(case)
         check_runner_contract(exported, case.constant_methods)
         rows = logits_rows(exported)
-        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
-        lowered.write_pte(output)
+        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory)
+        with replacing(output) as temporary:
+            lowered.write_pte(temporary)
     except RunnerContractError as error:
         raise click.UsageError(f"model {case.name!r}: {error}") from error
     except (LoweringError, WriteFailed) as error:

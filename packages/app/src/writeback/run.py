@@ -20,11 +20,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from writeback_core.lowered import Lowered, state_places
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 from writeback_core.units import format_bytes
 
-from writeback._files import WriteFailed
+from writeback._files import WriteFailed, replacing
 from writeback.cli import (
     CacheMiB,
     UserCodeError,
@@ -36,11 +37,11 @@ from writeback.cli import (
     writable_file,
 )
 from writeback.eager_weights import EAGER_WEIGHTS_HELP, EagerWeights, ExportedWeights, WeightsDiffer
-from writeback.lowering import StatePlace, state_places
+from writeback.lowered_lines import state_lines, where_it_loads
 from writeback.pass_reasons import passes_run_lines
-from writeback.pipeline import (
+from writeback.process_memory import return_freed_memory
+from writeback.session import (
     Eager,
-    Lowered,
     Pipeline,
     PipelineError,
     Session,
@@ -49,11 +50,11 @@ from writeback.pipeline import (
     StepResult,
     assemble,
     compare,
-    lower,
+    lower_case,
     state_nbytes,
 )
 
-__all__ = ["RunReport", "StepRefused", "place_text", "resolve_case", "run_command", "run_model", "state_lines"]
+__all__ = ["RunReport", "StepRefused", "resolve_case", "run_command", "run_model"]
 
 DEFAULT_MODEL = "decoder-caller-cache"
 
@@ -123,13 +124,15 @@ def run_model(
     ``output`` is replaced whole or not at all (a new file renamed into place), so a
     process that has the old file mapped keeps it and a failure leaves it as it was."""
     weights = ExportedWeights(case, eager_weights) if check else None
-    lowered = lower(weights.case if weights is not None else case, pipeline)
+    lowered = lower_case(weights.case if weights is not None else case, pipeline, between_steps=return_freed_memory)
     if weights is not None:
         weights.record(lowered.exported)
-    lowered.write_pte(output)
+    with replacing(output) as temporary:
+        lowered.write_pte(temporary)
     # The steps need the runtime's copy of the weights alone: the exported program, the
     # program manager and the .pte bytes go before the runtime and eager take theirs.
     lowered.release()
+    return_freed_memory()
     session = Session.open(pipeline, lowered, path=output)
     eager = Eager(case, weights.eager_module()) if weights is not None else None
     done: list[tuple[StepResult, StepCheck | None]] = []
@@ -213,47 +216,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def place_text(place: StatePlace) -> str:
-    """Where one state lives and whether a whole-state copy is left, in words:
-    ``caller tensor, written in place by delegate 0 (mlx); no copy left``."""
-    if place.owner == "delegate":
-        where = f"inside delegate {place.delegate} ({place.backend})"
-        if place.in_place:
-            where += ", written in place"
-    else:
-        where = "caller tensor" if place.owner == "caller" else "program buffer"
-        # A copy left means no delegate writes it in place, whatever a plugin accepted.
-        if place.delegate is not None and not place.copy_bytes:
-            where += f", written in place by delegate {place.delegate} ({place.backend})"
-        elif place.in_place and place.writers and not place.copy_bytes:
-            where += f", written in place by one of delegates {', '.join(map(str, place.writers))} ({place.backend})"
-    if place.copy_bytes:
-        why = f": {place.why}" if place.why else ""
-        return f"{where}; whole-state copy left ({format_bytes(place.copy_bytes)}/call){why}"
-    return f"{where}; no copy left"
-
-
-# Past this many mutated states, run prints one line per kind of place instead of one per state.
-_STATE_LINES = 8
-
-
-def state_lines(places: list[StatePlace]) -> list[str]:
-    """The lines ``run`` prints under its summary: one per state, or past
-    :data:`_STATE_LINES` states one per kind of place (count, bytes, first and last name)."""
-    if len(places) <= _STATE_LINES:
-        return [f"  {p.mutation.target} ({format_bytes(p.mutation.nbytes)}): {place_text(p)}" for p in places]
-    groups: dict[str, list[StatePlace]] = {}
-    for place in places:
-        groups.setdefault(place_text(place), []).append(place)
-    lines = []
-    for text, members in groups.items():
-        total = sum(m.mutation.nbytes or 0 for m in members)
-        names = members[0].mutation.target + (f" ... {members[-1].mutation.target}" if len(members) > 1 else "")
-        count = f"{len(members)} state" + ("s" if len(members) != 1 else "")
-        lines.append(f"  {count}, {format_bytes(total)} ({names}): {text}")
-    return lines
-
-
 def _summary(report: RunReport) -> str:
     lowered = report.lowered
     caller, owned = state_nbytes(lowered.mutations)
@@ -277,8 +239,6 @@ def _summary(report: RunReport) -> str:
         )
     lines += passes_run_lines(report.pipeline.registry, lowered.backend, lowered.passes)
     if report.pte_kept:
-        from writeback.export import where_it_loads  # export's module imports the CLI that imports this one
-
         lines.append(where_it_loads(lowered.backend, report.pte_path))
     return "\n".join(lines)
 

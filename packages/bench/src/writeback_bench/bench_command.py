@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from writeback import WriteFailed
 from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
-from writeback.pipeline import PipelineError, choose_backend
+from writeback.session import PipelineError, choose_backend
 from writeback_core.quiet import native_stderr_filtered
 from writeback_core.registry import Registry
 

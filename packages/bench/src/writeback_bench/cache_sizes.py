@@ -59,7 +59,7 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 from torch import nn
-from writeback.pipeline import Eager, Pipeline, PipelineError, Session, StepResult, assemble, compare, lower
+from writeback.session import Eager, Pipeline, PipelineError, Session, StepResult, assemble, compare, lower_case
 from writeback.zoo import DecoderConfig, decoder_case
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
@@ -174,7 +174,7 @@ class Contender:
 
 def _stock_call(case: ModelCase, reinplace: bool, xnnpack: bool = False) -> Call:
     from executorch.exir import ExecutorchBackendConfig
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
 
     with known_warnings_ignored():
         from executorch.runtime import Runtime
@@ -197,7 +197,7 @@ def _stock_call(case: ModelCase, reinplace: bool, xnnpack: bool = False) -> Call
 
 
 def _writeback_call(case: ModelCase, pipeline: Pipeline) -> tuple[Call, Session]:
-    session = Session.open(pipeline, lower(case, pipeline))
+    session = Session.open(pipeline, lower_case(case, pipeline))
 
     def call(step: int) -> tuple[float, list[Any]]:
         result = session.step(step)  # times the runtime's execute alone

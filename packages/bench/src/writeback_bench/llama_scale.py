@@ -125,7 +125,7 @@ def _folder_case(registry: Any, folder: str, quantize: str) -> ModelCase:
 
 def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, float]:
     import executorch.exir  # noqa: F401  (imported before the baseline: every contender imports it)
-    from writeback.lowering import export_case
+    from writeback.model_build import export_case
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry
 
@@ -143,11 +143,12 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
         with known_warnings_ignored():
             write_stock_pte(exported, pte, xnnpack=True, constant_methods=dict(case.constant_methods))
     else:
-        from writeback.lowering import lower
-        from writeback.pipeline import assemble
+        from writeback.process_memory import return_freed_memory
+        from writeback.session import assemble
+        from writeback_core.lowering import lower
 
         pipeline = assemble(registry, contender.removeprefix(WRITEBACK_PREFIX))
-        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case)
+        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory)
         lowered.write_pte(Path(pte))
     lowered_at = time.perf_counter()
     return {
@@ -161,7 +162,7 @@ def _lower(contender: str, folder: str, pte: str, quantize: str) -> dict[str, fl
 
 def _run(contender: str, folder: str, pte: str, steps: int, quantize: str) -> dict[str, float]:
     import torch.utils._pytree as pytree
-    from writeback.pipeline import assemble
+    from writeback.session import assemble
     from writeback_core.llm_runner import load_runner_kernels
     from writeback_core.quiet import known_warnings_ignored
     from writeback_core.registry import load_registry

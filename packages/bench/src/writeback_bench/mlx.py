@@ -108,7 +108,7 @@ def _max_seq(cache_bytes: int, heads: int = 8, head_dim: int = 64) -> int:
 
 
 def _export(module: nn.Module, args: tuple[Any, ...]) -> Any:
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     return export_model(module, args)
 
@@ -162,8 +162,8 @@ class _Direct:
 
 def _lower_mlx(module: WindowDecodeStep, args: tuple[Any, ...]) -> _Direct:
     from executorch.exir.delegate import executorch_call_delegate
-    from writeback.lowering import lower
     from writeback_core import load_registry
+    from writeback_core.lowering import lower
     from writeback_mlx_backend.mlx_delegate import MLXDelegate
 
     registry = load_registry()

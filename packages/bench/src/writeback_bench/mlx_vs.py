@@ -176,7 +176,7 @@ def _check(row: _Contender, outputs: list[Any], expected: list[Any]) -> str | No
 def _warm_up(rows: Sequence[_Contender], case: ModelCase, start: int) -> None:
     """Run each row's warm-up steps, each checked against a separate eager copy; a row that
     fails or differs keeps the reason in its cell and is not timed."""
-    from writeback.pipeline import Eager
+    from writeback.session import Eager
 
     eager = Eager(case)
     reference = [[o.clone() for o in eager.step(step)] for step in range(start, start + _VS_WARMUP)]

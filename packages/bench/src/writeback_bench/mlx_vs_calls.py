@@ -153,11 +153,11 @@ def delegate_timed(case: ModelCase, registry: Any) -> tuple[Timed, str]:
     outside the delegate."""
     from executorch.exir import memory
     from executorch.exir.delegate import executorch_call_delegate
-    from writeback.pipeline import Session, assemble, lower
+    from writeback.session import Session, assemble, lower_case
 
     pipeline = assemble(registry, "mlx")
     with known_warnings_ignored():
-        lowered = lower(case, pipeline)
+        lowered = lower_case(case, pipeline)
     session = Session.open(pipeline, lowered)
     graph = lowered.program.exported_program().graph_module.graph
     delegated = sum(1 for n in graph.nodes if n.target is executorch_call_delegate)

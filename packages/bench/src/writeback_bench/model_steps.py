@@ -4,7 +4,7 @@
 instead of the cache sizes (:mod:`writeback_bench.cache_sizes`), resolved as
 ``writeback run`` resolves it (a built-in or plugin name, or ``file.py:factory``;
 ``--cache-mib`` for the built-in decoders) and exported once through
-:func:`writeback.lowering.export_case`. Its contenders, one row each,
+:func:`writeback.model_build.export_case`. Its contenders, one row each,
 interleaved the same way as the cache sizes' from step ``--start``: eager; stock;
 stock + XNNPACK (the baseline every row is compared with); stock + XNNPACK +
 exir's reinplace pass with every op it can be opted into; writeback with each
@@ -30,8 +30,9 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 from writeback.eager_weights import same_weights
-from writeback.lowering import return_freed_memory
-from writeback.pipeline import Eager, InputSignature, Session, StepResult, assemble, compare, flatten_step_inputs, lower
+from writeback.process_memory import return_freed_memory
+from writeback.session import Eager, Session, StepResult, assemble, compare, flatten_step_inputs, lower_case
+from writeback_core.lowered import InputSignature
 from writeback_core.quiet import NativeLog, known_warnings_ignored, native_stderr_captured
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
@@ -128,7 +129,7 @@ class ModelBenchResult:
 
 def _program_copies(program: Any) -> tuple[int, int]:
     """``(count, bytes per call)`` of the write-back copies of state in ``program``'s final graph."""
-    from writeback_core.program import write_back_bytes
+    from writeback_core.program_passes import write_back_bytes
 
     copies = write_back_bytes(program.exported_program())
     return len(copies), sum(copies.values())
@@ -231,10 +232,11 @@ def _writeback_row(
     row = ModelRow(name)
     try:
         pipeline = assemble(registry, backend)
-        lowered = lower(case, pipeline)
+        lowered = lower_case(case, pipeline, between_steps=return_freed_memory)
         path = _pte_path(folder, name)
         lowered.write_pte(path)
         lowered.release()
+        return_freed_memory()
         session = Session.open(pipeline, lowered, path=path)
     except Exception as error:
         row.error = f"failed to lower or load: {short_error(error)}"
@@ -359,7 +361,7 @@ def run_model_bench(
 
     def exported() -> Any:
         # One export shared by the stock rows (exir consumes none of it: to_edge copies).
-        from writeback.lowering import export_case
+        from writeback.model_build import export_case
 
         if not exported_once:
             exported_once.append(export_case(case))

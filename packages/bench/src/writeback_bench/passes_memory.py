@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from writeback.lowering import export_case
+from writeback.model_build import export_case
 from writeback.zoo import builtin_models
 from writeback_core import ModelCase, find_mutations, load_registry
 from writeback_core.quiet import known_warnings_ignored
@@ -79,8 +79,8 @@ def measure(case: ModelCase) -> MemoryRow:
     """Lower ``case`` with stock exir and with :func:`writeback_passes.to_executorch`."""
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from writeback_core.copies import CopyLeftWarning
+    from writeback_core.lowering import to_executorch
     from writeback_passes.memory_report import memory_plan_report
-    from writeback_passes.pipeline import to_executorch
 
     with known_warnings_ignored():
         program = export_case(case)

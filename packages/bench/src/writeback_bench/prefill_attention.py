@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
     from writeback.cli import resolve_model_option
-    from writeback.lowering import export_case, lower
+    from writeback.model_build import export_case
     from writeback_core.llm_runner import load_runner_kernels
+    from writeback_core.lowering import lower
 
     from writeback_bench.contenders import stock_program
 

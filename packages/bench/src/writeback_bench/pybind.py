@@ -48,7 +48,7 @@ class _Mlp(torch.nn.Module):
 def _export(module: torch.nn.Module, args: tuple[Any, ...], planned_inputs: bool) -> bytes:
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from executorch.exir.passes import MemoryPlanningPass
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     program = export_model(module, args)
     with known_warnings_ignored():

@@ -77,7 +77,7 @@ class _BigLinear(torch.nn.Module):
 
 def _export(module: torch.nn.Module, x: torch.Tensor, xnnpack: bool) -> bytes:
     from executorch.exir import to_edge, to_edge_transform_and_lower
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     program = export_model(module, (x,))
     with known_warnings_ignored():

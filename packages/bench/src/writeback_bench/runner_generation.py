@@ -87,8 +87,10 @@ WritePte = Callable[[Path], Path]
 
 def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, WritePte]]:
     """(row name, what the program is, how to write its ``.pte``) for every contender."""
-    from writeback.lowering import export_case, lower
-    from writeback.pipeline import assemble
+    from writeback.model_build import export_case
+    from writeback.process_memory import return_freed_memory
+    from writeback.session import assemble
+    from writeback_core.lowering import lower
 
     methods = dict(case.constant_methods)
     rows: list[tuple[str, str, WritePte]] = []
@@ -106,7 +108,10 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Write
 
     def ours(path: Path) -> Path:
         pipeline = assemble(registry, "xnnpack")
-        lower(export_case(case), pipeline.registry, pipeline.backend, "state", case).write_pte(path)
+        lowered = lower(
+            export_case(case), pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory
+        )
+        lowered.write_pte(path)
         return path
 
     rows.append((WRITEBACK, case.description, ours))
@@ -154,7 +159,7 @@ def bench_generation(
     """
     import torch
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-    from writeback.lowering import return_freed_memory
+    from writeback.process_memory import return_freed_memory
     from writeback_core.llm_runner import load_runner_kernels
 
     load_runner_kernels()

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from writeback_core.program import export_model
+from writeback_core.exporting import export_model
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry, load_registry
 from writeback_core.types import RuntimeMethod, RuntimeSpec

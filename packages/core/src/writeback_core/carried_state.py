@@ -40,7 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from writeback_core.program import LoweringError, written_placeholders
+from writeback_core.ops import written_placeholders
+from writeback_core.types import LoweringError
 
 __all__ = ["CarriedState", "StateLostError", "carried_states", "check_state_kept", "mutated_buffers"]
 

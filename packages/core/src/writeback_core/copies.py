@@ -89,7 +89,7 @@ def copies_left(
     caller's state), as recorded before ``to_executorch``; ``backend`` names the backend in
     the advice when no decision does.
     """
-    from writeback_core.program import write_back_bytes
+    from writeback_core.program_passes import write_back_bytes
 
     signature = program.graph_signature
     buffers = dict(signature.inputs_to_buffers)

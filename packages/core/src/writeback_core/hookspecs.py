@@ -174,7 +174,7 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
 
     :param program: the exported (aten) program being explained.
     :param mutation: the row's mutation, found in
-        :func:`writeback_core.program.decomposed` ``(program)``: its node names are
+        :func:`writeback_core.program_passes.decomposed` ``(program)``: its node names are
         that shared decomposition's (read it there rather than decompose again).
     :return: extra columns for the row, keyed by column title; ``None`` for none.
     """

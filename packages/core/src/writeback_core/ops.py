@@ -25,6 +25,7 @@ __all__ = [
     "packet_name",
     "schema_of",
     "write_back_copies",
+    "written_placeholders",
 ]
 
 
@@ -153,3 +154,41 @@ def write_back_copies(graph: torch.fx.Graph) -> list[torch.fx.Node]:
         and isinstance(node.args[0], torch.fx.Node)
         and node.args[0].op == "placeholder"
     ]
+
+
+def _aliased_source(value: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory ``value`` is, through ops whose schema says their result aliases their
+    first argument (views, ``alias``, ``to`` that changes nothing: ``Tensor(a) self -> Tensor(a)``)."""
+    seen = 0
+    while value.op == "call_function" and seen < 64:
+        schema = schema_of(value.target)
+        if schema is None or not schema.returns or not schema.arguments or not value.args:
+            break
+        returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+        source = value.args[0]
+        if returned is None or first is None or returned.is_write or not isinstance(source, torch.fx.Node):
+            break
+        if not set(returned.before_set) & set(first.before_set):
+            break
+        value, seen = source, seen + 1
+    return value
+
+
+def written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
+    """Placeholders an in-place op writes (an argument its schema marks written), directly or
+    through a view or alias of them (``torch.export`` keeps a ``to`` that changes nothing as an
+    alias: an ``add_`` on it writes the buffer): name -> op."""
+    written: dict[str, str] = {}
+    for node in graph.nodes:
+        schema = schema_of(node.target) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node):
+                value = _aliased_source(value)
+                if value.op == "placeholder":
+                    written.setdefault(value.name, op_name(node.target))
+    return written

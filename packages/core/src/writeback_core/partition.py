@@ -211,7 +211,7 @@ class LoweringPartitioner(AnnotatingPartitioner):
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         """A copy of ``exported_program`` with the ``"exported"`` passes run, then the backend's transform."""
-        from writeback_core.program import run_exported_passes
+        from writeback_core.program_passes import run_exported_passes
 
         own = run_exported_passes(exported_program, self.registry, self.backend)
         return super().transform_for_pre_decomposition(own)
@@ -223,7 +223,7 @@ def to_edge_arguments(backend: str, partitioner: Any = None, registry: Registry 
 
     ``to_edge_transform_and_lower(ep, **to_edge_arguments("xnnpack"))`` then
     :func:`writeback_passes.to_executorch` writes the ``.pte`` that
-    :func:`writeback.lowering.lower` writes for the same program and backend, byte
+    :func:`writeback_core.lowering.lower` writes for the same program and backend, byte
     for byte (``lower`` partitions through this very function).
 
     :param backend: an installed backend's name (``BackendSpec.name``: ``xnnpack``, ``mlx``, ...).
@@ -250,7 +250,7 @@ def to_edge_arguments(backend: str, partitioner: Any = None, registry: Registry 
 def edge_arguments(backend: str, inner: Any, registry: Registry) -> dict[str, Any]:
     """:func:`to_edge_arguments` for ``inner``, backend ``backend``'s partitioner, already made
     (the ``"before_partition"`` passes are those for ``backend``)."""
-    from writeback_core.program import as_exir_pass
+    from writeback_core.program_passes import as_exir_pass
 
     if isinstance(inner, AnnotatingPartitioner):
         inner = inner.partitioner

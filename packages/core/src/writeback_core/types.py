@@ -24,6 +24,8 @@ __all__ = [
     "ExportedPassRun",
     "GraphPassResult",
     "GraphPassRun",
+    "LoweringError",
+    "MemoryPlan",
     "ModelCase",
     "PartitionView",
     "PassRun",
@@ -35,6 +37,20 @@ __all__ = [
     "Stage",
     "StateAllocator",
 ]
+
+
+class LoweringError(RuntimeError):
+    """Export, partitioning or ``to_executorch`` failed; the message names the step.
+
+    ``upstream`` is True when writeback had no part in it (``torch.export`` or
+    ``to_edge`` failed, or the step fails without writeback's passes too), False
+    when only the path with writeback's passes fails, None when not checked.
+    """
+
+    def __init__(self, message: str, upstream: bool | None = None) -> None:
+        super().__init__(message)
+        self.upstream = upstream
+
 
 # Where a program pass runs, and what its ``run`` is handed there:
 #   "exported": on the ATen ``ExportedProgram`` from ``torch.export``, before ``to_edge``
@@ -54,6 +70,14 @@ __all__ = [
 #           out variant (``op.out(..., out=alloc)``), just before memory planning (run after
 #           ``ExecutorchBackendConfig.to_out_var_pass``; a :data:`GraphPassRun`).
 Stage = Literal["exported", "before_partition", "edge", "before_memory_planning", "after_out_variants"]
+
+# How a lowering memory plans graph inputs and outputs
+# (:func:`writeback_core.lowering.backend_config`):
+#   "state":     inputs unplanned (the runtime uses caller-owned state in place), outputs
+#                planned. What `writeback run` ships.
+#   "planned":   inputs and outputs planned (exir's default; stock runtimes copy inputs in).
+#   "unplanned": neither; the caller binds outputs (``Method.set_output``).
+MemoryPlan = Literal["state", "planned", "unplanned"]
 
 # The backend name a :class:`ProgramPass` lists in ``backends`` to run when a program is
 # lowered with no backend at all (no partitioner, ``lower(..., backend=None)``).
@@ -376,7 +400,7 @@ class ModelCase:
     arguments flattened as ``torch.export`` flattens them (positional first, then
     keyword arguments in the order ``step_kwargs`` gives them).
 
-    How it is exported (:func:`writeback.lowering.export_case`):
+    How it is exported (:func:`writeback.model_build.export_case`):
 
     - ``strict`` and ``dynamic_shapes`` are handed to ``torch.export.export``;
       strict export is what Hugging Face's ExecuTorch integration uses;

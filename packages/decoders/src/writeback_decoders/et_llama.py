@@ -181,7 +181,7 @@ def _prefill_export(module: nn.Module, max_seq: int, name: str, canonical: bool 
     """``module`` exported as ``export_llama --enable_dynamic_shape`` does: the token dimension
     dynamic, 1 to ``max_seq`` tokens, from a two-token example; ``input_pos`` one start
     position. ``canonical``: then its canonical passes run (:func:`_canonical`)."""
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     tokens = torch.export.Dim("tokens", min=1, max=max_seq)
     args, kwargs = _inputs([1, 1], 0)
@@ -225,7 +225,7 @@ def _custom_ops_module(cfg: ETLlamaConfig, dynamic: bool = False) -> nn.Module:
 def _custom_ops_program(cfg: ETLlamaConfig) -> ExportedProgram:
     """ExecuTorch's custom KV-cache and SDPA export of the same model (same weights), with the
     canonical passes of ExecuTorch's LLM export."""
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     module = _custom_ops_module(cfg)
     args, kwargs = _inputs(1, 0)

@@ -267,7 +267,7 @@ def runner_metadata_of(config: Any, max_cache_len: int, dynamic: bool = False) -
 def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: str, strict: bool = True) -> Any:
     """The module exported with a dynamic token dimension of 1 to ``max_cache_len`` tokens
     (``input_ids [1, n]``, ``cache_position [n]``), from a two-token example."""
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     tokens = torch.export.Dim("tokens", min=1, max=max_cache_len)
     example = {"input_ids": torch.tensor([[1, 1]], dtype=torch.int64), "cache_position": torch.arange(2)}
@@ -277,7 +277,7 @@ def _prefill_export(build: Callable[[], nn.Module], max_cache_len: int, name: st
 
 def _static_export(build: Callable[[], nn.Module], max_cache_len: int, name: str) -> Any:
     """The static-cache module exported one token per call, as transformers' integration does."""
-    from writeback_core.program import export_model
+    from writeback_core.exporting import export_model
 
     return export_model(build(), (), _kwargs(1, 0), strict=True, name=f"model {name!r}")
 

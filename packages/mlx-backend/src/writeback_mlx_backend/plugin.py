@@ -149,7 +149,7 @@ def _plan(program: ExportedProgram) -> _Plan:
     explain's mutations were found in)."""
     plan = _PLANS.get(program)
     if plan is None:
-        from writeback_core.program import decomposed
+        from writeback_core.program_passes import decomposed
 
         from writeback_mlx_backend.partitioner import owned_buffers, propose_tags
 
@@ -169,7 +169,7 @@ def writeback_explain_columns(program: ExportedProgram, mutation: Mutation) -> d
     """The "mlx" column: what lowering this state to the MLX backend costs per call.
 
     Worked out on the partitions MLX's partitioner makes of the shared decomposition the
-    row's mutation was found in (``writeback_core.program.decomposed``): a buffer one
+    row's mutation was found in (``writeback_core.program_passes.decomposed``): a buffer one
     partition reads and produces is delegate-owned (:func:`~writeback_mlx_backend.partitioner.owned_buffers`);
     a buffer an op declared to write it writes (``Mutation.written_by_op``) is written in place
     by that op on the runtime; any other state is decided by :func:`in_place_refusal`, the

@@ -11,9 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from writeback_core.lowering import to_executorch
+
     from writeback_passes.early_write_back import (
         EarlyWriteBack,
         WriteBackPlacement,
+        early_write_back_pass,
         insert_write_back_early,
     )
     from writeback_passes.memory_report import (
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
         WriteBackLifetime,
         memory_plan_report,
     )
-    from writeback_passes.pipeline import early_write_back_pass, to_executorch
     from writeback_passes.reinplace_delegate import (
         IN_PLACE_OUTPUTS_SPEC,
         DroppedWriteBack,
@@ -74,8 +76,9 @@ _LAZY = {
     "MethodPlan": "writeback_passes.memory_report",
     "WriteBackLifetime": "writeback_passes.memory_report",
     "memory_plan_report": "writeback_passes.memory_report",
-    "early_write_back_pass": "writeback_passes.pipeline",
-    "to_executorch": "writeback_passes.pipeline",
+    "early_write_back_pass": "writeback_passes.early_write_back",
+    # writeback's one to_executorch, core's function object itself, kept here for users' scripts.
+    "to_executorch": "writeback_core.lowering",
     "IN_PLACE_OUTPUTS_SPEC": "writeback_passes.reinplace_delegate",
     "DroppedWriteBack": "writeback_passes.reinplace_delegate",
     "KeptWriteBack": "writeback_passes.reinplace_delegate",

@@ -294,7 +294,7 @@ def bound_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`, for the stock
     runtime's lowerings: MLX's delegate bounds each attention itself, to the window its masks
     leave at each call (``writeback_mlx_backend.window``), whatever form the mask takes."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="bound_attention",

@@ -16,10 +16,18 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
-from writeback_core import meta
+from writeback_core import ProgramPass, meta
 from writeback_core.ops import aten_op, packet_name, write_back_copies
 
 from writeback_passes.graph import StorageAliases
+
+__all__ = [
+    "EarlyWriteBack",
+    "WriteBackPlacement",
+    "early_write_back_pass",
+    "insert_write_back_early",
+    "user_input_test",
+]
 
 __all__ = ["EarlyWriteBack", "WriteBackPlacement", "insert_write_back_early", "user_input_test"]
 
@@ -405,3 +413,23 @@ def insert_write_back_early(program: ExportedProgram | torch.fx.GraphModule) -> 
         graph.lint()
         gm.recompile()
     return EarlyWriteBack(gm, placements, analysed=True, modified=modified)
+
+
+def early_write_back_pass() -> ProgramPass:
+    """:func:`insert_write_back_early` as a ``"before_memory_planning"`` :class:`ProgramPass`.
+
+    It must see the graph's final readers and writers, so it runs after every pass of
+    this package that adds or drops one (write-backs a delegate takes in place, state
+    written in place by the kernels, copies made views). A plugin's pass that edits the
+    graph says ``before=("insert_write_back_early",)``. Those relations are ``optional``: a
+    plugin may offer this pass without the others (early write-back alone).
+    """
+    earlier = ("reinplace_delegate_input_mutations", "reinplace_state_writes", "copies_as_views")
+    return ProgramPass(
+        name="insert_write_back_early",
+        stage="before_memory_planning",
+        run=insert_write_back_early,
+        after=earlier,
+        optional=earlier,
+        reason="each write-back moved up to where its value is ready",
+    )

@@ -30,10 +30,10 @@ def _plans(program: ExportedProgram) -> tuple[MemoryPlanReport, MemoryPlanReport
     if cached is not None:
         return cached
     from executorch.exir import ExecutorchBackendConfig, to_edge
-    from writeback_core.program import graphs_copy
+    from writeback_core.program_passes import as_exir_pass, graphs_copy
 
+    from writeback_passes.early_write_back import early_write_back_pass
     from writeback_passes.memory_report import memory_plan_report
-    from writeback_passes.pipeline import as_exir_pass, early_write_back_pass
 
     with known_warnings_ignored():
         edge = to_edge(program)
@@ -81,14 +81,14 @@ def stock_kernel_columns(program: ExportedProgram, mutation: Mutation) -> dict[s
 
     Decided by :func:`~writeback_passes.state_write_refusals.in_place_kernel_refusal`
     (the rule the backends answer ``writeback_accepts_in_place`` with) over the
-    program's shared decomposition (:func:`writeback_core.program.decomposed`); a buffer
+    program's shared decomposition (:func:`writeback_core.program_passes.decomposed`); a buffer
     an op declared to write it writes (``Mutation.written_by_op``) is written in place. A
     caller-owned state written in place says where that holds: stock
     ``executorch.runtime`` does not write a mutated input back into the caller's tensor
     (it returns the new value as an output), writeback's runtime does.
     """
     from writeback_core import MutationKind
-    from writeback_core.program import decomposed
+    from writeback_core.program_passes import decomposed
 
     from writeback_passes.state_write_plans import IN_PLACE_KERNEL
     from writeback_passes.state_write_refusals import in_place_kernel_refusal

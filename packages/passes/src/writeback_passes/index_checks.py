@@ -389,7 +389,7 @@ def _replace(use: _Use, check: torch.fx.Node) -> None:
 def index_checks_pass() -> ProgramPass:
     """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
     early write-back: the writes are then where they will run."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="check_indices_first",

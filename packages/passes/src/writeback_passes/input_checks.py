@@ -191,7 +191,7 @@ def check_runner_inputs(program: ExportedProgram | torch.fx.GraphModule) -> Inpu
 def runner_input_checks_pass() -> ProgramPass:
     """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after the
     index checks (whose reordering it must not see: it only adds nodes at the head)."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="check_runner_inputs",

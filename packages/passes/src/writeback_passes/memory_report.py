@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 from torch.export.graph_signature import InputKind
-from writeback_core.program import write_back_positions
+from writeback_core.program_passes import write_back_positions
 from writeback_core.units import format_bytes
 
 if TYPE_CHECKING:

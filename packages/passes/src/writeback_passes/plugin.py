@@ -9,22 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from writeback_core import NO_BACKEND, BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
+from writeback_core import BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
+
+# The backend names are the passes' own (each pass names the backends it serves); re-exported here.
+from writeback_passes.backend_names import KERNEL_BACKENDS as KERNEL_BACKENDS
+from writeback_passes.backend_names import PORTABLE as PORTABLE
+from writeback_passes.backend_names import STOCK_RUNTIME as STOCK_RUNTIME
+from writeback_passes.backend_names import XNNPACK as XNNPACK
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
     from writeback_core import Mutation, PartitionView, Registry
 
 writeback_name = "passes"
-
-PORTABLE = "portable"
-XNNPACK = "xnnpack"
-# The backends whose state writes run on the stock runtime's kernels, made in place here.
-KERNEL_BACKENDS = (PORTABLE, XNNPACK)
-# The lowerings whose programs run on the stock runtime's kernels (a lowering with no backend
-# too): the passes that rewrite a graph for those kernels serve these and no delegate's
-# backend (MLX's delegate writes state, checks indices, bounds and scales attention itself).
-STOCK_RUNTIME = frozenset({PORTABLE, XNNPACK, NO_BACKEND})
 
 
 def _portable(registry: Registry, **options: Any) -> Any:
@@ -131,9 +128,9 @@ def writeback_program_passes(stage: Stage) -> Sequence[ProgramPass]:
         return (whole_state_writes_pass(),)
     if stage != "before_memory_planning":
         return ()
+    from writeback_passes.early_write_back import early_write_back_pass
     from writeback_passes.index_checks import index_checks_pass
     from writeback_passes.input_checks import runner_input_checks_pass
-    from writeback_passes.pipeline import early_write_back_pass
     from writeback_passes.reinplace_delegate import reinplace_delegate_pass
     from writeback_passes.reinplace_state_writes import state_writes_pass
     from writeback_passes.view_copies import copies_as_views_pass

@@ -185,7 +185,7 @@ def state_writes_pass() -> ProgramPass:
     """This pass as a ``"before_memory_planning"`` :class:`~writeback_core.ProgramPass`, after
     the write-backs a delegate takes are dropped; early write-back, which must see the
     write-backs that remain, runs after it."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="reinplace_state_writes",

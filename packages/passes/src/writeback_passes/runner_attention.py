@@ -336,7 +336,7 @@ def runner_attention_pass() -> ProgramPass:
     """This pass as an ``"exported"`` :class:`~writeback_core.ProgramPass`, before
     ``bound_attention``: an attention that pass bounded no longer matches here, and what
     this pass leaves is for that one."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="runner_attention",

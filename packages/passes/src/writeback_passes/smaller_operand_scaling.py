@@ -19,7 +19,7 @@ def scale_smaller_operand_pass() -> ProgramPass:
     :class:`~writeback_core.ProgramPass` (after the reshape copies are made views, which leaves
     the multiply next to its matmul), for the stock runtime's lowerings: MLX's delegate moves
     the scale itself, in its own ``preprocess``."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="scale_smaller_operand",

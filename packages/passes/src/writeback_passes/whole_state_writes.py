@@ -231,7 +231,7 @@ def _in_lists(node: torch.fx.Node, args: tuple[object, ...]) -> bool:
 def whole_state_writes_pass() -> ProgramPass:
     """This pass as an ``"after_out_variants"`` :class:`~writeback_core.ProgramPass`, for the
     stock runtime's kernels (a delegate writes its own states)."""
-    from writeback_passes.plugin import STOCK_RUNTIME
+    from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
         name="whole_state_writes",

@@ -1,7 +1,7 @@
 """writeback-testing: differential fuzzing of stateful programs and the backend contract suite.
 
 Every target lowers through writeback's one lowering path
-(:mod:`writeback.lowering`), so what passes here is what ``writeback run``
+(:mod:`writeback_core.lowering`), so what passes here is what ``writeback run``
 ships. Names are imported lazily, so ``writeback_testing.cli`` (which the
 ``writeback`` CLI loads through this package's plugin) costs nothing until
 ``writeback fuzz`` runs.

@@ -192,7 +192,7 @@ def build_seeds(registry: Any, target: str) -> list[Seed]:
     :raises ValueError: the registry offers no such backend or engine.
     """
     import torch
-    from writeback.lowering import lower, partition
+    from writeback_core.lowering import lower, partition
     from writeback_core.quiet import known_warnings_ignored
 
     seeds: list[Seed] = []

@@ -36,7 +36,7 @@ from typing import Any
 
 from torch.export.graph_signature import OutputKind
 from writeback_core import meta
-from writeback_core.program import write_back_positions
+from writeback_core.program_passes import write_back_positions
 from writeback_core.registry import InPlaceDecision, Registry
 
 from writeback_testing.lowered_plans import Lowerings

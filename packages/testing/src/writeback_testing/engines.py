@@ -7,7 +7,7 @@ reaches one only through hooks, so a third party's engine is fuzzed the same way
 1. ``writeback_lower_for_engine`` lowers the exported program by the owning
    plugin's copy-back path (classify, lift, declare, lower, cross-check); a
    ``str`` answer is the engine refusing the program: :class:`TargetSkipped`.
-2. The one lowering path's ``to_executorch`` (:func:`writeback.lowering.to_executorch`)
+2. The one lowering path's ``to_executorch`` (:func:`writeback_core.lowering.to_executorch`)
    runs the registered passes on it, memory planned, buffers initialised and named.
 3. The ``.pte`` runs in two runtimes, each compared with eager PyTorch after
    every call: a caller-writing runtime a plugin offers (``writeback_runtimes``;

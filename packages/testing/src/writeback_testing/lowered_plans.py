@@ -12,14 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import writeback_core.lowering as lowering
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from writeback import lowering
-from writeback_core.mutations import find_mutations
-from writeback_core.program import LoweringError, MemoryPlan, export_model, write_back_bytes
+from writeback_core.exporting import export_model
+from writeback_core.lowered import Lowered
+from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceDecision, Registry, in_place_decisions
-from writeback_core.types import BackendSpec
+from writeback_core.types import BackendSpec, LoweringError, MemoryPlan
 
 from writeback_testing.program_spec import Built, ProgramSpec
 
@@ -29,7 +30,7 @@ __all__ = ["Lowerings", "export_built"]
 @dataclass
 class Lowerings:
     """One program, exported once, partitioned once for ``backend`` (None: no delegate), and
-    lowered per memory plan on demand (cached), all through :mod:`writeback.lowering`:
+    lowered per memory plan on demand (cached), all through :mod:`writeback_core.lowering`:
     the ``"state"`` plan's ``.pte`` is byte for byte what ``writeback run`` writes.
 
     ``registry`` None (or ``with_passes`` False) lowers with exir alone, the baseline a
@@ -43,7 +44,9 @@ class Lowerings:
     backend: BackendSpec | None = None
     _edge: Any = None
     _decisions: dict[str, InPlaceDecision] = field(default_factory=dict)
-    _lowered: dict[MemoryPlan, lowering.Lowered] = field(default_factory=dict)
+    _mutations: list[Mutation] | None = None
+    _exported: ExportedProgram | None = None
+    _lowered: dict[MemoryPlan, Lowered] = field(default_factory=dict)
     _layout: dict[MemoryPlan, _Layout] = field(default_factory=dict)
     seconds: float = 0.0
     # Lowerings other targets derive from this program (an engine's), keyed by the target's
@@ -74,6 +77,7 @@ class Lowerings:
             try:
                 partitioned = lowering.partition(exported, self.registry, self.backend)
                 self._edge, self._decisions = partitioned.edge, partitioned.decisions
+                self._mutations, self._exported = partitioned.mutations, exported
             except LoweringError as error:
                 raise LoweringError(
                     f"{error}\n--- program ---\n{self.built.source}", upstream=self.backend is None
@@ -81,37 +85,34 @@ class Lowerings:
             self.seconds += time.perf_counter() - start
         return self._edge
 
-    def lowered(self, plan: MemoryPlan) -> lowering.Lowered:
-        """The program lowered with memory plan ``plan`` (see :data:`~writeback_core.program.MemoryPlan`)."""
+    def lowered(self, plan: MemoryPlan) -> Lowered:
+        """The program lowered with memory plan ``plan`` (see :data:`~writeback_core.types.MemoryPlan`)."""
         if plan not in self._lowered:
             edge = self.edge()  # timed on its own
             start = time.perf_counter()
             try:
-                program = lowering.to_executorch(
-                    _copy_edge(edge), self.passes_registry, plan, backend=self.backend_name
-                )
+                lowered = self._lower(plan, self.passes_registry)
             except LoweringError as error:
                 raise LoweringError(
                     f"{error}\n--- program ---\n{self.built.source}", upstream=self._fails_bare(plan)
                 ) from error
-            final = program.exported_program()
-            self._lowered[plan] = lowering.Lowered(
-                exported=edge.exported_program(),
-                mutations=find_mutations(edge.exported_program()),
-                decisions=dict(self._decisions) or in_place_decisions(edge.exported_program()),
-                program=program,
-                write_back_bytes=write_back_bytes(final),
-                user_input_mutations=sum(
-                    1 for s in final.graph_signature.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION
-                ),
-                backend=self.backend_name,
-                plan=plan,
-                passes=lowering.pass_names(self.passes_registry, self.backend_name),
-                seconds=time.perf_counter() - start,
-            )
-            self._layout[plan] = _layout(final, self.built.spec)
+            self._lowered[plan] = lowered
+            self._layout[plan] = _layout(lowered.program.exported_program(), self.built.spec)
             self.seconds += time.perf_counter() - start
+            del edge
         return self._lowered[plan]
+
+    def _lower(self, plan: MemoryPlan, registry: Registry | None) -> Lowered:
+        """:func:`writeback_core.lowering.lower` of a copy of the partitioned program."""
+        edge = self.edge()
+        program = edge.exported_program()
+        partitioned = lowering.Partitioned(
+            _copy_edge(edge),
+            dict(self._decisions) or in_place_decisions(program),
+            self._mutations if self._mutations is not None else find_mutations(program),
+        )
+        exported = self._exported if self._exported is not None else program
+        return lowering.lower(exported, registry, self.backend, plan, partitioned=partitioned)
 
     def pte(self, plan: MemoryPlan) -> bytes:
         """The ``.pte`` lowered with memory plan ``plan``."""
@@ -122,7 +123,7 @@ class Lowerings:
         if self.passes_registry is None:
             return True
         try:
-            lowering.to_executorch(_copy_edge(self.edge()), None, plan, backend=self.backend_name)
+            self._lower(plan, None)
         except LoweringError:
             return True
         return False
@@ -153,7 +154,7 @@ class _Layout:
 
 
 def export_built(built: Built) -> ExportedProgram:
-    """Export a generated program as every command does (:func:`writeback_core.program.export_model`)."""
+    """Export a generated program as every command does (:func:`writeback_core.exporting.export_model`)."""
     return export_model(built.new_module(), (*built.step_inputs(0), *built.make_state()))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from writeback.pipeline import ATOL, RTOL
+from writeback.session import ATOL, RTOL
 
 from writeback_testing.program_spec import Built
 

@@ -4,7 +4,7 @@
 runs it eagerly for ``calls`` (>= 3) calls, recording every output and every
 piece of state after each call, and compares each :class:`Target` against
 that record. Every target lowers the program through the one lowering path
-users get (:mod:`writeback.lowering`: the same export, partitioning,
+users get (:mod:`writeback_core.lowering`: the same export, partitioning,
 registered passes and ``to_executorch`` as ``writeback run``) and runs it in
 one runtime configuration:
 
@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from writeback_core.program import LoweringError
 from writeback_core.registry import Registry
+from writeback_core.types import LoweringError
 
 from writeback_testing.failure_origin import HarnessError, failure_origin
 from writeback_testing.lowered_plans import Lowerings, export_built

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from writeback_core.program import MemoryPlan
 from writeback_core.registry import Registry
+from writeback_core.types import MemoryPlan
 
 from writeback_testing.lowered_plans import Lowerings
 from writeback_testing.observations import Observation, error_text, snapshot
@@ -95,7 +95,7 @@ class RuntimeTarget:
     ``runtime`` has ``load_program(bytes).load_method(name)``; its methods
     ``execute(inputs)``, ``metadata`` and (when ``bind_outputs``)
     ``set_output(tensor, index)``. ``plan`` picks the memory plan of graph
-    inputs and outputs (:data:`~writeback_core.program.MemoryPlan`); ``bind_outputs``
+    inputs and outputs (:data:`~writeback_core.types.MemoryPlan`); ``bind_outputs``
     binds every output that is unplanned, not an input and returned once to a caller
     tensor before the first call.
     """

@@ -6,7 +6,7 @@ import weakref
 
 from torch.export import ExportedProgram
 from writeback_core.mutations import Mutation, MutationKind
-from writeback_core.program import decomposed, graphs_copy
+from writeback_core.program_passes import decomposed, graphs_copy
 from writeback_core.types import AliasingEngine
 from writeback_core.units import format_bytes
 

@@ -248,7 +248,7 @@ def lift_mutated_buffers(program: ExportedProgram, engine: AliasingEngine, mode:
 def lift_decomposed(lifted: ExportedProgram, engine: AliasingEngine, mode: Mode = Mode.PREDICT) -> Lifted:
     """:func:`lift_mutated_buffers` of a program already decomposed to core ATen
     (``run_decompositions()``), which it changes: hand it a copy
-    (:func:`writeback_core.program.graphs_copy` of ``writeback_core.program.decomposed``,
+    (:func:`writeback_core.program_passes.graphs_copy` of ``writeback_core.program_passes.decomposed``,
     as ``writeback explain``'s column does)."""
     found = find_mutations(lifted)
     mutations = [m for m in found if m.kind is MutationKind.BUFFER]

@@ -1,8 +1,9 @@
-"""The writeback pipeline, assembled from whatever the registry offers.
+"""The writeback pipeline, assembled from whatever the registry offers, and a session
+stepping a lowered program beside eager PyTorch.
 
-The one lowering path (:mod:`writeback.lowering`: export, find mutations,
-partition with the backend's partitioner, every registered program pass,
-``to_executorch``, ``.pte``), then a runtime, with caller-owned state allocated
+The one lowering path (:mod:`writeback_core.lowering`: partition with the backend's
+partitioner, every registered program pass for that backend, ``to_executorch``,
+``.pte``; :func:`lower_case` exports a case and takes it there), then a runtime, with caller-owned state allocated
 by the backend's allocator and bound in place. Core names no backend, runtime
 or pass: each comes from a hook (``writeback_backends``,
 ``writeback_program_passes``, ``writeback_runtimes``,
@@ -29,28 +30,27 @@ What this module guarantees:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
+from torch.export.graph_signature import ConstantArgument, TensorArgument
 from torch.utils import _pytree as pytree
+from writeback_core.lowered import InputSignature, Lowered
+from writeback_core.lowering import lower
 from writeback_core.mutations import Mutation, MutationKind
 from writeback_core.registry import Registry
 from writeback_core.types import BackendSpec, ModelCase, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
 
-from writeback.lowering import Lowered, ModelBuildError, build_case_module, export_case
-from writeback.lowering import lower as lower_exported
+from writeback.model_build import ModelBuildError, build_case_module, export_case
 
 __all__ = [
     "ATOL",
     "RTOL",
     "Eager",
-    "InputSignature",
-    "Lowered",
     "Pipeline",
     "PipelineError",
     "Session",
@@ -61,7 +61,7 @@ __all__ = [
     "choose_backend",
     "compare",
     "flatten_step_inputs",
-    "lower",
+    "lower_case",
     "state_nbytes",
 ]
 
@@ -141,17 +141,18 @@ def assemble(registry: Registry, backend: str | None = None, runtime: str | None
     return Pipeline(registry, spec, chosen, registry.runtime_delegates(), allocator)
 
 
-def lower(case: ModelCase, pipeline: Pipeline) -> Lowered:
-    """Export ``case`` and take it through the one lowering path
-    (:func:`writeback.lowering.lower`) with the pipeline's backend, caller-owned
-    state left out of the memory plan.
+def lower_case(case: ModelCase, pipeline: Pipeline, *, between_steps: Callable[[], None] | None = None) -> Lowered:
+    """Export ``case`` (:func:`~writeback.model_build.export_case`) and take it through the one
+    lowering path (:func:`writeback_core.lowering.lower`) with the pipeline's backend,
+    caller-owned state left out of the memory plan. ``between_steps``: the command's
+    housekeeping between partitioning and serialization (see ``lower``).
 
     :raises PipelineError: export, the backend's partitioner or the passes fail; the
         message names the model and the backend.
     :raises ModelBuildError: building the model raised (the model's error, not a lowering's).
     """
     try:
-        return lower_exported(export_case(case), pipeline.registry, pipeline.backend, "state", case)
+        return lower(export_case(case), pipeline.registry, pipeline.backend, "state", case, between_steps=between_steps)
     except ModelBuildError:
         raise  # the model's own error, not the lowering's: the CLI reports it as the user's
     except Exception as error:
@@ -197,23 +198,6 @@ def _ordered_kwargs(spec: pytree.TreeSpec | None, kwargs: dict[str, Any], where:
             f"{'adds ' + str(extra) if extra else ''}. Give every step the same keywords."
         )
     return {k: kwargs[k] for k in keys}
-
-
-@dataclass(frozen=True)
-class InputSignature:
-    """What :func:`flatten_step_inputs` reads of a program, read once: the in_spec, the user
-    inputs' arguments and the placeholders (``ExportedProgram.call_spec`` builds a new
-    named-tuple type on every read, and finding the placeholders walks the whole graph)."""
-
-    in_spec: pytree.TreeSpec | None
-    user: tuple[Any, ...]
-    placeholders: Mapping[str, torch.fx.Node]
-
-    @classmethod
-    def of(cls, program: ExportedProgram) -> InputSignature:
-        user = tuple(s.arg for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT)
-        placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
-        return cls(program.call_spec.in_spec, user, placeholders)
 
 
 def flatten_step_inputs(

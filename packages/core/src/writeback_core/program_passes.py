@@ -1,10 +1,10 @@
-"""Programs and the passes plugins register: what the lowering path, a backend and a
-user's own ExecuTorch script share.
+"""The passes plugins register, run on a program at their stages, and the program helpers
+they and the lowering path share (:mod:`writeback_core.lowering` runs them; a backend and a
+user's own ExecuTorch script may too).
 
-- :func:`export_model`: ``torch.export`` in eval mode under ``no_grad``, refusing state
-  that export lifted as constants (:func:`check_lifted_state`).
 - :func:`run_exported_passes`, :func:`as_exir_pass`, :func:`run_program_passes`: the
   registry's ``writeback_program_passes`` for a backend, each at its stage.
+- :func:`own_tables`: a program over tables of its own, without what nothing reads.
 - :func:`write_back_positions`, :func:`write_back_bytes`: the write-back copies a graph keeps.
 - :func:`decomposed`: one program's core ATen decomposition, made once and shared by
   everything asked about it (``writeback explain``'s rows and every plugin's columns).
@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 import torch.fx
@@ -29,7 +29,7 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult
 
 from writeback_core import meta
-from writeback_core.ops import op_name, schema_of, write_back_copies
+from writeback_core.ops import write_back_copies
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import Registry
 from writeback_core.types import ProgramPass
@@ -40,194 +40,16 @@ if TYPE_CHECKING:
     from writeback_core.types import EdgePassRun, ExportedPassRun, GraphPassRun
 
 __all__ = [
-    "MEMORY_PLANS",
-    "QUANTIZED_NAMESPACE",
-    "LoweringError",
-    "MemoryPlan",
     "as_exir_pass",
-    "backend_config",
-    "check_lifted_state",
     "decomposed",
-    "export_model",
     "graphs_copy",
-    "initialized_buffers",
-    "load_quantized_kernels",
     "own_tables",
     "run_exported_passes",
     "run_program_passes",
     "unbacked_symbols_settled",
     "write_back_bytes",
     "write_back_positions",
-    "written_placeholders",
 ]
-
-
-class LoweringError(RuntimeError):
-    """Export, partitioning or ``to_executorch`` failed; the message names the step.
-
-    ``upstream`` is True when writeback had no part in it (``torch.export`` or
-    ``to_edge`` failed, or the step fails without writeback's passes too), False
-    when only the path with writeback's passes fails, None when not checked.
-    """
-
-    def __init__(self, message: str, upstream: bool | None = None) -> None:
-        super().__init__(message)
-        self.upstream = upstream
-
-
-def export_model(
-    module: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    strict: bool = False,
-    dynamic_shapes: Any = None,
-    name: str | None = None,
-) -> ExportedProgram:
-    """``torch.export.export`` of ``module`` in eval mode, without grad, quietly.
-
-    The one export helper of writeback: every command and test harness exports
-    through it, so they all see the same graph. ``name`` (the model's) is what an
-    error names; default: the module's class.
-
-    Before exporting, a copy of ``module`` is called twice at the example inputs to find
-    the state it carries from call to call
-    (:func:`~writeback_core.carried_state.carried_states`); ``module`` is left as it was.
-
-    :raises LoweringError: the program holds state as lifted constants (see
-        :func:`check_lifted_state`): lowering it would fail or answer wrongly.
-    :raises writeback_core.carried_state.StateLostError: the program drops state the
-        eager module carries (see :func:`~writeback_core.carried_state.check_state_kept`).
-    """
-    from writeback_core.carried_state import carried_states, check_state_kept
-
-    _eval_mode(module)
-    what = name or f"module {type(module).__name__}"
-    # Before exporting: a non-strict export runs forward on the module itself, and what it
-    # leaves behind (a cache allocated while tracing) is not the model's state.
-    # Eager PyTorch may refuse the example inputs themselves (an index out of range that the
-    # program is exported to refuse at run time, as eager does): with no eager call to compare,
-    # the program is exported as before and no state is checked.
-    states: list[Any] | None
-    try:
-        with known_warnings_ignored():
-            states = carried_states(module, args, kwargs)
-    except Exception:  # whatever the model's forward raises at these inputs
-        states = None
-    with known_warnings_ignored(), torch.no_grad():
-        program = torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
-    check_lifted_state(program, module, what, strict)
-    if states is not None:
-        check_state_kept(program, states, what)
-    return program
-
-
-def _eval_mode(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` in eval mode without grad, in place. Not chained: a PT2E-converted model
-    (``allow_exported_model_train_eval``) returns ``None`` from ``eval()``."""
-    module.eval()
-    module.requires_grad_(False)
-    return module
-
-
-def _aliased_source(value: torch.fx.Node) -> torch.fx.Node:
-    """The node whose memory ``value`` is, through ops whose schema says their result aliases their
-    first argument (views, ``alias``, ``to`` that changes nothing: ``Tensor(a) self -> Tensor(a)``)."""
-    seen = 0
-    while value.op == "call_function" and seen < 64:
-        schema = schema_of(value.target)
-        if schema is None or not schema.returns or not schema.arguments or not value.args:
-            break
-        returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-        source = value.args[0]
-        if returned is None or first is None or returned.is_write or not isinstance(source, torch.fx.Node):
-            break
-        if not set(returned.before_set) & set(first.before_set):
-            break
-        value, seen = source, seen + 1
-    return value
-
-
-def written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
-    """Placeholders an in-place op writes (an argument its schema marks written), directly or
-    through a view or alias of them (``torch.export`` keeps a ``to`` that changes nothing as an
-    alias: an ``add_`` on it writes the buffer): name -> op."""
-    written: dict[str, str] = {}
-    for node in graph.nodes:
-        schema = schema_of(node.target) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for index, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node):
-                value = _aliased_source(value)
-                if value.op == "placeholder":
-                    written.setdefault(value.name, op_name(node.target))
-    return written
-
-
-def _storage(tensor: Any) -> int | None:
-    try:
-        return int(tensor.untyped_storage().data_ptr()) if isinstance(tensor, torch.Tensor) else None
-    except (RuntimeError, NotImplementedError):  # a tensor without real storage (fake, meta)
-        return None
-
-
-def check_lifted_state(
-    program: ExportedProgram, module: torch.nn.Module | None, what: str, strict: bool | None
-) -> None:
-    """Refuse a program that holds the model's state as lifted tensor constants.
-
-    Non-strict ``torch.export`` lifts a tensor that ``forward`` reaches other than as a
-    registered buffer (a list of cache tensors, as Hugging Face's ``StaticCache`` keeps
-    them) as a constant, even when it shares storage with a registered buffer. Writes to
-    it are then no buffer mutation: the state would never persist (or lowering fails
-    deep in AOTAutograd, ``expected compiled_fn to be GraphModule``), and a constant that
-    aliases a buffer is a stale copy of it in the ``.pte``.
-
-    :param module: the exported module, whose buffers the constants are checked
-        against (``None``: only writes to constants are looked for).
-    :param what: what the error names (``model 'name'``).
-    :param strict: how the program was exported (``None``: not known), for the advice.
-    :raises LoweringError: a lifted constant is written by the graph or shares storage
-        with a registered buffer; the message names each and what to do.
-    """
-    lifted = program.graph_signature.inputs_to_lifted_tensor_constants
-    if not lifted:
-        return
-    written = written_placeholders(program.graph_module.graph)
-    buffers: dict[int, str] = {}
-    if module is not None:
-        for buffer_name, buffer in module.named_buffers(remove_duplicate=False):
-            pointer = _storage(buffer)
-            if pointer is not None and pointer != 0:
-                buffers.setdefault(pointer, buffer_name)
-    problems = []
-    for placeholder, constant in lifted.items():
-        reasons = []
-        if placeholder in written:
-            reasons.append(f"written by {written[placeholder]}")
-        shared = buffers.get(_storage(program.constants.get(constant)) or 0)
-        if shared is not None:
-            reasons.append(f"shares storage with registered buffer {shared!r}")
-        if reasons:
-            problems.append(f"{constant} ({', '.join(reasons)})")
-    if not problems:
-        return
-    advice = (
-        "export strictly: strict=True (ModelCase(strict=True, ...), as Hugging Face's ExecuTorch integration does)"
-        if strict is not True
-        else "the export was strict already"
-    )
-    raise LoweringError(
-        f"{what}: torch.export lifted tensors of the model's state as constants, not buffers: "
-        f"{'; '.join(problems)}. Writes to them would not persist across calls (to_edge fails in AOTAutograd). "
-        f"Fix: {advice}, or register those tensors as buffers of the module (register_buffer) and "
-        "have forward write the buffers themselves.",
-        upstream=True,
-    )
 
 
 def own_tables(program: ExportedProgram) -> ExportedProgram:
@@ -480,100 +302,3 @@ def write_back_bytes(program: ExportedProgram) -> dict[str, int]:
         if isinstance(val, torch.Tensor):
             found[name] = val.numel() * val.element_size()
     return found
-
-
-# How graph inputs and outputs are memory planned:
-#   "state":     inputs unplanned (the runtime uses caller-owned state in place), outputs
-#                planned. What `writeback run` ships.
-#   "planned":   inputs and outputs planned (exir's default; stock runtimes copy inputs in).
-#   "unplanned": neither; the caller binds outputs (``Method.set_output``).
-MemoryPlan = Literal["state", "planned", "unplanned"]
-
-
-MEMORY_PLANS: Mapping[MemoryPlan, tuple[bool, bool]] = {
-    "state": (False, True),
-    "planned": (True, True),
-    "unplanned": (False, False),
-}
-
-
-def initialized_buffers(program: ExportedProgram) -> list[str]:
-    """Placeholder names of the mutated buffers whose initial value is not all zeros.
-
-    The runtimes zero-fill a mutable buffer that carries no data, so only these need
-    their value in the ``.pte``.
-    """
-    signature = program.graph_signature
-    mutated = set(signature.buffers_to_mutate.values())
-    found = []
-    for placeholder, target in signature.inputs_to_buffers.items():
-        if target not in mutated:
-            continue
-        value = program.state_dict.get(target, program.constants.get(target))
-        if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
-            found.append(placeholder)
-    return found
-
-
-def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> ExecutorchBackendConfig:
-    """The ``ExecutorchBackendConfig`` writeback lowers with: named mutable buffers, non-zero
-    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``."""
-    from executorch.exir import ExecutorchBackendConfig
-    from executorch.exir.passes import MemoryPlanningPass
-    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
-
-    if plan not in MEMORY_PLANS:
-        raise ValueError(f"memory plan must be one of {sorted(MEMORY_PLANS)}, got {plan!r}")
-    inputs, outputs = MEMORY_PLANS[plan]
-    names = sorted({n for m in edge.methods for n in initialized_buffers(edge.exported_program(m))})
-    return ExecutorchBackendConfig(
-        emit_mutable_buffer_names=True,
-        passes=[InitializedMutableBufferPass(names)] if names else [],
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=inputs, alloc_graph_output=outputs),
-    )
-
-
-# The namespace of PT2E's quantize/dequantize ops, whose out variants ExecuTorch ships in a
-# library of its own (``executorch.kernels.quantized``), not loaded by ``import executorch``.
-QUANTIZED_NAMESPACE = "quantized_decomposed"
-
-
-def _quantized_ops(edge: EdgeProgramManager) -> list[str]:
-    found = set()
-    for method in edge.methods:
-        for node in edge.exported_program(method).graph_module.graph.nodes:
-            schema = schema_of(node.target) if node.op == "call_function" else None
-            if schema is not None and schema.name.startswith(QUANTIZED_NAMESPACE + "::"):
-                found.add(schema.name)
-    return sorted(found)
-
-
-def load_quantized_kernels(edge: EdgeProgramManager) -> list[str]:
-    """Load ExecuTorch's quantized kernels when ``edge`` runs ``quantized_decomposed`` ops
-    outside any delegate (a PT2E-quantized model on no backend): without them
-    ``to_executorch`` stops at "Missing out variants". Returns the ops found (empty: nothing
-    loaded).
-
-    :raises LoweringError: the ops are there and the kernels cannot be loaded; the message
-        names the ops and what to install.
-    """
-    found = _quantized_ops(edge)
-    if not found or _has_out_variant(found[0]):
-        return found
-    import importlib
-
-    importlib.import_module("executorch.kernels.quantized")  # loads the library; logs, never raises
-    if not _has_out_variant(found[0]):
-        raise LoweringError(
-            f"the program runs {', '.join(found)} outside any delegate, and ExecuTorch's quantized kernels "
-            "(executorch.kernels.quantized, libquantized_ops_aot_lib) could not be loaded: install an executorch "
-            "wheel that ships them, or lower to a backend that takes the quantized ops"
-        )
-    return found
-
-
-def _has_out_variant(name: str) -> bool:
-    """Whether an out variant (an overload named ``out`` or ``..._out``) of schema name
-    ``namespace::op`` is registered."""
-    schemas = torch._C._jit_get_schemas_for_operator(name)
-    return any(s.overload_name == "out" or s.overload_name.endswith("_out") for s in schemas)

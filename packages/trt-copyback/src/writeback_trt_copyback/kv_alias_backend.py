@@ -21,7 +21,7 @@ from writeback_core.ops import decomposed_from, packet_name
 from writeback_trt_copyback._blob import Blob, encode_arg, encode_tensor, engine_op_key, ops
 from writeback_trt_copyback.clones import peel_input_clones
 from writeback_trt_copyback.derive import Bounds, engine_write, resolve_bounds
-from writeback_trt_copyback.engine import BACKEND_ID, KVAliasEngine, op_excluded
+from writeback_trt_copyback.kv_alias_options import BACKEND_ID, KVAliasOptions, op_excluded
 
 __all__ = ["KVAliasPartitioner", "WritebackKVAliasBackend"]
 
@@ -49,7 +49,7 @@ _VIEW_OF_COPY = {
 
 
 class _Support(OperatorSupportBase):
-    def __init__(self, engine: KVAliasEngine) -> None:
+    def __init__(self, engine: KVAliasOptions) -> None:
         self.engine = engine
 
     def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node) -> bool:
@@ -75,7 +75,7 @@ class KVAliasPartitioner(Partitioner):  # type: ignore[misc]  # exir's base is u
     ops is left to ExecuTorch's kernels.
     """
 
-    def __init__(self, engine: KVAliasEngine) -> None:
+    def __init__(self, engine: KVAliasOptions) -> None:
         super().__init__()
         self.engine = engine
         self.delegation_spec = DelegationSpec(BACKEND_ID, engine.compile_specs())
@@ -149,7 +149,7 @@ def _check_slice_source(node: torch.fx.Node, cache_shape: tuple[object, ...], bo
         )
 
 
-def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasEngine) -> dict[str, Any] | None:
+def _in_place_step(node: torch.fx.Node, position: int, engine: KVAliasOptions) -> dict[str, Any] | None:
     """The in-place update for write ``node`` into input ``position``, or ``None`` if refused."""
     if not isinstance(meta.get_custom(node, meta.COPY_BACK_CLASS), dict):
         # Not a buffer's new value (a functional ``buf.index_copy(...)`` whose result is
@@ -209,7 +209,7 @@ class WritebackKVAliasBackend(BackendDetails):  # type: ignore[misc]  # exir's b
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
-        engine = KVAliasEngine.from_compile_specs(compile_specs)
+        engine = KVAliasOptions.from_compile_specs(compile_specs)
         module = copy.deepcopy(edge_program.graph_module)
         graph = module.graph
         peel_input_clones(graph)
