@@ -33,7 +33,7 @@ from writeback.lowering import Lowered, export_case, lower, state_places
 from writeback.pipeline import PipelineError, assemble
 from writeback.run import state_lines
 
-__all__ = ["ExportReport", "export_command", "runner_loads", "where_it_loads"]
+__all__ = ["ExportReport", "export_command", "one_copy_line", "runner_loads", "where_it_loads"]
 
 # Backends whose delegates the stock ExecuTorch runtime (and so its LLM runner) has linked in.
 _STOCK_BACKENDS = frozenset({"portable", "xnnpack"})
@@ -105,9 +105,20 @@ def _lines(report: ExportReport) -> list[str]:
             f"loads in ExecuTorch's stock runtime and its LLM runner: writeback generate {report.pte_path}{tokenizer} "
             "--prompt TEXT"
         )
+        lines.append(one_copy_line(lowered.backend))
     else:
         lines.append(where_it_loads(lowered.backend, report.pte_path))
     return lines
+
+
+def one_copy_line(backend: str | None) -> str:
+    """How to load a program the stock runtime runs so that each weight is resident once."""
+    packed = " and unmaps the file's pages of the weights XNNPACK packed for itself" if backend == "xnnpack" else ""
+    return (
+        "one resident copy of each weight: load the file by its path (TextLLMRunner(PATH, TOKENIZER), "
+        "executorch.runtime.Runtime.get().load_program(PATH)): the runtime maps it"
+        f"{packed}; loading it from bytes (load_program(data)) keeps those bytes as a second copy"
+    )
 
 
 def _tokenizer_of(model: str) -> Path | None:
