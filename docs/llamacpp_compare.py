@@ -102,7 +102,6 @@ def _prompt(folder: Path, tokens: int) -> str:
 
 def _gguf_child(request: dict[str, object]) -> dict[str, float]:
     """One llama.cpp generation in this process (a fresh one): load, prefill, greedy decode."""
-    import llama_cpp
     from writeback_core.resident import read_resident, reset_peak
 
     threads = int(request["threads"])  # type: ignore[call-overload]
@@ -110,6 +109,7 @@ def _gguf_child(request: dict[str, object]) -> dict[str, float]:
     reset_peak()
     before = read_resident()
     start = time.perf_counter()
+    llama_cpp = importlib.import_module("llama_cpp")  # optional: not a dependency of writeback
     llm = llama_cpp.Llama(model_path=str(request["path"]), n_ctx=1024, n_threads=threads, n_batch=1024, verbose=False)
     loaded = time.perf_counter()
     tokens = llm.tokenize(str(request["prompt"]).encode(), add_bos=True)

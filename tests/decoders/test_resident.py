@@ -2,7 +2,7 @@
 weight, and `bench-generate` prints what loading costs (slow tier: a lowering of a 48 MiB model).
 
 The folder is a Hugging Face Llama with random weights, 4 layers of width 512 (MLP 1,536, 8 heads,
-4 KV heads of 64) and a 96-token tokenizer: by hand, 2 x 96 x 512 (embedding, LM head) + 4 x (2 x
+4 KV heads of 64) and a tokenizer of at most 96 tokens: by hand, 2 x 96 x 512 (embedding, LM head) + 4 x (2 x
 512 x 512 + 2 x 512 x 256 + 3 x 512 x 1,536 + 2 x 512) + 512 = 12,685,824 fp32 parameters,
 50,743,296 bytes (48.4 MiB). XNNPACK packs every linear layer's weights for itself at load; the
 runtime maps the file and unmaps what was packed from, so loading adds about the weights once.
@@ -41,7 +41,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tokenizer.decoder = decoders.ByteLevel()
     text = [PROMPT, "state that a model mutates is written once in place"] * 20
     tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=96, special_tokens=["<s>", "</s>"]))
-    assert tokenizer.get_vocab_size() == 96
+    assert tokenizer.get_vocab_size() <= 96  # the model's 96 rows cover every token
     tokenizer.save(str(folder / "tokenizer.json"))
     config = LlamaConfig(
         vocab_size=96,
