@@ -271,7 +271,7 @@ def test_bench_generate_times_each_contender_in_a_runner_of_its_own_one_loaded_a
     assert names == ["stock+xnnpack (transformers StaticCache)", STOCK_SAME, WRITEBACK]
     for row in rows:
         assert row.error is None, (row.name, row.error)
-        assert len(row.prefill) == len(row.decode) == 2
+        assert len(row.prefill) == len(row.decode) == len(row.resident) == len(row.peak) == 2
         # The bench's prompt is its own text; every contender must generate the same greedy text.
         assert row.text == rows[-1].text, row.name
     # On the fixture's prompt the runner of writeback's program gives transformers' tokens (checked
@@ -290,7 +290,7 @@ def test_bench_generate_runs_a_pte_written_elsewhere_alone_against_itself(
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.startswith("given ")]
     assert len(rows) == 1, result.output
-    assert rows[0].split()[3:5] == ["1.00", "1.00"]  # ratios against itself
+    assert rows[0].split()[7:12] == ["1.00"] * 5  # load, resident, peak, prefill, decode: against itself
     assert "x = ratio to 'given'" in result.output
     assert "writeback+xnnpack" not in result.output  # --only-pte: the model's own contenders do not run
 

@@ -36,7 +36,7 @@ from writeback.model_build import export_case
 from writeback.process_memory import return_freed_memory
 from writeback.session import PipelineError, assemble
 
-__all__ = ["ExportReport", "export_command"]
+__all__ = ["ExportReport", "export_command", "one_copy_line"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ def _lines(report: ExportReport) -> list[str]:
             f"loads in ExecuTorch's stock runtime and its LLM runner: writeback generate {report.pte_path}{tokenizer} "
             "--prompt TEXT"
         )
+        lines.append(one_copy_line(lowered.backend))
     else:
         lines.append(where_it_loads(lowered.backend, report.pte_path))
     return lines
@@ -106,6 +107,16 @@ def _logits_lines(rows: str | None) -> list[str]:
     """The line saying which positions' logits a call returns (none for a program whose output is
     not logits)."""
     return [_LOGITS_LINES[rows]] if rows in _LOGITS_LINES else []
+
+
+def one_copy_line(backend: str | None) -> str:
+    """How to load a program the stock runtime runs so that each weight is resident once."""
+    packed = " and unmaps the file's pages of the weights XNNPACK packed for itself" if backend == "xnnpack" else ""
+    return (
+        "one resident copy of each weight: load the file by its path (TextLLMRunner(PATH, TOKENIZER), "
+        "executorch.runtime.Runtime.get().load_program(PATH)): the runtime maps it"
+        f"{packed}; loading it from bytes (load_program(data)) keeps those bytes as a second copy"
+    )
 
 
 def _tokenizer_of(model: str) -> Path | None:

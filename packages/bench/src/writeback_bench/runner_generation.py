@@ -1,5 +1,5 @@
 """``writeback bench-generate``: whole generations through ExecuTorch's own LLM runner, every
-contender interleaved in one process, medians and ratios.
+contender in a process of its own, interleaved rounds, medians and ratios.
 
 Contenders, each a ``.pte`` with the same runner metadata, run by ``TextLLMRunner`` on the
 same prompt with greedy decoding:
@@ -11,22 +11,22 @@ same prompt with greedy decoding:
   ``to_executorch()``);
 - ``writeback+xnnpack``: what ``writeback export MODEL`` writes.
 
-Each generation loads its contender's ``.pte`` into a runner of its own, dropped after it,
-so one contender's weights are in memory at a time (a 0.5B model's three contenders held
-together passed 16 GB). Rounds run the contenders one after the other, in an order rotated each round, so a noisy
-machine slows them alike. XNNPACK's thread pool and PyTorch run one thread unless asked.
-The runner's own statistics give prefill (prompt tokens / prefill time) and decode
-(generated tokens / decode time) speeds; ratios are against the first stock row.
+Each generation runs in a new process (``writeback_core.resident.measure_in_child``) that loads
+its contender's ``.pte`` by path, so one contender's weights are in memory at a time and each
+is measured from its own baseline: the time from just before loading to the first token, the
+resident memory loading and prefill added by then, the peak through the generation (both minus
+what the process held before loading) and the file's size. Rounds run the contenders one after
+the other, in an order rotated each round, so a noisy machine slows them alike. XNNPACK's thread
+pool runs one thread unless asked. The runner's own statistics give prefill (prompt tokens /
+prefill time) and decode (generated tokens / decode time) speeds; ratios are against the first
+stock row (or ``--baseline``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from writeback_bench.contenders import write_stock_pte
 
 __all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
 
+MIB = 1 << 20
 WRITEBACK = "writeback+xnnpack"
 STOCK_SAME = "stock+xnnpack (same export)"  # the program writeback lowers, lowered by ExecuTorch alone
 
@@ -53,32 +54,37 @@ class GenerationRow:
     program: str
     prefill: list[float] = field(default_factory=list)  # tokens/s
     decode: list[float] = field(default_factory=list)  # tokens/s
+    first_token: list[float] = field(default_factory=list)  # s, from just before loading
+    resident: list[int] = field(default_factory=list)  # bytes added by the first token
+    peak: list[int] = field(default_factory=list)  # bytes, peak minus the process before loading
+    file_bytes: int = 0
     text: str = ""
     prompt_tokens: int = 0
     error: str | None = None
 
     @property
     def prefill_median(self) -> float:
-        return statistics.median(self.prefill) if self.prefill else float("nan")
+        return _median(self.prefill)
 
     @property
     def decode_median(self) -> float:
-        return statistics.median(self.decode) if self.decode else float("nan")
+        return _median(self.decode)
+
+    @property
+    def first_token_median(self) -> float:
+        return _median(self.first_token)
+
+    @property
+    def resident_median(self) -> float:
+        return _median(self.resident)
+
+    @property
+    def peak_median(self) -> float:
+        return _median(self.peak)
 
 
-@contextlib.contextmanager
-def _stdout_silenced() -> Iterator[None]:
-    """The C++ runner prints every piece to file descriptor 1: keep it out of the table."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "wb") as null:
-        os.dup2(null.fileno(), 1)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
 
 
 # A contender's .pte: written to the path given (returned), or a file of its own (returned, the path ignored).
@@ -157,22 +163,15 @@ def bench_generation(
     ``optimum-cli export executorch`` in an environment of its own), run beside the others;
     with ``only_files``, they alone run.
     """
-    import torch
-    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    from executorch.extension.llm.runner import TextLLMRunner
     from writeback.process_memory import return_freed_memory
     from writeback_core.llm_runner import load_runner_kernels
 
     load_runner_kernels()
-    torch.set_num_threads(threads)
-    with contextlib.suppress(ImportError, AttributeError):
-        from executorch.extension.pybindings import portable_lib
-
-        portable_lib._unsafe_reset_threadpool(threads)
     say = on_progress or (lambda _line: None)
     prompt = _prompt(tokenizer, prompt_tokens)
     rows: list[GenerationRow] = []
     paths: dict[str, Path] = {}
-    config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=0.0)
     with tempfile.TemporaryDirectory(prefix="writeback-bench-generate-") as folder:
         given = [(name, f"file {path.name}", _given(path)) for name, path in files]
         own = [] if only_files else _programs(registry, case)
@@ -183,12 +182,13 @@ def bench_generation(
             try:
                 path = write(Path(folder) / f"{len(rows)}.pte")
                 # The lowering's copies of the weights are garbage now (some held by the
-                # toolchain's caches): gone before the runner loads and the next contender lowers.
+                # toolchain's caches): gone before the next contender lowers.
                 return_freed_memory()
                 # Made once here (it reads the .pte's metadata) so that a .pte the runner refuses
-                # is reported before any round; each generation has a runner of its own.
+                # is reported before any round; each generation runs in a process of its own.
                 TextLLMRunner(str(path), str(tokenizer))
                 paths[name] = path
+                row.file_bytes = path.stat().st_size
             except Exception as error:  # a contender that cannot lower or load is reported, not fatal
                 row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         live = [r for r in rows if r.error is None]
@@ -196,37 +196,29 @@ def bench_generation(
             say(f"round {round_ + 1} of {rounds}")
             for row in live[round_ % len(live) :] + live[: round_ % len(live)] if live else []:
                 say(f"generating {row.name}")
-                _generate(row, paths[row.name], tokenizer, prompt, config)
+                _generate(row, paths[row.name], tokenizer, prompt, new_tokens, threads)
             live = [r for r in live if r.error is None]
     return rows
 
 
-def _generate(row: GenerationRow, path: Path, tokenizer: Path, prompt: str, config: Any) -> None:
-    """One generation of ``row``'s ``.pte`` at ``path`` in a runner of its own, recorded on ``row``.
+def _generate(row: GenerationRow, path: Path, tokenizer: Path, prompt: str, new_tokens: int, threads: int) -> None:
+    """One generation of ``row``'s ``.pte`` at ``path`` in a new process, recorded on ``row``:
+    one contender's weights (the mapped file, XNNPACK's packed weights) are in memory at a
+    time, each measured from its own process's baseline."""
+    from writeback_core.resident import measure_in_child
 
-    The runner is loaded for this generation and dropped after it: one contender's weights
-    (the mapped file and XNNPACK's packed copy) are in memory at a time, never all of them.
-    Its statistics time prefill and decode apart from loading."""
-    from executorch.extension.llm.runner import TextLLMRunner
-
-    runner = TextLLMRunner(str(path), str(tokenizer))
-    pieces: list[str] = []
-    stats: list[Any] = []
     try:
-        with _stdout_silenced():
-            runner.generate(prompt, config, token_callback=pieces.append, stats_callback=stats.append)
+        figures = measure_in_child(path, tokenizer, prompt, new_tokens, threads)
     except RuntimeError as error:
         row.error = f"generation failed: {error}"
         return
-    finally:
-        del runner
-    s = stats[-1]
-    prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)
-    decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)
-    row.prefill.append(s.num_prompt_tokens / prefill_ms * 1e3)
-    row.decode.append(s.num_generated_tokens / decode_ms * 1e3)
-    row.prompt_tokens = int(s.num_prompt_tokens)
-    row.text = "".join(pieces)
+    row.prefill.append(figures.prefill_tps)
+    row.decode.append(figures.decode_tps)
+    row.first_token.append(figures.first_token_s)
+    row.resident.append(figures.resident_added)
+    row.peak.append(figures.peak_added)
+    row.prompt_tokens = figures.prompt_tokens
+    row.text = figures.text
 
 
 def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
@@ -234,23 +226,36 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
         base = next((r for r in rows if r.error is None and r.name == baseline), None)
     else:
         base = next((r for r in rows if r.error is None and r.name.startswith("stock")), None)
+        base = base or next((r for r in rows if r.error is None), None)
     ours = next((r for r in rows if r.name == WRITEBACK and r.error is None), None)
     # The text every row is checked against: writeback's, or the baseline's when writeback's row did not run.
     reference, label = (ours, "writeback") if ours is not None else (base, "the baseline")
-    lines = [f"{'contender':<52} {'prefill tok/s':>13} {'decode tok/s':>12} {'prefill x':>9} {'decode x':>8}  tokens"]
+    lines = [
+        f"{'contender':<52} {'file MiB':>8} {'load s':>6} {'resident MiB':>12} {'peak MiB':>8} {'prefill tok/s':>13} "
+        f"{'decode tok/s':>12} {'load x':>6} {'resident x':>10} {'peak x':>6} {'prefill x':>9} {'decode x':>8}  tokens"
+    ]
     for row in rows:
         if row.error is not None:
             lines.append(f"{row.name:<52} failed: {row.error}")
             continue
-        px = row.prefill_median / base.prefill_median if base else float("nan")
-        dx = row.decode_median / base.decode_median if base else float("nan")
         same = f"same as {label}" if reference is not None and row.text == reference.text else f"DIFFER from {label}"
         if row is reference:
             same = "-"
+        ratios = [
+            _ratio(getattr(row, name), getattr(base, name) if base else float("nan"))
+            for name in ("first_token_median", "resident_median", "peak_median", "prefill_median", "decode_median")
+        ]
         lines.append(
-            f"{row.name:<52} {row.prefill_median:>13.1f} {row.decode_median:>12.1f} {px:>9.2f} {dx:>8.2f}  {same}"
+            f"{row.name:<52} {row.file_bytes / MIB:>8.1f} {row.first_token_median:>6.2f} "
+            f"{row.resident_median / MIB:>12.1f} {row.peak_median / MIB:>8.1f} {row.prefill_median:>13.1f} "
+            f"{row.decode_median:>12.1f} {ratios[0]:>6.2f} {ratios[1]:>10.2f} {ratios[2]:>6.2f} {ratios[3]:>9.2f} "
+            f"{ratios[4]:>8.2f}  {same}"
         )
     return lines
+
+
+def _ratio(value: float, base: float) -> float:
+    return value / base if base and base == base else float("nan")
 
 
 @click.command("bench-generate")
@@ -336,8 +341,14 @@ def bench_generate_command(
     prompt = next((r.prompt_tokens for r in rows if r.prompt_tokens), prompt_tokens)
     click.echo(f"model {case.name}: {case.description}")
     click.echo(
-        f"prompt {prompt} tokens, {new_tokens} new tokens, greedy; {rounds} rounds interleaved; "
-        f"{threads} thread(s); medians; x = ratio to " + (repr(baseline) if baseline else "the first stock row")
+        f"prompt {prompt} tokens, {new_tokens} new tokens, greedy; {rounds} rounds interleaved, each generation in "
+        f"a process of its own; {threads} thread(s); medians; x = ratio to "
+        + (repr(baseline) if baseline else "the first stock row (else the first row)")
+    )
+    click.echo(
+        "load s: from just before loading to the first token (prompt prefilled); resident: what loading and "
+        "prefill added to the process by then; peak: its highest resident set through the generation, minus "
+        "what it held before loading"
     )
     for line in _table(rows, baseline):
         click.echo(line)
