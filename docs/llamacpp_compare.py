@@ -102,7 +102,7 @@ def _prompt(folder: Path, tokens: int) -> str:
 
 def _gguf_child(request: dict[str, object]) -> dict[str, float]:
     """One llama.cpp generation in this process (a fresh one): load, prefill, greedy decode."""
-    from writeback_core.resident import read_resident, reset_peak
+    from writeback_bench.resident_memory import read_resident, reset_peak
 
     threads = int(request["threads"])  # type: ignore[call-overload]
     new_tokens = int(request["new_tokens"])  # type: ignore[call-overload]
@@ -137,7 +137,7 @@ def _measure(row: Row, folder: Path, prompt: str, new_tokens: int, threads: int)
     if row.kind == "pte":
         from dataclasses import asdict
 
-        from writeback_core.resident import measure_in_child
+        from writeback_bench.resident_memory import measure_in_child
 
         figures = asdict(measure_in_child(row.path, folder / "tokenizer.json", prompt, new_tokens, threads))
         row.figures.append({k: float(v) for k, v in figures.items() if k != "text"})

@@ -69,7 +69,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_runner_load_adds_the_weights_once_not_the_file_beside_xnnpacks_packed_copy(
     exported: tuple[Path, Path],
 ) -> None:
-    from writeback_core.resident import measure_in_child
+    from writeback_bench.resident_memory import measure_in_child
 
     folder, pte = exported
     figures = measure_in_child(pte, folder / "tokenizer.json", PROMPT, 4)

@@ -11,7 +11,7 @@ same prompt with greedy decoding:
   ``to_executorch()``);
 - ``writeback+xnnpack``: what ``writeback export MODEL`` writes.
 
-Each generation runs in a new process (``writeback_core.resident.measure_in_child``) that loads
+Each generation runs in a new process (``writeback_bench.resident_memory.measure_in_child``) that loads
 its contender's ``.pte`` by path, so one contender's weights are in memory at a time and each
 is measured from its own baseline: the time from just before loading to the first token, the
 resident memory loading and prefill added by then, the peak through the generation (both minus
@@ -205,7 +205,7 @@ def _generate(row: GenerationRow, path: Path, tokenizer: Path, prompt: str, new_
     """One generation of ``row``'s ``.pte`` at ``path`` in a new process, recorded on ``row``:
     one contender's weights (the mapped file, XNNPACK's packed weights) are in memory at a
     time, each measured from its own process's baseline."""
-    from writeback_core.resident import measure_in_child
+    from writeback_bench.resident_memory import measure_in_child
 
     try:
         figures = measure_in_child(path, tokenizer, prompt, new_tokens, threads)

@@ -1,4 +1,4 @@
-"""writeback_core.resident reads this process's anonymous and file-backed resident memory and its
+"""writeback_bench.resident_memory reads this process's anonymous and file-backed resident memory and its
 peak: 64 MiB written into a new buffer show as about 64 MiB more anonymous memory and peak, and
 64 MiB of a file read through a mapping as file-backed memory."""
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from writeback_core.resident import read_resident, reset_peak
+from writeback_bench.resident_memory import read_resident, reset_peak
 
 MIB = 1 << 20
 SIZE = 64 * MIB
