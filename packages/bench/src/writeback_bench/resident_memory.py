@@ -99,7 +99,6 @@ def measure_generation(pte: Path, tokenizer: Path, prompt: str, new_tokens: int,
     """Load ``pte`` in ``TextLLMRunner`` and generate greedily in this process (see the module
     docstring). Call it in a fresh process: the baseline is what the process holds before it."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-
     from writeback_core.llm_runner import load_runner_kernels
 
     load_runner_kernels()
