@@ -148,6 +148,9 @@ class ByteEmbedding(nn.Module):
     ``weight[i] * scales[i]``, looked up by ``quantized_decomposed::embedding_byte`` (ExecuTorch's
     quantized kernels at run time, its Python reference in eager)."""
 
+    weight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, table: torch.Tensor) -> None:
         super().__init__()
         import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401  # registers embedding_byte
@@ -159,7 +162,10 @@ class ByteEmbedding(nn.Module):
         self.register_buffer("scales", scales)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized_decomposed.embedding_byte.default(self.weight, self.scales, None, -128, 127, indices)
+        rows: torch.Tensor = torch.ops.quantized_decomposed.embedding_byte.default(
+            self.weight, self.scales, None, -128, 127, indices
+        )
+        return rows
 
 
 def _quantize_embeddings(module: nn.Module) -> None:
