@@ -159,10 +159,12 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_expor
     quantized_bytes = sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Linear))
     if QUANTIZATIONS[scheme].embedding_bits is not None:
         quantized_bytes += sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Embedding))
-    # 4-bit weights and a scale per 32 keep about a sixth of their fp32 bytes, 8-bit ones about
-    # a quarter and a scale per row or channel: either saves more than 70 %.
+    # 4-bit weights and a scale per 32 keep about a sixth of their fp32 bytes (saving over 70 %
+    # beside the file's ~45 KB of program and metadata); 8-bit ones a quarter and a scale per
+    # row or channel (74 %, over 55 % net of that overhead at this size).
+    saved = 0.7 if QUANTIZATIONS[scheme].linear_bits == 4 else 0.55
     size = (tmp_path / "model.pte").stat().st_size
-    assert size < weights - 0.7 * quantized_bytes, (size, weights, quantized_bytes)
+    assert size < weights - saved * quantized_bytes, (size, weights, quantized_bytes)
     quantized = quantize(plain, scheme)
     with torch.no_grad():
         logits = quantized(torch.tensor([prompt + generated])).logits[0]
