@@ -77,7 +77,13 @@ def test_the_scheme_matches_its_quantized_eager_and_saves_what_the_shapes_say(
     report = run_model(pipeline, case, STEPS, tmp_path / "q.pte")
     assert report.checked and report.failures == [], report.failures
     # The lookup runs outside the delegate, on the stock quantized kernel (its name is in the file).
-    assert b"quantized_decomposed::embedding_byte" in (tmp_path / "q.pte").read_bytes()
+    pte = (tmp_path / "q.pte").read_bytes()
+    assert b"quantized_decomposed::embedding_byte" in pte
+    # The 8-bit table is stored once, and the fp32 table not at all.
+    table = next(m for m in case.build().modules() if isinstance(m, ByteEmbedding))
+    assert pte.count(table.weight.numpy().tobytes()) == 1
+    fp32_table = next(m for m in fp32.build().modules() if isinstance(m, nn.Embedding)).weight
+    assert pte.count(fp32_table.detach().numpy().tobytes()) == 0
 
     reference_case = fp32 if baseline is None else fp32.quantized(baseline)
     reference = run_model(pipeline, reference_case, 1, tmp_path / "r.pte", check=False)
