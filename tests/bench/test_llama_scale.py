@@ -62,7 +62,7 @@ def test_bench_scale_bounds_writeback_memory_by_stock_and_the_weights(quantize: 
     assert weights == pytest.approx(0.078, abs=0.001)
     pte = float(rows["writeback+xnnpack"][3])
     if quantize:
-        assert "linear layers quantized 8da4w before export" in out
+        assert "weights quantized 8da4w before export" in out
         assert pte < weights - 0.7 * LINEAR_GB, out
     else:
         assert pte >= weights, out  # every weight, fp32

@@ -134,18 +134,20 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
     assert stats[-1].num_prompt_tokens == 3
 
 
-def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_exported_8da4w(
-    folder: tuple[Path, list[str]], tmp_path: Path
+@pytest.mark.parametrize("scheme", ["8da4w", "8da4w-e8", "8da8w"])
+def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_exported_quantized(
+    folder: tuple[Path, list[str]], tmp_path: Path, scheme: str
 ) -> None:
-    """`export --quantize 8da4w`: each token TextLLMRunner generates is the top choice of
-    transformers' eager model with the same torchao-quantized weights fed the same sequence,
-    within the integer kernels' rounding (0.05 of a logit); the caches still written in place."""
+    """`export --quantize SCHEME`: each token TextLLMRunner generates is the top choice of
+    transformers' eager model with the same quantized weights fed the same sequence, within the
+    integer kernels' rounding (0.05 of a logit); the caches still written in place; the 8-bit
+    embedding's lookup runs on the runner's quantized kernels."""
     from transformers import AutoModelForCausalLM
-    from writeback_decoders.quantize import quantize
+    from writeback_decoders.quantize import QUANTIZATIONS, quantize
 
     model, _ = folder
-    output = _export(model, "xnnpack", tmp_path, "--quantize", "8da4w")
-    assert "4-bit weights in groups of 32" in " ".join(output.split())
+    output = _export(model, "xnnpack", tmp_path, "--quantize", scheme)
+    assert QUANTIZATIONS[scheme].description in " ".join(output.split())
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
     pieces, _ = runner_generates(tmp_path / "model.pte", tmp_path / "tokenizer.json")
@@ -156,11 +158,16 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_expor
     assert len(generated) == NEW_TOKENS
     plain = AutoModelForCausalLM.from_pretrained(model).eval()
     weights = sum(p.numel() * 4 for p in plain.parameters())
-    linear = sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Linear))
-    # 4-bit weights and a scale per 32 keep about a sixth of the linear layers' fp32 bytes.
+    quantized_bytes = sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    if QUANTIZATIONS[scheme].embedding_bits is not None:
+        quantized_bytes += sum(m.weight.numel() * 4 for m in plain.modules() if isinstance(m, torch.nn.Embedding))
+    # 4-bit weights and a scale per 32 keep about a sixth of their fp32 bytes (saving over 70 %
+    # beside the file's ~45 KB of program and metadata); 8-bit ones a quarter and a scale per
+    # row or channel (74 %, over 55 % net of that overhead at this size).
+    saved = 0.7 if QUANTIZATIONS[scheme].linear_bits == 4 else 0.55
     size = (tmp_path / "model.pte").stat().st_size
-    assert size < weights - 0.7 * linear, (size, weights, linear)
-    quantized = quantize(plain, "8da4w")
+    assert size < weights - saved * quantized_bytes, (size, weights, quantized_bytes)
+    quantized = quantize(plain, scheme)
     with torch.no_grad():
         logits = quantized(torch.tensor([prompt + generated])).logits[0]
     for step, token in enumerate(generated):

@@ -117,7 +117,7 @@ def quantized_case(case: ModelCase, scheme: str | None) -> ModelCase:
         offered = ", ".join(case.quantizations) if case.quantized is not None else "none"
         raise click.UsageError(
             f"--quantize {scheme}: model {case.name!r} does not offer it (schemes it takes: {offered}); "
-            "the Hugging Face models and model folders take 8da4w"
+            f"the Hugging Face models and model folders take {', '.join(QUANTIZATION_NAMES)}"
         )
     try:
         return case.quantized(scheme)
@@ -125,16 +125,23 @@ def quantized_case(case: ModelCase, scheme: str | None) -> ModelCase:
         raise click.UsageError(f"--quantize {scheme}: model {case.name!r}: {error}") from error
 
 
+# The schemes the models' plugins offer (writeback-decoders' QUANTIZATIONS; a test keeps the two equal):
+# the app imports no plugin package, and click needs the choices before any model is read.
+QUANTIZATION_NAMES = ("8da4w", "8da4w-e8", "8da8w")
+
 QUANTIZE_HELP = (
-    "Quantize the model's weights before export: 8da4w = linear layers with 8-bit dynamic activations and 4-bit "
-    "weights in groups of 32, as ExecuTorch's Llama export does (XNNPACK runs them). Steps are then compared "
-    "with eager PyTorch running the same quantized model, at the scheme's tolerance."
+    "Quantize the model's weights before export, as ExecuTorch's Llama export does (XNNPACK runs the linear "
+    "layers, ExecuTorch's quantized kernels the embedding lookup): 8da4w = linear layers, the LM head too, with "
+    "8-bit dynamic activations and 4-bit weights in groups of 32, the embedding fp32; 8da4w-e8 = 8da4w with an "
+    "8-bit embedding (one scale per row); 8da8w = linear layers with 8-bit weights (one scale per output "
+    "channel) and an 8-bit embedding. Steps are then compared with eager PyTorch running the same quantized "
+    "model, at the scheme's tolerance."
 )
 
 
 def quantize_option(help: str = QUANTIZE_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The ``--quantize`` option of every command that exports a model (``run``, ``export``, the benches)."""
-    return click.option("--quantize", type=click.Choice(["8da4w"]), default=None, help=help)
+    return click.option("--quantize", type=click.Choice(list(QUANTIZATION_NAMES)), default=None, help=help)
 
 
 def _model_from_path(registry: Registry, path: str, accept_weights: bool = False) -> ModelCase:

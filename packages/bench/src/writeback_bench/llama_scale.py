@@ -309,8 +309,8 @@ _DEFAULT = LlamaShape()
     help="writeback backends to run beside stock (repeatable).",
 )
 @quantize_option(
-    "Quantize the linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before export, "
-    "for stock and writeback alike."
+    "Quantize the weights by this scheme (8da4w, 8da4w-e8, 8da8w: see `writeback export --help`) before "
+    "export, for stock and writeback alike."
 )
 def bench_scale_command(steps: int, backends: tuple[str, ...], quantize: str | None, **sizes: int) -> None:
     """Export, lower, load and decode a Llama of the given shape (random fp32 weights), stock
@@ -325,7 +325,7 @@ def bench_scale_command(steps: int, backends: tuple[str, ...], quantize: str | N
         weights = llama_folder(folder, shape)
         click.echo(
             f"Llama: {shape.words()}; {weights / 1e9:.3f} GB of fp32 weights"
-            + (f", linear layers quantized {quantize} before export" if quantize else "")
+            + (f", weights quantized {quantize} before export" if quantize else "")
             + f"; {steps} decode steps, median of the last {steps - 1}; 1 process per phase"
         )
         rows = [

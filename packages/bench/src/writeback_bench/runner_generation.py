@@ -284,8 +284,8 @@ def _ratio(value: float, base: float) -> float:
     "--baseline", default=None, metavar="NAME", help="The row ratios are against (default: the first stock row)."
 )
 @quantize_option(
-    "Quantize the model's linear layers (8-bit dynamic activations, 4-bit weights in groups of 32) before "
-    "export, for every contender of MODEL alike (not the --pte files)."
+    "Quantize the model's weights by this scheme (8da4w, 8da4w-e8, 8da8w: see `writeback export --help`) "
+    "before export, for every contender of MODEL alike (not the --pte files)."
 )
 @accept_weights_option()
 @click.pass_context

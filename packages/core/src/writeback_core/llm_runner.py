@@ -57,10 +57,13 @@ RUNNER_METADATA = (
 def load_runner_kernels() -> bool:
     """Register the kernels ExecuTorch's LLM runners link beside the stock ones
     (``llama::update_cache``, ``llama::custom_sdpa``, ...: ``llama_main`` and the demo apps
-    are built with them) in this process, as the Python ``TextLLMRunner`` needs them loaded.
-    Returns False when this executorch wheel does not ship them."""
+    are built with them, and with the quantized kernels an 8-bit embedding's
+    ``quantized_decomposed::embedding_byte`` runs on) in this process, as the Python
+    ``TextLLMRunner`` needs them loaded. Returns False when this executorch wheel does not
+    ship the llama kernels."""
     import importlib
 
+    importlib.import_module("executorch.kernels.quantized")  # logs, never raises, when absent
     try:
         importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")
     except (ImportError, OSError, RuntimeError):

@@ -412,10 +412,12 @@ def load_quantized_kernels(edge: EdgeProgramManager) -> list[str]:
         names the ops and what to install.
     """
     found = _quantized_ops(edge)
-    if not found or _has_out_variant(found[0]):
+    if not found:
         return found
     import importlib
 
+    # Always loaded: a schema registered from Python (exir registers embedding_byte.out's) lets
+    # to_executorch pass, but only the library registers the kernels the runtime runs.
     importlib.import_module("executorch.kernels.quantized")  # loads the library; logs, never raises
     if not _has_out_variant(found[0]):
         raise LoweringError(
