@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 from writeback.cli import QUANTIZATION_NAMES
-from writeback.pipeline import assemble
+from writeback.session import assemble
 from writeback.run import run_model
 from writeback_core.registry import load_registry
 from writeback_decoders import hf_case, hf_config
