@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 from writeback.cli import QUANTIZATION_NAMES
-from writeback.session import assemble
 from writeback.run import run_model
+from writeback.session import assemble
 from writeback_core.registry import load_registry
 from writeback_decoders import hf_case, hf_config
 from writeback_decoders.quantize import QUANTIZATIONS, ByteEmbedding, quantize
