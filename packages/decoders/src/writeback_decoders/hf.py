@@ -192,13 +192,19 @@ def _static_module() -> Callable[[Any, bool], nn.Module]:
             inputs_embeds: torch.Tensor | None = None,
             cache_position: torch.Tensor | None = None,
         ) -> torch.Tensor:
+            # As the integration's forward: each layer's write position is set from the call's
+            # first position, and the model reads its positions from the cache (not from
+            # ``cache_position``), so a new generation from position 0 overwrites the cache.
+            if cache_position is None:
+                raise ValueError("cache_position is required: the position of each token in the cache")
+            for layer in self.static_cache.layers:
+                layer.cumulative_length.copy_(cache_position[0])
             return causal_lm_logits(
                 self.model,
                 self.all_logits,
                 self.keeps,
                 input_ids=input_ids,
                 inputs_embeds=inputs_embeds,
-                cache_position=cache_position,
                 attention_mask=None,
                 past_key_values=self.static_cache,
                 use_cache=True,
