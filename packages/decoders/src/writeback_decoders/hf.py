@@ -197,8 +197,14 @@ def _static_module() -> Callable[[Any, bool], nn.Module]:
             # ``cache_position``), so a new generation from position 0 overwrites the cache.
             if cache_position is None:
                 raise ValueError("cache_position is required: the position of each token in the cache")
-            for layer in self.static_cache.layers:
-                layer.cumulative_length.copy_(cache_position[0])
+            for index, layer in enumerate(self.static_cache.layers):
+                written = getattr(layer, "cumulative_length", None)
+                if not isinstance(written, torch.Tensor):
+                    raise TypeError(
+                        f"static cache layer {index} ({type(layer).__name__}) keeps no cumulative_length tensor, "
+                        "so a call cannot say where it writes: this model needs writeback's states wrapper"
+                    )
+                written.copy_(cache_position[0])
             return causal_lm_logits(
                 self.model,
                 self.all_logits,
