@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["LoadFigures", "Resident", "measure_generation", "measure_in_child", "read_resident", "reset_peak"]
 
@@ -128,19 +129,19 @@ def measure_generation(pte: Path, tokenizer: Path, prompt: str, new_tokens: int,
     if not at_first or not stats:
         raise RuntimeError(f"the runner generated no token from {pte} (new_tokens={new_tokens})")
     first_time, first = at_first[0]
-    s = stats[-1]
-    prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)  # type: ignore[attr-defined]
-    decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)  # type: ignore[attr-defined]
+    s: Any = stats[-1]  # the runner's Stats: executorch's bindings carry no type stubs
+    prefill_ms = max(s.prompt_eval_end_ms - s.inference_start_ms, 1)
+    decode_ms = max(s.inference_end_ms - s.prompt_eval_end_ms, 1)
     return LoadFigures(
         first_token_s=first_time - start,
-        load_s=(s.model_load_end_ms - s.model_load_start_ms) / 1e3,  # type: ignore[attr-defined]
+        load_s=(s.model_load_end_ms - s.model_load_start_ms) / 1e3,
         resident_added=first.total - before.total,
         anon_added=first.anon - before.anon,
         file_added=first.file - before.file,
         peak_added=max(end.peak, first.total) - before.total,
-        prefill_tps=s.num_prompt_tokens / prefill_ms * 1e3,  # type: ignore[attr-defined]
-        decode_tps=s.num_generated_tokens / decode_ms * 1e3,  # type: ignore[attr-defined]
-        prompt_tokens=int(s.num_prompt_tokens),  # type: ignore[attr-defined]
+        prefill_tps=s.num_prompt_tokens / prefill_ms * 1e3,
+        decode_tps=s.num_generated_tokens / decode_ms * 1e3,
+        prompt_tokens=int(s.num_prompt_tokens),
         text="".join(pieces),
     )
 
