@@ -44,7 +44,17 @@ WRITEBACK_PREFIX = "writeback+"
 
 
 def _peak_gb() -> float:
-    """This process's peak resident memory so far, in GB (Linux reports KiB)."""
+    """This process's peak resident memory so far, in GB: the kernel's high-water mark of this
+    program's own memory (``VmHWM``). Not ``getrusage``'s ``ru_maxrss``: Linux carries that across
+    ``fork`` and ``exec``, so a child started by a large process (a test worker) reports the
+    parent's resident size as its own peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
