@@ -197,6 +197,7 @@ def _static_module() -> Callable[[Any, bool], nn.Module]:
             # ``cache_position``), so a new generation from position 0 overwrites the cache.
             if cache_position is None:
                 raise ValueError("cache_position is required: the position of each token in the cache")
+            counters = []
             for index, layer in enumerate(self.static_cache.layers):
                 written = getattr(layer, "cumulative_length", None)
                 if not isinstance(written, torch.Tensor):
@@ -204,6 +205,8 @@ def _static_module() -> Callable[[Any, bool], nn.Module]:
                         f"static cache layer {index} ({type(layer).__name__}) keeps no cumulative_length tensor, "
                         "so a call cannot say where it writes: this model needs writeback's states wrapper"
                     )
+                counters.append(written)
+            for written in counters:  # every layer checked before any is set
                 written.copy_(cache_position[0])
             return causal_lm_logits(
                 self.model,
