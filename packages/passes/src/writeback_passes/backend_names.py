@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from writeback_core import NO_BACKEND
 
-__all__ = ["KERNEL_BACKENDS", "PORTABLE", "STOCK_RUNTIME", "XNNPACK"]
+__all__ = ["KERNEL_BACKENDS", "PORTABLE", "STOCK_RUNTIME", "XNNPACK", "XNNPACK_BACKEND_ID"]
 
 PORTABLE = "portable"
 XNNPACK = "xnnpack"
+# The id ExecuTorch's XNNPACK delegate registers under (``LoweredBackendModule.backend_id``).
+XNNPACK_BACKEND_ID = "XnnpackBackend"
 # The backends whose state writes run on the stock runtime's kernels, made in place here.
 KERNEL_BACKENDS = (PORTABLE, XNNPACK)
 # The lowerings whose programs run on the stock runtime's kernels (a lowering with no backend

@@ -7,13 +7,15 @@ for ``aten.view_copy.default`` or its edge wrapper); those a backend shares with
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
+from executorch.exir.delegate import executorch_call_delegate
 from writeback_core import AliasAnalysis
-from writeback_core.ops import packet_name
+from writeback_core.ops import packet_name, schema_of
 
 __all__ = [
     "CLONES",
@@ -24,6 +26,7 @@ __all__ = [
     "reads_no_value",
     "source_of",
     "tensor_value",
+    "views_of",
 ]
 
 # Copies that add or drop a dimension of size one.
@@ -141,3 +144,37 @@ def arg_value(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def _returns_alias(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share storage with its argument ``arg``."""
+    if node.target is operator.getitem:
+        return False
+    if node.target is executorch_call_delegate:
+        # A delegate writes its results into outputs the runtime allocated.
+        return False
+    schema = schema_of(node.target)
+    if schema is None or not schema.name.startswith("aten::"):
+        return True  # unknown callable (memory.view, a custom op): assume it aliases
+    returns = {s for r in schema.returns if r.alias_info for s in r.alias_info.after_set}
+    for position, argument in enumerate(schema.arguments):
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if value is arg and argument.alias_info is not None:
+            if returns & set(argument.alias_info.before_set) or argument.alias_info.is_write:
+                return True
+    return False
+
+
+def views_of(placeholder: torch.fx.Node) -> set[torch.fx.Node]:
+    """``placeholder`` and every node that may view its storage, found through the schemas of
+    its users (a delegate call and its results never view their arguments: the delegate writes
+    its results into memory the runtime allocates)."""
+    found = {placeholder}
+    frontier = [placeholder]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in found and user.op == "call_function" and _returns_alias(user, node):
+                found.add(user)
+                frontier.append(user)
+    return found

@@ -62,17 +62,21 @@ def writeback_backends() -> Sequence[BackendSpec]:
 
 @hookimpl
 def writeback_accepts_in_place(backend: str, partition: PartitionView, mutation: Mutation) -> bool | None:
-    """For ``portable`` and ``xnnpack``: a write inside an XNNPACK partition never (XNNPACK
-    does not write a state in place), nor a buffer whose new value is also returned; on the
+    """For ``portable`` and ``xnnpack``: never a buffer whose new value is also returned; inside
+    an XNNPACK partition, a buffer rewritten whole (``whole_state_writes`` plans the delegate's
+    result onto the buffer where the delegated graph makes that exact), no other write; on the
     kernels outside every partition, a state rewritten whole always (``whole_state_writes``
     decides on the final kernels), a write at positions when ``in_place_kernel_refusal`` finds
     nothing against it."""
     if backend not in KERNEL_BACKENDS:
         return None
-    if not partition.kernels:
-        return False
     if mutation.kind is MutationKind.BUFFER and mutation.also_returned(partition.graph):
         return False
+    if not partition.kernels:
+        # XNNPACK writes its results where the runtime points it: a buffer rewritten whole may
+        # have its new value planned onto its own memory. whole_state_writes decides on the
+        # delegated graph (whether any operator reads the old value once it is written).
+        return backend == XNNPACK and mutation.kind is MutationKind.BUFFER and _rewritten_whole(mutation)
     from writeback_passes.state_write_refusals import in_place_kernel_refusal
 
     if _rewritten_whole(mutation):

@@ -23,10 +23,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from writeback_core import ProgramPass, meta
 from writeback_core.blob import encode_in_place_outputs, in_place_outputs
-from writeback_core.ops import packet_name, schema_of, write_back_copies
+from writeback_core.ops import packet_name, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
+from writeback_passes.backend_names import XNNPACK_BACKEND_ID
 from writeback_passes.early_write_back import user_input_test
+from writeback_passes.graph import views_of
 
 __all__ = [
     "IN_PLACE_OUTPUTS_SPEC",
@@ -71,38 +73,6 @@ def _is_packet(node: torch.fx.Node, name: str) -> bool:
     return node.op == "call_function" and packet_name(node.target) == name
 
 
-def _returns_alias(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with its argument ``arg``."""
-    if node.target is operator.getitem:
-        return False
-    if node.target is executorch_call_delegate:
-        # A delegate writes its results into outputs the runtime allocated.
-        return False
-    schema = schema_of(node.target)
-    if schema is None or not schema.name.startswith("aten::"):
-        return True  # unknown callable (memory.view, a custom op): assume it aliases
-    returns = {s for r in schema.returns if r.alias_info for s in r.alias_info.after_set}
-    for position, argument in enumerate(schema.arguments):
-        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-        if value is arg and argument.alias_info is not None:
-            if returns & set(argument.alias_info.before_set) or argument.alias_info.is_write:
-                return True
-    return False
-
-
-def _aliases(placeholder: torch.fx.Node) -> set[torch.fx.Node]:
-    """``placeholder`` and every node that may view its storage."""
-    found = {placeholder}
-    frontier = [placeholder]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user not in found and user.op == "call_function" and _returns_alias(user, node):
-                found.add(user)
-                frontier.append(user)
-    return found
-
-
 def _peel_copies(value: object, placeholder: torch.fx.Node) -> tuple[object, list[torch.fx.Node]]:
     """Follow functional ``aten.copy(placeholder, x)`` nodes down to the value written."""
     chain: list[torch.fx.Node] = []
@@ -134,7 +104,7 @@ def _check(
     user_input: bool,
 ) -> str | None:
     """Why dropping ``copy`` would be wrong, or ``None`` when it is safe."""
-    aliases = _aliases(placeholder)
+    aliases = views_of(placeholder)
     args = list(call.args[1:])
     if args.count(placeholder) != 1:
         return f"{placeholder.name!r} is passed to the delegate {args.count(placeholder)} times"
@@ -331,6 +301,10 @@ def reinplace_delegate_input_mutations(
             report.kept.append(KeptWriteBack(placeholder.name, "the value written back is not a delegate output"))
             continue
         call, output = found
+        if getattr(getattr(gm, str(call.args[0].target), None), "backend_id", None) == XNNPACK_BACKEND_ID:  # type: ignore[union-attr]  # args[0] is a get_attr node
+            # ExecuTorch's XNNPACK runtime reads no compile spec of ours: whole_state_writes
+            # plans its result onto the state's memory instead, after exir's specs exist.
+            continue
         assert isinstance(value, torch.fx.Node)
         user_input = is_user_input(placeholder)
         reason = _check(list(graph.nodes), copy, placeholder, call, value, chain, user_input)

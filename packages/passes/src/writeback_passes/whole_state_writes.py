@@ -56,6 +56,8 @@ from writeback_core import ProgramPass, meta
 from writeback_core.ops import packet_name, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
+from writeback_passes.backend_names import XNNPACK_BACKEND_ID
+from writeback_passes.delegate_state_outputs import delegate_output_refusal, delegate_writer, is_delegate_output
 from writeback_passes.graph import StorageAliases, reads_no_value, source_of, tensor_value
 
 __all__ = ["ELEMENTWISE", "SCATTERS", "WholeStateReport", "whole_state_writes", "whole_state_writes_pass"]
@@ -116,6 +118,7 @@ def whole_state_writes(gm: torch.fx.GraphModule) -> WholeStateReport:
     storage = StorageAliases(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = []
+    shared: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = []
     for copy in write_back_copies(graph):
         state = copy.args[0]
         assert isinstance(state, torch.fx.Node)
@@ -123,13 +126,22 @@ def whole_state_writes(gm: torch.fx.GraphModule) -> WholeStateReport:
         if decision is None:
             continue
         new = copy.args[1]
-        reason = _refusal(state, new, copy, storage, order.__getitem__)
-        if reason is None and decision.accepted:
+        if _backend_of(new) == XNNPACK_BACKEND_ID:
             assert isinstance(new, torch.fx.Node)
-            plans.append((copy, state, new))
-        elif reason is not None:
+            reason = _xnnpack_refusal(state, new, copy, decision.accepted)
+            if reason is None:
+                shared.append((copy, state, new))
+        else:
+            reason = _refusal(state, new, copy, storage, order.__getitem__)
+            if reason is None and decision.accepted:
+                assert isinstance(new, torch.fx.Node)
+                plans.append((copy, state, new))
+        if reason is not None:
             report.kept[state.name] = reason
             meta.set_custom(copy, meta.COPY_LEFT_REASON, reason)
+    for copy, state, new in shared:
+        _share_state_memory(copy, state, new)
+        report.written[state.name] = new.name
     for copy, state, new in plans:
         alloc = new.kwargs["out"]
         assert isinstance(alloc, torch.fx.Node)
@@ -143,6 +155,48 @@ def whole_state_writes(gm: torch.fx.GraphModule) -> WholeStateReport:
         graph.lint()
         gm.recompile()
     return report
+
+
+def _backend_of(new: object) -> str | None:
+    """The backend id of the delegate call ``new`` is a result of, ``None`` for any other value."""
+    if not is_delegate_output(new):
+        return None
+    assert isinstance(new, torch.fx.Node) and isinstance(new.args[0], torch.fx.Node)
+    return _backend_id(new.args[0])
+
+
+def _xnnpack_refusal(state: torch.fx.Node, new: torch.fx.Node, copy: torch.fx.Node, accepted: bool) -> str | None:
+    """Why XNNPACK's result ``new`` may not be written into ``state``'s memory, or ``None``."""
+    call = new.args[0]
+    assert isinstance(call, torch.fx.Node) and isinstance(new.args[1], int)
+    found = delegate_writer(call, new.args[1])
+    where = source_of(found[1]) if found is not None else source_of(new)
+    why = delegate_output_refusal(state, new, copy)
+    if why is None and accepted:
+        return None
+    if why is None:
+        why = "the backend declined to write it in place (it is not rewritten whole)"
+    return f"the new value ({where}) is computed inside delegate {XNNPACK_BACKEND_ID} and copied into the state: {why}"
+
+
+def _share_state_memory(copy: torch.fx.Node, state: torch.fx.Node, new: torch.fx.Node) -> None:
+    """Plan the delegate's result ``new`` onto ``state``'s memory (one ``TensorSpec``, so one
+    value of the program: the delegate writes the state) and drop the copy, now a self-copy."""
+    call = new.args[0]
+    assert isinstance(call, torch.fx.Node) and isinstance(new.args[1], int)
+    spec = state.meta["spec"]
+    specs = call.meta["spec"]
+    if isinstance(specs, (list, tuple)):
+        updated = list(specs)
+        updated[new.args[1]] = spec
+        call.meta["spec"] = type(specs)(updated)
+    else:
+        call.meta["spec"] = spec
+    new.meta["spec"] = spec
+    copy.replace_all_uses_with(new)
+    copy.graph.erase_node(copy)
+    found = delegate_writer(call, new.args[1])
+    meta.set_custom(state, meta.WRITTEN_BY, source_of(found[1] if found is not None else new))
 
 
 def _refusal(
