@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
-from torch.export.graph_signature import OutputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from writeback_core import meta
 from writeback_core.ops import aten_op
 
@@ -179,19 +179,20 @@ def _program_refusal(state: torch.fx.Node, call: torch.fx.Node, copy: torch.fx.N
 
 def _inner_state(program: ExportedProgram, call: torch.fx.Node, state: torch.fx.Node) -> torch.fx.Node | None:
     """The placeholder of the delegated program that receives ``state``: the call passes one
-    argument per placeholder of that program, in order (constants the partition lifted too)."""
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    argument per user input of that program, in order (the weights it owns are not passed)."""
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT]
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     args = list(call.args[1:])
-    if len(placeholders) != len(args):
-        raise _Unmatched(len(placeholders), len(args))
-    return next((p for p, a in zip(placeholders, args, strict=True) if a is state), None)
+    if len(names) != len(args) or any(name not in placeholders for name in names):
+        raise _Unmatched(len(names), len(args))
+    return next((placeholders[n] for n, a in zip(names, args, strict=True) if a is state), None)
 
 
 class _Unmatched(Exception):
     """The delegate call's arguments do not match its program's placeholders one to one."""
 
     def __init__(self, placeholders: int, args: int) -> None:
-        super().__init__(f"the delegated graph has {placeholders} inputs where the call passes {args}")
+        super().__init__(f"the delegated graph has {placeholders} user inputs where the call passes {args}")
 
 
 def _inner_refusal(program: ExportedProgram, produced: torch.fx.Node, inside: torch.fx.Node) -> str | None:
