@@ -98,10 +98,9 @@ XNNPACK_ELEMENTWISE = frozenset(
 def delegate_writer(call: torch.fx.Node, output: int) -> tuple[ExportedProgram, torch.fx.Node] | None:
     """The delegated program of ``call`` and the node of it that computes its result
     ``output`` (``None`` when the call holds no lowered program or that result is an input)."""
-    lowered = _lowered(call)
-    if lowered is None:
+    program = getattr(_lowered(call), "original_module", None)
+    if not isinstance(program, ExportedProgram):
         return None
-    program: ExportedProgram = lowered.original_module
     found = program.graph.output_node().args[0]
     outputs = list(found) if isinstance(found, (list, tuple)) else [found]
     results = [

@@ -12,8 +12,9 @@ Algorithm, per write-back ``copy_(P, new)`` whose state was accepted in place (c
 decision on ``P``):
 
 1. ``new`` must be computed by an out-variant kernel of the stock runtime writing one
-   output (``out=alloc``) of ``P``'s shape and dtype. A delegate's result, a view, an op
-   with several outputs: keep the copy, say why.
+   output (``out=alloc``) of ``P``'s shape and dtype, or be a result of an XNNPACK delegate
+   (step 5). Another delegate's result, a view, an op with several outputs: keep the copy,
+   say why.
 2. No node that runs after ``new``'s kernel may read the old value of ``P`` (through ``P``
    or a view of it); metadata-only nodes (``sym_size``, ``_assert_tensor_metadata``, ...)
    read no value and do not count.
@@ -25,6 +26,12 @@ decision on ``P``):
    kernel has already overwritten: keep the copy.
 4. Otherwise set ``out=P``, erase the ``alloc``, point the copy's users at ``new`` and
    erase the copy.
+5. A result of an XNNPACK delegate: where
+   :func:`~writeback_passes.delegate_state_outputs.delegate_output_refusal` finds nothing
+   against it (no operator reads the old state once the new one is written), give the
+   delegate's result ``P``'s ``TensorSpec``: memory planning and the emitter then make it
+   the state's own value, so XNNPACK writes the state, and the copy (now of ``P`` onto
+   itself) is erased. Otherwise keep the copy and say why.
 
 Example it must refuse (a shift register written from the state itself)::
 
@@ -111,8 +118,9 @@ class WholeStateReport:
 
 
 def whole_state_writes(gm: torch.fx.GraphModule) -> WholeStateReport:
-    """Hand each accepted whole-state write's kernel the state as its ``out`` (see the module
-    docstring); record on every copy kept (a declined one too) why, where this pass can say."""
+    """Hand each accepted whole-state write's kernel the state as its ``out``, or plan an
+    XNNPACK delegate's result onto the state (see the module docstring); record on every copy
+    kept (a declined one too) why, where this pass can say."""
     report = WholeStateReport(gm)
     graph = gm.graph
     storage = StorageAliases(graph)
@@ -284,7 +292,8 @@ def _in_lists(node: torch.fx.Node, args: tuple[object, ...]) -> bool:
 
 def whole_state_writes_pass() -> ProgramPass:
     """This pass as an ``"after_out_variants"`` :class:`~writeback_core.ProgramPass`, for the
-    stock runtime's kernels (a delegate writes its own states)."""
+    stock runtime's kernels and its XNNPACK delegate (another delegate writes its own
+    states: ``reinplace_delegate_input_mutations``)."""
     from writeback_passes.backend_names import STOCK_RUNTIME
 
     return ProgramPass(
