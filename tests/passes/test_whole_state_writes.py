@@ -314,7 +314,28 @@ class ReturnedFromDelegate(nn.Module):
         return new
 
 
+class ReadByLaterDelegate(nn.Module):
+    """A second XNNPACK delegate, after a portable ``cumsum``, reads the old state."""
+
+    h: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("h", torch.arange(32.0).reshape(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new = self.h * 0.5 + x
+        later = new.cumsum(0) + self.h
+        self.h.copy_(new)
+        return later
+
+
 XNNPACK_REFUSALS = {
+    "read-by-later-delegate": (
+        ReadByLaterDelegate,
+        (4, 8),
+        "reads the old value after the delegate computes the new one",
+    ),
     "read-after-in-delegate": (
         ReadAfterInDelegate,
         (4, 8),

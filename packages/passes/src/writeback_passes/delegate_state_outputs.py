@@ -33,6 +33,7 @@ Example it must refuse (the old state read after the new one is written)::
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -168,12 +169,26 @@ def _program_refusal(state: torch.fx.Node, call: torch.fx.Node, copy: torch.fx.N
     for node in nodes[nodes.index(call) + 1 : nodes.index(copy)]:
         if node is copy or node.op == "output" or reads_no_value(node) or node in aliases:
             continue
-        if any(a in aliases for a in node.all_input_nodes):
+        read = next((a for a in node.all_input_nodes if a in aliases), None)
+        if read is not None:
             return (
-                f"{source_of(node)} reads the old value after the delegate computes the new one; "
-                "writing it in place would change what it reads"
+                f"{_reader_source(node, read)} reads the old value after the delegate computes the "
+                "new one; writing it in place would change what it reads"
             )
     return None
+
+
+def _reader_source(node: torch.fx.Node, read: torch.fx.Node) -> str:
+    """Where the model reads ``read`` in ``node``: for another delegate call, the first
+    operator of its delegated graph that reads that argument (the call has no source line)."""
+    if node.target is executorch_call_delegate:
+        program = getattr(_lowered(node), "original_module", None)
+        if isinstance(program, ExportedProgram):
+            with contextlib.suppress(_Unmatched):
+                inside = _inner_state(program, node, read)
+                if inside is not None and inside.users:
+                    return source_of(next(iter(inside.users)))
+    return source_of(node)
 
 
 def _inner_state(program: ExportedProgram, call: torch.fx.Node, state: torch.fx.Node) -> torch.fx.Node | None:
