@@ -75,6 +75,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # The states each family's cache layers hold (layer 0 and 1), as the program's buffers.
+# The states XNNPACK computes whole and writes into their own memory (its result planned onto
+# the buffer): no copy left for them.
+XNNPACK_WRITES = {
+    "mamba": ["layer0_conv_states", "layer0_recurrent_states", "layer1_conv_states", "layer1_recurrent_states"],
+    "lfm2": ["layer0_conv_states"],
+}
+
 STATES = {
     "mamba": ["layer0_conv_states", "layer0_recurrent_states", "layer1_conv_states", "layer1_recurrent_states"],
     "mamba2": ["layer0_conv_states", "layer0_recurrent_states", "layer1_conv_states", "layer1_recurrent_states"],
@@ -176,6 +183,14 @@ def test_run_of_a_recurrent_or_hybrid_folder_matches_eager_with_every_state_a_pr
     assert "all 6 steps match eager PyTorch" in result.output
     assert "prompt prefilled token by token" in " ".join(result.output.split())
     assert f"{len(STATES[name])} mutated states" in result.output, result.output
+    flat = " ".join(result.output.split())
+    for state in XNNPACK_WRITES.get(name, ()) if backend == "xnnpack" else ():
+        assert re.search(
+            rf"{state} \([^)]*\): program buffer, written in place by delegate \d+ \(xnnpack\); no copy left", flat
+        ), (
+            state,
+            result.output,
+        )
 
 
 def test_export_of_a_recurrent_or_hybrid_folder_then_the_runner_gives_transformers_greedy_tokens(
