@@ -135,7 +135,7 @@ def delegate_output_refusal(state: torch.fx.Node, new: torch.fx.Node, copy: torc
         )
     ):
         return "the delegate's result differs from the state in shape, dtype or layout"
-    if new in new.graph.output_node().all_input_nodes:
+    if any(n in new.graph.output_node().all_input_nodes for n in views_of(new)):
         return "the program also returns the new value, which must not share the state's memory"
     reason = _program_refusal(state, call, copy)
     if reason is not None:
