@@ -40,8 +40,9 @@ def test_et_hybrid_runs_every_step_like_eager(name: str, backend: str, tmp_path:
     assert len({fed(case, s)[0] for s in range(STEPS)}) > 1
     assert not report.failures
     kept = {c.state: c.reason for c in report.lowered.copies_left}
-    if backend == "portable":
-        # conv_state and recurrent_state written by the kernel that computes them.
+    if backend == "portable" or name == "et-lfm2":
+        # conv_state and recurrent_state written by the kernel that computes them; on xnnpack,
+        # LFM2's conv_state by the delegate (its result planned onto the buffer).
         assert report.lowered.write_back_bytes == {}, kept
     for state, reason in kept.items():
         # Each copy left is named in the model's terms: the example's source line of the write.
