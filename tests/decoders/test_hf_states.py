@@ -1,4 +1,4 @@
-"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Bamba)
+"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Qwen3-Next, Bamba)
 through writeback's commands: every state of transformers' cache layers is a program buffer,
 ``run`` matches eager on xnnpack and portable, and ``export`` then ExecuTorch's ``TextLLMRunner``
 gives transformers' own greedy tokens (``generate(do_sample=False)``, its own cache). Families
@@ -28,6 +28,14 @@ pytestmark = pytest.mark.slow
 _COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
 _ATTENTION = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 _MAMBA2 = {"mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16}
+_LINEAR = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+    "max_position_embeddings": 64,
+}
 
 # Each family: its config class and the tiny config's own fields (two layers, hidden 64).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,16 +64,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 64,
         },
     ),
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
+    "qwen3_5": ("Qwen3_5TextConfig", {**_ATTENTION, **_LINEAR}),
+    # Qwen3.5's layers with a mixture-of-experts MLP (its experts run by transformers' batched_mm).
+    "qwen3_next": (
+        "Qwen3NextConfig",
         {
             **_ATTENTION,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "max_position_embeddings": 64,
+            **_LINEAR,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
         },
     ),
     "bamba": (
@@ -85,6 +94,13 @@ STATES = {
         for s in ("conv_states", "cumulative_length", "keys", "recurrent_states", "values")
     ],
     "qwen3_5": [
+        "layer0_conv_states",
+        "layer0_recurrent_states",
+        "layer1_cumulative_length",
+        "layer1_keys",
+        "layer1_values",
+    ],
+    "qwen3_next": [
         "layer0_conv_states",
         "layer0_recurrent_states",
         "layer1_cumulative_length",

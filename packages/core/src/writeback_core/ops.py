@@ -14,6 +14,7 @@ import torch.fx
 
 __all__ = [
     "MATMULS",
+    "SAME_VALUES",
     "VIEWS_AND_EXPANDS",
     "aten_op",
     "decomposed_from",
@@ -34,6 +35,28 @@ __all__ = [
 MATMULS = frozenset({"bmm", "mm"})
 # Copies exir's later passes turn into views (``view_copy``) or that only broadcast (``expand_copy``).
 VIEWS_AND_EXPANDS = frozenset({"view_copy", "expand_copy"})
+# Ops whose output holds only their input's values, each unchanged (reshaped, moved, broadcast),
+# in ATen and edge spelling.
+SAME_VALUES = frozenset(
+    {
+        "_unsafe_view",
+        "alias",
+        "alias_copy",
+        "clone",
+        "expand",
+        "expand_copy",
+        "flatten",
+        "permute",
+        "permute_copy",
+        "reshape",
+        "squeeze",
+        "squeeze_copy",
+        "unsqueeze",
+        "unsqueeze_copy",
+        "view",
+        "view_copy",
+    }
+)
 
 
 def normalize_dim(dim: object, rank: int, *, what: str = "dim") -> int:
