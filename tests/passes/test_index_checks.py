@@ -210,5 +210,6 @@ def test_router_indices_from_topk_need_no_check_and_route_as_eager() -> None:
 def test_router_indices_over_more_scores_than_experts_still_warn_unchecked() -> None:
     """topk over 5 scores may pick position 4 of 4 experts: not in range by construction."""
     torch.manual_seed(0)
-    with pytest.warns(UncheckedIndexWarning, match=r"index \(aten_index_tensor_1\) \(its index depends on index_put_ into state 'b_h'"):
+    unchecked = r"index \(aten_index_tensor_1\) \(its index depends on index_put_ into state 'b_h'"
+    with pytest.warns(UncheckedIndexWarning, match=unchecked):
         _lower(RoutesFromWrittenState(scores=5, experts=4), "portable", (torch.randn(1, 3), torch.tensor([0])))

@@ -169,9 +169,8 @@ def _load(source: Any, seed: int, dtype: torch.dtype) -> nn.Module:
             experts_implementation=_EXPERTS,
         )
         return model
-    built: nn.Module = seeded(
-        seed, lambda: transformers.AutoModelForCausalLM.from_config(source, dtype=dtype, experts_implementation=_EXPERTS)
-    )
+    auto = transformers.AutoModelForCausalLM
+    built: nn.Module = seeded(seed, lambda: auto.from_config(source, dtype=dtype, experts_implementation=_EXPERTS))
     return built
 
 
