@@ -1,5 +1,6 @@
-"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Qwen3-Next, Bamba)
-through writeback's commands: every state of transformers' cache layers is a program buffer,
+"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Qwen3-Next, Bamba,
+RecurrentGemma) through writeback's commands: every state of transformers' cache layers (and every
+tensor attribute of a module that the forward reassigns) is a program buffer,
 ``run`` matches eager on xnnpack and portable, and ``export`` then ExecuTorch's ``TextLLMRunner``
 gives transformers' own greedy tokens (``generate(do_sample=False)``, its own cache). Families
 transformers does not describe with cache layers are refused with exit 2 on every command
@@ -81,6 +82,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "BambaConfig",
         {**_ATTENTION, **_MAMBA2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32},
     ),
+    # Two recurrent blocks and a sliding-window attention one (transformers' own generate needs an
+    # attention layer); its recurrent and convolution states are attributes of its modules.
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "intermediate_size": 128,
+            "lru_width": 64,
+        },
+    ),
 }
 
 # The states each family's cache layers hold (layer 0 and 1), as the program's buffers.
@@ -106,6 +119,12 @@ STATES = {
         "layer1_cumulative_length",
         "layer1_keys",
         "layer1_values",
+    ],
+    "recurrent_gemma": [
+        *(f"model_layers_{i}_temporal_block_{s}" for i in (0, 1) for s in ("conv1d_state", "rg_lru_recurrent_states")),
+        "layer2_cumulative_length",
+        "layer2_keys",
+        "layer2_values",
     ],
     "bamba": [
         "layer0_conv_states",
@@ -141,7 +160,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     config_class, fields = FAMILIES[name]
     path = tmp_path_factory.mktemp(name)
     tokenizer = _tokenizer(path)
-    config = getattr(transformers, config_class)(vocab_size=tokenizer.get_vocab_size(), **_COMMON, **fields)
+    config = getattr(transformers, config_class)(vocab_size=tokenizer.get_vocab_size(), **{**_COMMON, **fields})
     ids = tokenizer.encode(PROMPT).ids
     for seed in range(50):
         torch.manual_seed(seed)
@@ -165,7 +184,7 @@ def test_states_decoder_gives_transformers_own_logits_token_by_token(family: tup
     ids = _tokenizer_ids(path)
     tokens, logits, _ = _greedy(model, ids)
     decoder = StatesDecoder(model, 64)
-    assert [b for b, _ in decoder.named_buffers() if b.startswith("layer")] == STATES[name]
+    assert [b for b, _ in decoder.named_buffers() if b.startswith(("layer", "model_"))] == STATES[name]
     fed = [*ids, *tokens]
     with torch.no_grad():
         for position in range(len(ids) + NEW_TOKENS - 1):
@@ -213,19 +232,6 @@ def test_export_of_a_recurrent_or_hybrid_folder_then_the_runner_gives_transforme
 # Families whose state transformers does not keep in its cache layers, and the word of the cause.
 REFUSED = {
     "xlstm": ("xLSTMConfig", {"hidden_size": 64, "num_heads": 4, "num_blocks": 2, "vocab_size": 96}, "xLSTMCache"),
-    "recurrent_gemma": (
-        "RecurrentGemmaConfig",
-        {
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "intermediate_size": 128,
-            "lru_width": 64,
-            "vocab_size": 96,
-        },
-        "_setup_cache",
-    ),
 }
 
 
@@ -264,7 +270,7 @@ def test_explain_of_a_recurrent_folder_lists_every_state_of_its_cache_layers(
         for line in result.output.splitlines()
         for cell in line.strip("┃│").split("┃" if "┃" in line else "│")
     ]
-    assert sorted(c for c in cells if re.fullmatch(r"layer\d+_\w+", c)) == STATES[name], result.output
+    assert sorted(c for c in cells if re.fullmatch(r"(layer\d+|model_layers)_\w+", c)) == sorted(STATES[name])
 
 
 # One family: the bench's contenders are the same lowerings run and export test for every family.
