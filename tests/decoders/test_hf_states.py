@@ -285,3 +285,27 @@ def test_bench_generate_of_a_recurrent_folder_gives_one_text_for_every_contender
     rows = [line for line in result.output.splitlines() if line.startswith(("stock", "writeback"))]
     assert len(rows) >= 2 and any(line.startswith("writeback+xnnpack") for line in rows), result.output
     assert all(" failed: " not in line and "DIFFER" not in line for line in rows), result.output
+
+
+@pytest.mark.parametrize("command", ["run", "export"])
+def test_a_sliding_window_shorter_than_the_cache_is_refused_with_exit_2_naming_layer_and_window(
+    tmp_path: Path, command: str
+) -> None:
+    """transformers' sliding layer counts positions in a Python int: a window of 8 positions cannot
+    serve a program of 1,024 (the folder's cache), and a window that holds them all exports."""
+    import transformers
+
+    _, fields = FAMILIES["recurrent_gemma"]
+    config = transformers.RecurrentGemmaConfig(**{**_COMMON, **fields}, vocab_size=96, attention_window_size=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    args = [command, str(tmp_path / "model")]
+    if command == "export":
+        args += ["--output", str(tmp_path / "m.pte")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "model type 'recurrent_gemma': cache layer 2 is a sliding window of 8 positions" in text, text
+    assert "fewer than the program's 1024" in text and "at most 8 positions" in text, text
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "m.pte").exists()

@@ -541,6 +541,10 @@ def hf_case(
         max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or cap), cap)
     if max_cache_len < 1:
         raise ValueError(f"max_cache_len must be at least 1, got {max_cache_len}")
+    if attention == "states":
+        refused = states_refusal(config, max_cache_len)
+        if refused is not None:
+            raise StatesUnsupported(refused)
     model_type = getattr(text, "model_type", "") or type(text).__name__
     where = f"from {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else "seeded random weights"
     cache = (

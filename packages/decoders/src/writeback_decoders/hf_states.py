@@ -11,15 +11,23 @@ allocates its tensors on the first call and from then on writes them in place (`
 
 :class:`StatesDecoder` takes that rule as it is, with no list of families:
 
-1. build the model's ``StaticCache`` and run one token through the model, so that every layer
+1. build the model's ``StaticCache`` (a sliding-window layer whose window holds every position
+   of the program made a full static layer: transformers' sliding layer picks its path and the
+   mask's query offset by a Python int, which a program would hold at its traced value; a
+   shorter window is refused) and run two tokens through the model, so that every layer
    allocates its tensors at their real shapes and dtypes;
 2. register one zeroed buffer per tensor the layers then hold (a tensor attribute, or one entry of
    a dict of tensors), named ``layer{i}_{attribute}`` (``_{index}`` for a dict entry), and mark the
    linear-attention states as carried over (``has_previous_state``): a zero conv state is the
    zero padding of a first call, a zero recurrent state the zero initial state;
-3. on each call point the layers at the buffers, run the model's own code, and check that every
-   layer still holds its buffer: a layer that replaced a state instead of writing into it would
-   lose the state in the exported program, so the call raises :class:`StateLostError` naming it.
+3. register one zeroed buffer per plain tensor attribute of the model's modules that the second
+   call reassigned (state the model keeps outside the cache layers: RecurrentGemma's
+   ``conv1d_state`` and ``recurrent_states``), named ``{module path}_{attribute}``;
+4. on each call point the layers and those attributes at the buffers, run the model's own code,
+   copy each reassigned attribute's new value into its buffer (``copy_``: a buffer mutation of
+   the program) and point the attribute back, and check that every layer still holds its
+   buffer: a layer that replaced a state instead of writing into it would lose the state in the
+   exported program, so the call raises :class:`StateLostError` naming it.
 
 The prompt is prefilled one token per call: the layer code of these models takes another path
 for one token than for several (``seq_len == 1``), and only the one-token path continues from the
@@ -109,8 +117,28 @@ def _attribute_tensors(model: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
     }
 
 
-def _full_windows(cache: Any, model: Any, max_cache_len: int) -> None:
-    """Each sliding-window layer of ``cache`` whose window holds every position of the program
+def _sliding(layer: Any) -> bool:
+    from transformers.cache_utils import StaticLayer
+
+    return bool(getattr(layer, "is_sliding", False)) and isinstance(layer, StaticLayer)
+
+
+def _window_refusal(cache: Any, kind: str, max_cache_len: int) -> str | None:
+    """Why a sliding-window layer of ``cache`` cannot be held for a program of ``max_cache_len``
+    positions (its window is shorter), or ``None``."""
+    for i, layer in enumerate(cache.layers):
+        if _sliding(layer) and layer.max_cache_len < max_cache_len:
+            return (
+                f"model type {kind!r}: cache layer {i} is a sliding window of {layer.max_cache_len} positions, "
+                f"fewer than the program's {max_cache_len}, and transformers' sliding layer counts its positions "
+                "in a Python int that no exported program carries; it would export with a cache of at most "
+                f"{layer.max_cache_len} positions"
+            )
+    return None
+
+
+def _full_windows(cache: Any, kind: str, max_cache_len: int) -> None:
+    """Each sliding-window layer of ``cache`` (its window holds every position of the program)
     replaced by a full one of ``max_cache_len`` positions: the same attention (the window never
     cuts a position), written at a traced position. transformers' sliding layer picks its path and
     the mask's query offset by a Python counter, which an exported program would hold at the value
@@ -120,18 +148,12 @@ def _full_windows(cache: Any, model: Any, max_cache_len: int) -> None:
     """
     from transformers.cache_utils import StaticLayer
 
+    refusal = _window_refusal(cache, kind, max_cache_len)
+    if refusal is not None:
+        raise StatesUnsupported(refusal)
     for i, layer in enumerate(cache.layers):
-        if not getattr(layer, "is_sliding", False) or not isinstance(layer, StaticLayer):
-            continue
-        if layer.max_cache_len < max_cache_len:
-            kind = getattr(model.config.get_text_config(), "model_type", type(model).__name__)
-            raise StatesUnsupported(
-                f"model type {kind!r}: cache layer {i} is a sliding window of {layer.max_cache_len} positions, "
-                f"fewer than the program's {max_cache_len}; transformers' sliding layer counts its positions in a "
-                "Python int an exported program cannot carry, so it would export with a cache of at most "
-                f"{layer.max_cache_len} positions"
-            )
-        cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
+        if _sliding(layer):
+            cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
 
 
 def _buffer_name(path: str, name: str) -> str:
@@ -173,13 +195,18 @@ def uses_states(config: Any) -> bool:
     return any(not issubclass(cls, StaticLayer) or hasattr(cls, "update_conv_state") for cls in classes)
 
 
-def states_refusal(config: Any) -> str | None:
-    """Why a model with ``config`` cannot be exported with its state as program buffers, in one
-    sentence naming the model type, the cause and what would fix it; ``None`` when it can."""
+def states_refusal(config: Any, max_cache_len: int | None = None) -> str | None:
+    """Why a model with ``config`` cannot be exported with its state as program buffers (with a
+    cache of ``max_cache_len`` positions, when given), in one sentence naming the model type, the
+    cause and what would fix it; ``None`` when it can."""
     text = config.get_text_config()
     kind = getattr(text, "model_type", "") or type(text).__name__
     if kind in _REFUSED:
         return f"model type {kind!r} {_REFUSED[kind]}"
+    if max_cache_len is not None:
+        from transformers import StaticCache
+
+        return _window_refusal(StaticCache(config=config, max_cache_len=max_cache_len), kind, max_cache_len)
     try:
         _layer_classes(config)
     except Exception as error:  # whatever transformers raises, it is the cause to name
@@ -252,7 +279,8 @@ class StatesDecoder(nn.Module):
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         # Two calls: every layer allocates its tensors at their real shapes in the first; a tensor
         # attribute of a module that the second call reassigns is state the model keeps there.
-        _full_windows(self.cache, model, max_cache_len)
+        text = model.config.get_text_config()
+        _full_windows(self.cache, getattr(text, "model_type", "") or type(text).__name__, max_cache_len)
         with torch.no_grad():
             self._call_once()
             before = _attribute_tensors(model)
@@ -299,7 +327,7 @@ class StatesDecoder(nn.Module):
 
     def _write_back_attributes(self) -> None:
         """Each module attribute the call reassigned: its new value written into its buffer
-        (``copy_``: a buffer mutation in the exported program) and the attribute pointed back."""
+        (``copy_``: a buffer mutation in the exported program)."""
         for attribute in self.attributes:
             buffer = getattr(self, attribute.buffer)
             new = attribute.read(self.model)
@@ -313,7 +341,6 @@ class StatesDecoder(nn.Module):
                     "the exported program holds it at one shape and dtype; this model cannot be exported this way"
                 )
             buffer.copy_(new)
-            attribute.bind(self.model, buffer)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[1]
@@ -323,7 +350,9 @@ class StatesDecoder(nn.Module):
                 "path for several tokens that does not continue from the carried state)"
             )
         # The layers write the buffers as this call sees them (torch.export traces the module's
-        # attributes, not tensors held elsewhere).
+        # attributes, not tensors held elsewhere). The attributes are left as the call found them
+        # (the buffers themselves, not the traced stand-ins torch.export puts in their place).
+        found = [attribute.read(self.model) for attribute in self.attributes]
         self._bind()
         logits = causal_lm_logits(
             self.model,
@@ -335,6 +364,8 @@ class StatesDecoder(nn.Module):
             **{self._argument: self.cache},
         )
         self._write_back_attributes()
+        for attribute, held in zip(self.attributes, found, strict=True):
+            attribute.bind(self.model, held)
         for slot in self.slots:
             held = slot.read(self.cache.layers[slot.layer])
             if held is not getattr(self, slot.buffer):
