@@ -21,6 +21,7 @@ Refused, for example: a mixture-of-experts router counting tokens per expert wit
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,11 @@ class OpsOutsideCoreAtenError(LoweringError):
         self.ops = ops
 
 
-def _becomes_core_aten(op: torch._ops.OpOverload, decompositions: object) -> bool:
-    if op in decompositions or op._schema.is_mutable or not op._schema.returns:  # type: ignore[operator]  # a table of ops: supports `in`
+def _becomes_core_aten(op: torch._ops.OpOverload, decompositions: Container[object]) -> bool:
+    if op in decompositions or op._schema.is_mutable or not op._schema.returns:
         return True
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+    name = op.name()  # type: ignore[no-untyped-call]  # torch leaves OpOverload.name unannotated
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"))
 
 
 def ops_outside_core_aten(program: ExportedProgram) -> list[OpOutsideCoreAten]:

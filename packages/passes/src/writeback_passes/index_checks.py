@@ -218,8 +218,9 @@ def _in_range_by_construction(index: torch.fx.Node, size: int) -> bool:
     while packet_name(node.target) in SAME_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     output: int | None = None
-    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], int):
-        node, output = node.args[0], node.args[1]
+    producer, position = (node.args[0], node.args[1]) if node.target is operator.getitem else (None, None)
+    if isinstance(producer, torch.fx.Node) and isinstance(position, int):
+        node, output = producer, position
     packet = packet_name(node.target)
     if packet not in _POSITIONS or output != _POSITIONS[packet][0] or not node.args:
         return False
