@@ -6,8 +6,8 @@ inside the lowering, with a message that names neither the model nor the code th
 :func:`ops_outside_core_aten` finds those ops on the program ``torch.export`` made:
 
 1. Take each call of an ATen operator overload.
-2. Pass it when ``to_edge`` will turn it into Core ATen ops: it has a decomposition in
-   ``torch.export.default_decompositions()`` or a ``CompositeImplicitAutograd`` kernel (made of
+2. Pass it when ``to_edge`` will turn it into Core ATen ops: it has a decomposition in the
+   table ``to_edge`` uses (``torch.export.default_decompositions()`` and exir's additions) or a ``CompositeImplicitAutograd`` kernel (made of
    other ops), or it mutates (functionalization makes it its functional form), or it returns
    nothing (an assertion on metadata, dropped).
 3. Ask exir's own edge verifier about what is left (``check_valid_op``): an op it refuses is
@@ -72,10 +72,13 @@ def _becomes_core_aten(op: torch._ops.OpOverload, decompositions: Container[obje
 def ops_outside_core_aten(program: ExportedProgram) -> list[OpOutsideCoreAten]:
     """Each op of ``program`` that ``to_edge`` would refuse as outside Core ATen, once, in graph
     order (see the module docstring)."""
+    # exir's own table, the one to_edge decomposes with (torch's defaults and exir's additions,
+    # linalg_vector_norm among them); exir gives it no public name.
+    from executorch.exir.tracer import _default_decomposition_table
     from executorch.exir.verification.verifier import EXIRATenDialectVerifier
 
     verifier = EXIRATenDialectVerifier()
-    decompositions = torch.export.default_decompositions()
+    decompositions = _default_decomposition_table()
     found: dict[str, OpOutsideCoreAten] = {}
     for node in program.graph_module.graph.nodes:
         op = node.target
