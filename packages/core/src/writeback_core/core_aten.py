@@ -7,9 +7,10 @@ inside the lowering, with a message that names neither the model nor the code th
 
 1. Take each call of an ATen operator overload.
 2. Pass it when ``to_edge`` will turn it into Core ATen ops: it has a decomposition in the
-   table ``to_edge`` uses (``torch.export.default_decompositions()`` and exir's additions) or a ``CompositeImplicitAutograd`` kernel (made of
-   other ops), or it mutates (functionalization makes it its functional form), or it returns
-   nothing (an assertion on metadata, dropped).
+   table ``to_edge`` uses (``torch.export.default_decompositions()`` and exir's additions) or
+   a ``CompositeImplicitAutograd`` kernel (made of other ops), or it mutates
+   (functionalization makes it its functional form), or it returns nothing (an assertion on
+   metadata, dropped).
 3. Ask exir's own edge verifier about what is left (``check_valid_op``): an op it refuses is
    outside Core ATen.
 
