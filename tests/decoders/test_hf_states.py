@@ -1,5 +1,6 @@
-"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Bamba)
-through writeback's commands: every state of transformers' cache layers is a program buffer,
+"""Recurrent and hybrid Hugging Face folders (Mamba, Mamba2, LFM2, Falcon-H1, Qwen3.5, Qwen3-Next, Bamba,
+RecurrentGemma) through writeback's commands: every state of transformers' cache layers (and every
+tensor attribute of a module that the forward reassigns) is a program buffer,
 ``run`` matches eager on xnnpack and portable, and ``export`` then ExecuTorch's ``TextLLMRunner``
 gives transformers' own greedy tokens (``generate(do_sample=False)``, its own cache). Families
 transformers does not describe with cache layers are refused with exit 2 on every command
@@ -28,6 +29,14 @@ pytestmark = pytest.mark.slow
 _COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
 _ATTENTION = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 _MAMBA2 = {"mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16}
+_LINEAR = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+    "max_position_embeddings": 64,
+}
 
 # Each family: its config class and the tiny config's own fields (two layers, hidden 64).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,21 +65,34 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 64,
         },
     ),
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
+    "qwen3_5": ("Qwen3_5TextConfig", {**_ATTENTION, **_LINEAR}),
+    # Qwen3.5's layers with a mixture-of-experts MLP (its experts run by transformers' batched_mm).
+    "qwen3_next": (
+        "Qwen3NextConfig",
         {
             **_ATTENTION,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "max_position_embeddings": 64,
+            **_LINEAR,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
         },
     ),
     "bamba": (
         "BambaConfig",
         {**_ATTENTION, **_MAMBA2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32},
+    ),
+    # Two recurrent blocks and a sliding-window attention one (transformers' own generate needs an
+    # attention layer); its recurrent and convolution states are attributes of its modules.
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "intermediate_size": 128,
+            "lru_width": 64,
+        },
     ),
 }
 
@@ -97,6 +119,19 @@ STATES = {
         "layer1_cumulative_length",
         "layer1_keys",
         "layer1_values",
+    ],
+    "qwen3_next": [
+        "layer0_conv_states",
+        "layer0_recurrent_states",
+        "layer1_cumulative_length",
+        "layer1_keys",
+        "layer1_values",
+    ],
+    "recurrent_gemma": [
+        *(f"model_layers_{i}_temporal_block_{s}" for i in (0, 1) for s in ("conv1d_state", "rg_lru_recurrent_states")),
+        "layer2_cumulative_length",
+        "layer2_keys",
+        "layer2_values",
     ],
     "bamba": [
         "layer0_conv_states",
@@ -132,7 +167,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     config_class, fields = FAMILIES[name]
     path = tmp_path_factory.mktemp(name)
     tokenizer = _tokenizer(path)
-    config = getattr(transformers, config_class)(vocab_size=tokenizer.get_vocab_size(), **_COMMON, **fields)
+    config = getattr(transformers, config_class)(vocab_size=tokenizer.get_vocab_size(), **{**_COMMON, **fields})
     ids = tokenizer.encode(PROMPT).ids
     for seed in range(50):
         torch.manual_seed(seed)
@@ -156,7 +191,7 @@ def test_states_decoder_gives_transformers_own_logits_token_by_token(family: tup
     ids = _tokenizer_ids(path)
     tokens, logits, _ = _greedy(model, ids)
     decoder = StatesDecoder(model, 64)
-    assert [b for b, _ in decoder.named_buffers() if b.startswith("layer")] == STATES[name]
+    assert [b for b, _ in decoder.named_buffers() if b.startswith(("layer", "model_"))] == STATES[name]
     fed = [*ids, *tokens]
     with torch.no_grad():
         for position in range(len(ids) + NEW_TOKENS - 1):
@@ -212,19 +247,6 @@ def test_export_of_a_recurrent_or_hybrid_folder_then_the_runner_gives_transforme
 # Families whose state transformers does not keep in its cache layers, and the word of the cause.
 REFUSED = {
     "xlstm": ("xLSTMConfig", {"hidden_size": 64, "num_heads": 4, "num_blocks": 2, "vocab_size": 96}, "xLSTMCache"),
-    "recurrent_gemma": (
-        "RecurrentGemmaConfig",
-        {
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "intermediate_size": 128,
-            "lru_width": 64,
-            "vocab_size": 96,
-        },
-        "_setup_cache",
-    ),
 }
 
 
@@ -263,7 +285,7 @@ def test_explain_of_a_recurrent_folder_lists_every_state_of_its_cache_layers(
         for line in result.output.splitlines()
         for cell in line.strip("┃│").split("┃" if "┃" in line else "│")
     ]
-    assert sorted(c for c in cells if re.fullmatch(r"layer\d+_\w+", c)) == STATES[name], result.output
+    assert sorted(c for c in cells if re.fullmatch(r"(layer\d+|model_layers)_\w+", c)) == sorted(STATES[name])
 
 
 # One family: the bench's contenders are the same lowerings run and export test for every family.
@@ -278,3 +300,27 @@ def test_bench_generate_of_a_recurrent_folder_gives_one_text_for_every_contender
     rows = [line for line in result.output.splitlines() if line.startswith(("stock", "writeback"))]
     assert len(rows) >= 2 and any(line.startswith("writeback+xnnpack") for line in rows), result.output
     assert all(" failed: " not in line and "DIFFER" not in line for line in rows), result.output
+
+
+@pytest.mark.parametrize("command", ["run", "export"])
+def test_a_sliding_window_shorter_than_the_cache_is_refused_with_exit_2_naming_layer_and_window(
+    tmp_path: Path, command: str
+) -> None:
+    """transformers' sliding layer counts positions in a Python int: a window of 8 positions cannot
+    serve a program of 1,024 (the folder's cache), and a window that holds them all exports."""
+    import transformers
+
+    _, fields = FAMILIES["recurrent_gemma"]
+    config = transformers.RecurrentGemmaConfig(**{**_COMMON, **fields}, vocab_size=96, attention_window_size=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    args = [command, str(tmp_path / "model")]
+    if command == "export":
+        args += ["--output", str(tmp_path / "m.pte")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "model type 'recurrent_gemma': cache layer 2 is a sliding window of 8 positions" in text, text
+    assert "fewer than the program's 1024" in text and "at most 8 positions" in text, text
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "m.pte").exists()

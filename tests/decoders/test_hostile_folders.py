@@ -257,3 +257,39 @@ def test_an_attention_free_config_is_sized_without_heads_and_a_huge_one_still_re
     (tmp_path / "config.json").write_text(json.dumps(huge))
     with pytest.raises(FolderRefused, match="too large to build"):
         check_folder(tmp_path)
+
+
+def _moe_folder(path: Path) -> Path:
+    """A tiny Qwen3-MoE folder as transformers saves it: one tensor per expert on disk, stacked
+    into one parameter per layer in the model (``mlp.experts.gate_up_proj``)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_check_folder_reads_experts_saved_one_tensor_per_expert_as_the_stacked_parameter(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _moe_folder(tmp_path / "moe")
+    saved = load_file(folder / "model.safetensors")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in saved  # the per-expert form on disk
+    assert check_folder(folder) == []
+    del saved["model.layers.0.mlp.experts.3.up_proj.weight"]  # one expert's half of a stacked parameter
+    save_file(saved, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FolderRefused, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' is missing"):
+        check_folder(folder)

@@ -12,6 +12,7 @@ state exactly as the previous call left it (eager's state before the call).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -168,3 +169,47 @@ def test_index_read_from_a_state_after_its_write_warns_it_is_unchecked() -> None
     expected = r"index_put_ into state 'b_b' \(its index depends on index_put_ into state 'b_a', which runs after"
     with pytest.warns(UncheckedIndexWarning, match=expected):
         _lower(module, "portable", (torch.tensor([1.0]), torch.tensor([0])))
+
+
+class RoutesFromWrittenState(torch.nn.Module):
+    """A state written, then a router reading it: the top 2 of ``scores`` positions pick the
+    experts' weights (a mixture-of-experts layer after a recurrent one)."""
+
+    h: torch.Tensor
+
+    def __init__(self, scores: int, experts: int) -> None:
+        super().__init__()
+        self.register_buffer("h", torch.zeros(1, scores))
+        self.score = torch.nn.Linear(3, scores)
+        self.experts = torch.nn.Parameter(torch.randn(experts, 3, 3, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.h[:, pos] = self.score(x)[:, pos]  # written in place: the router reads it after the write
+        ids = self.h.topk(2, dim=-1).indices.reshape(-1)
+        return (self.experts[ids] @ x[0]).sum(0)
+
+
+def test_router_indices_from_topk_need_no_check_and_route_as_eager() -> None:
+    """topk's indices over 4 scores index 4 experts: in range by construction, no warning."""
+    from executorch.runtime import Runtime
+
+    torch.manual_seed(0)
+    module = RoutesFromWrittenState(scores=4, experts=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedIndexWarning)
+        lowered = _lower(module, "portable", (torch.randn(1, 3), torch.tensor([0])))
+    method = Runtime.get().load_program(lowered.pte).load_method("forward")
+    eager = copy.deepcopy(module)
+    for step in range(4):
+        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(step))
+        pos = torch.tensor([step])
+        torch.testing.assert_close(method.execute([x, pos])[0], eager(x, pos))
+    torch.testing.assert_close(method._method.get_attribute("h"), eager.h)
+
+
+def test_router_indices_over_more_scores_than_experts_still_warn_unchecked() -> None:
+    """topk over 5 scores may pick position 4 of 4 experts: not in range by construction."""
+    torch.manual_seed(0)
+    unchecked = r"index \(aten_index_tensor_1\) \(its index depends on index_put_ into state 'b_h'"
+    with pytest.warns(UncheckedIndexWarning, match=unchecked):
+        _lower(RoutesFromWrittenState(scores=5, experts=4), "portable", (torch.randn(1, 3), torch.tensor([0])))

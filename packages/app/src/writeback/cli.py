@@ -243,19 +243,22 @@ def _registry(ctx: click.Context) -> Registry:
 
 
 class _StateLost(click.ClickException):
-    """The exported program drops state the eager model carries: the model's to fix, exit 2."""
+    """The exported program drops state the eager model carries, or computes an op no ExecuTorch
+    program holds: the model's to fix, exit 2."""
 
     exit_code = 2
 
 
 def _state_lost(error: BaseException) -> BaseException | None:
-    """The ``StateLostError`` behind ``error`` (a command may have wrapped it), or ``None``."""
+    """The ``StateLostError`` or ``OpsOutsideCoreAtenError`` behind ``error`` (a command may
+    have wrapped it), or ``None``."""
     from writeback_core.carried_state import StateLostError
+    from writeback_core.core_aten import OpsOutsideCoreAtenError
 
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, StateLostError):
+        if isinstance(current, (StateLostError, OpsOutsideCoreAtenError)):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.export import ExportedProgram
+from writeback_core.core_aten import check_core_aten
 from writeback_core.exporting import check_lifted_state, export_model
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ def export_case(case: ModelCase) -> ExportedProgram:
     ``strict`` and ``dynamic_shapes``. Every command exports a case through this.
 
     :raises LoweringError: the program holds state as lifted constants (see
-        :func:`check_lifted_state`).
+        :func:`check_lifted_state`), or an op outside Core ATen
+        (:class:`~writeback_core.core_aten.OpsOutsideCoreAtenError`).
     :raises TypeError: ``exported`` returned something else than an ``ExportedProgram``.
     :raises ModelBuildError: building the model raised (:func:`build_case_module`).
     """
@@ -67,6 +69,7 @@ def export_case(case: ModelCase) -> ExportedProgram:
                 "torch.export.ExportedProgram of the model (or leave exported unset to let writeback export it)"
             )
         check_lifted_state(program, None, what, None)
+        check_core_aten(program, what)
         return program
     return export_model(
         build_case_module(case),

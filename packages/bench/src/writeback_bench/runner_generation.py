@@ -34,6 +34,7 @@ from typing import Any
 import click
 from rich.console import Console
 from writeback.cli import accept_weights_option, quantize_option, quantized_case, resolve_model_option
+from writeback_core.core_aten import OpsOutsideCoreAtenError
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 
@@ -162,6 +163,8 @@ def bench_generation(
     ``files`` adds contenders written elsewhere (``(row name, .pte path)``; for instance by
     ``optimum-cli export executorch`` in an environment of its own), run beside the others;
     with ``only_files``, they alone run.
+
+    :raises OpsOutsideCoreAtenError: the model computes an op no ExecuTorch program holds.
     """
     from executorch.extension.llm.runner import TextLLMRunner
     from writeback.process_memory import return_freed_memory
@@ -189,6 +192,8 @@ def bench_generation(
                 TextLLMRunner(str(path), str(tokenizer))
                 paths[name] = path
                 row.file_bytes = path.stat().st_size
+            except OpsOutsideCoreAtenError:
+                raise  # the model's refusal, not a contender's: no program of it could run
             except Exception as error:  # a contender that cannot lower or load is reported, not fatal
                 row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         live = [r for r in rows if r.error is None]

@@ -1,8 +1,9 @@
 """Exporting a model: ``torch.export`` as every writeback command and harness does it.
 
 - :func:`export_model`: ``torch.export`` in eval mode under ``no_grad``, refusing state
-  that export lifted as constants (:func:`check_lifted_state`) and state the program
-  drops (:mod:`writeback_core.carried_state`).
+  that export lifted as constants (:func:`check_lifted_state`), an op no ExecuTorch program
+  holds (:mod:`writeback_core.core_aten`) and state the program drops
+  (:mod:`writeback_core.carried_state`).
 - :func:`check_lifted_state`: a program holding the model's state as lifted constants is refused.
 """
 
@@ -16,6 +17,7 @@ import torch.fx
 from torch.export import ExportedProgram
 
 from writeback_core.carried_state import carried_states, check_state_kept
+from writeback_core.core_aten import check_core_aten
 from writeback_core.ops import written_placeholders
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.types import LoweringError
@@ -44,6 +46,8 @@ def export_model(
 
     :raises LoweringError: the program holds state as lifted constants (see
         :func:`check_lifted_state`): lowering it would fail or answer wrongly.
+    :raises writeback_core.core_aten.OpsOutsideCoreAtenError: the program computes an op
+        outside Core ATen that ``to_edge`` cannot decompose (no ExecuTorch program holds it).
     :raises writeback_core.carried_state.StateLostError: the program drops state the
         eager module carries (see :func:`~writeback_core.carried_state.check_state_kept`).
     """
@@ -63,6 +67,7 @@ def export_model(
     with known_warnings_ignored(), torch.no_grad():
         program = torch.export.export(module, args, dict(kwargs or {}), strict=strict, dynamic_shapes=dynamic_shapes)
     check_lifted_state(program, module, what, strict)
+    check_core_aten(program, what)
     if states is not None:
         check_state_kept(program, states, what)
     return program

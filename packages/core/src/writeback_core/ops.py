@@ -14,6 +14,7 @@ import torch.fx
 
 __all__ = [
     "MATMULS",
+    "SAME_VALUES",
     "VIEWS_AND_EXPANDS",
     "aten_op",
     "decomposed_from",
@@ -24,6 +25,7 @@ __all__ = [
     "overload_name",
     "packet_name",
     "schema_of",
+    "source_of",
     "write_back_copies",
     "written_placeholders",
 ]
@@ -34,6 +36,28 @@ __all__ = [
 MATMULS = frozenset({"bmm", "mm"})
 # Copies exir's later passes turn into views (``view_copy``) or that only broadcast (``expand_copy``).
 VIEWS_AND_EXPANDS = frozenset({"view_copy", "expand_copy"})
+# Ops whose output holds only their input's values, each unchanged (reshaped, moved, broadcast),
+# in ATen and edge spelling.
+SAME_VALUES = frozenset(
+    {
+        "_unsafe_view",
+        "alias",
+        "alias_copy",
+        "clone",
+        "expand",
+        "expand_copy",
+        "flatten",
+        "permute",
+        "permute_copy",
+        "reshape",
+        "squeeze",
+        "squeeze_copy",
+        "unsqueeze",
+        "unsqueeze_copy",
+        "view",
+        "view_copy",
+    }
+)
 
 
 def normalize_dim(dim: object, rank: int, *, what: str = "dim") -> int:
@@ -192,3 +216,36 @@ def written_placeholders(graph: torch.fx.Graph) -> dict[str, str]:
                 if value.op == "placeholder":
                     written.setdefault(value.name, op_name(node.target))
     return written
+
+
+def source_of(node: torch.fx.Node, with_class: bool = False) -> str:
+    """Where the model wrote ``node``, in its own terms: the innermost module's path (with its
+    class when ``with_class``) and the model's source line (``layers.0.conv at short_conv.py:77``,
+    ``layers.0.conv (ShortConv) at short_conv.py:77``), from the node's ``nn_module_stack`` and
+    ``stack_trace``; the node's name where the export kept neither."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if isinstance(stack, dict) and stack:
+        entry = list(stack.values())[-1]
+        path = str(entry[0]) if isinstance(entry, tuple) and entry else ""
+        kind = entry[1] if isinstance(entry, tuple) and len(entry) > 1 else None
+        name = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
+        if with_class and path and name:
+            path = f"{path} ({name.rsplit('.', 1)[-1]})"
+    line = _model_line(node.meta.get("stack_trace"))
+    if path and line:
+        return f"{path} at {line}"
+    return path or line or f"node {node.name!r}"
+
+
+def _model_line(trace: object) -> str:
+    """``file.py:N`` of the last frame of ``trace`` (a Python traceback text), ``""`` for none."""
+    if not isinstance(trace, str):
+        return ""
+    found = ""
+    for text in trace.splitlines():
+        text = text.strip()
+        if text.startswith('File "') and '", line ' in text:
+            name, _, rest = text[len('File "') :].partition('", line ')
+            found = f"{name.replace(chr(92), '/').rsplit('/', 1)[-1]}:{rest.split(',', 1)[0]}"
+    return found

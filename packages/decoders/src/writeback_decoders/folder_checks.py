@@ -364,9 +364,20 @@ def _weight_files(folder: Path) -> list[Path]:
     raise FolderRefused(f"model folder {folder} has no model.safetensors (or model.safetensors.index.json)")
 
 
-def _expected(config_path: Path, accept_remote: bool = False) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
-    """Every state-dict entry the architecture has, with its shape, and the groups of names
-    that share one parameter (a tied embedding and head), built on the meta device."""
+def _expected(
+    config_path: Path, accept_remote: bool = False
+) -> tuple[dict[str, tuple[int, ...]], list[list[frozenset[str]]]]:
+    """Every tensor name a folder of the architecture may hold, with its shape, and per parameter
+    (the names that share it: a tied embedding and head) the sets of names that each give it
+    whole, built on the meta device.
+
+    A parameter transformers stores in another form than it computes with (the experts of a
+    mixture-of-experts layer, one tensor per expert in a folder, stacked in the model) is given
+    either way: by its own name, or by every name transformers' conversion saves it as
+    (``revert_weight_conversion``, which ``save_pretrained`` applies and ``from_pretrained`` undoes).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
     from writeback_decoders.hf import config_of, require_transformers
 
     transformers = require_transformers("a Hugging Face model folder")
@@ -379,10 +390,16 @@ def _expected(config_path: Path, accept_remote: bool = False) -> tuple[dict[str,
         ) from error
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-    by_tensor: dict[int, set[str]] = {}
+    state = model.state_dict(keep_vars=True)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    forms: dict[str, list[frozenset[str]]] = {}
+    for name, tensor in state.items():
+        saved = revert_weight_conversion(model, {name: tensor})
+        forms[name] = [frozenset([name])] if set(saved) == {name} else [frozenset([name]), frozenset(saved)]
+        shapes.update((key, tuple(value.shape)) for key, value in saved.items())
+    by_tensor: dict[int, list[frozenset[str]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), set()).add(name)
+        by_tensor.setdefault(id(param), []).extend(forms[name])
     return shapes, list(by_tensor.values())
 
 
@@ -411,7 +428,9 @@ def _nonfinite(entry: SafetensorsEntry) -> tuple[int, float] | None:
 
 
 def _weight_findings(
-    entries: Mapping[str, SafetensorsEntry], shapes: Mapping[str, tuple[int, ...]], shared: list[set[str]]
+    entries: Mapping[str, SafetensorsEntry],
+    shapes: Mapping[str, tuple[int, ...]],
+    shared: list[list[frozenset[str]]],
 ) -> Iterator[tuple[str, bool]]:
     """Each problem of the weights against the architecture, with whether ``accept_weights`` may pass it."""
     for name, entry in sorted(entries.items()):
@@ -425,9 +444,10 @@ def _weight_findings(
                 ),
                 False,
             )
-    for names in shared:
-        if not names & entries.keys():
-            yield f"parameter {sorted(names)[0]!r} is missing from the weights (it would be left random)", True
+    for forms in shared:
+        if not any(form <= entries.keys() for form in forms):
+            first = min(min(form) for form in forms if len(form) == 1)
+            yield f"parameter {first!r} is missing from the weights (it would be left random)", True
     for name, entry in sorted(entries.items()):
         if name in shapes and entry.dtype not in _EXACT_FLOATS:
             yield (

@@ -140,8 +140,17 @@ def hf_config(architecture: str, cache_mib: float | None = None) -> Any:
     return HF_ARCHITECTURES[architecture].config(**_sizes(architecture, cache_mib))
 
 
+# How a mixture-of-experts layer runs its experts (transformers' experts implementations; a model
+# without one ignores it). Its default on CPU, "grouped_mm", counts each expert's tokens with
+# torch.histc, an op outside Core ATen that no ExecuTorch program can hold; its "eager" loops over
+# the experts a call hits, a data-dependent loop torch.export cannot trace. "batched_mm" gathers
+# each token's experts' weights and multiplies them: static shapes, Core ATen ops, the same sums.
+_EXPERTS = "batched_mm"
+
+
 def _load(source: Any, seed: int, dtype: torch.dtype) -> nn.Module:
-    """The causal LM: from a local folder (safetensors weights, no remote code) or a config."""
+    """The causal LM: from a local folder (safetensors weights, no remote code) or a config,
+    its experts (if it has any) run by ``batched_mm`` (:data:`_EXPERTS`)."""
     transformers = require_transformers("a Hugging Face model")
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
@@ -152,10 +161,16 @@ def _load(source: Any, seed: int, dtype: torch.dtype) -> nn.Module:
             )
         # Nothing read from the folder may become code: no remote code, no pickled weights.
         model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, trust_remote_code=False, use_safetensors=True
+            folder,
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            experts_implementation=_EXPERTS,
         )
         return model
-    built: nn.Module = seeded(seed, lambda: transformers.AutoModelForCausalLM.from_config(source, dtype=dtype))
+    auto = transformers.AutoModelForCausalLM
+    built: nn.Module = seeded(seed, lambda: auto.from_config(source, dtype=dtype, experts_implementation=_EXPERTS))
     return built
 
 
@@ -526,6 +541,10 @@ def hf_case(
         max_cache_len = min(int(getattr(text, "max_position_embeddings", None) or cap), cap)
     if max_cache_len < 1:
         raise ValueError(f"max_cache_len must be at least 1, got {max_cache_len}")
+    if attention == "states":
+        refused = states_refusal(config, max_cache_len)
+        if refused is not None:
+            raise StatesUnsupported(refused)
     model_type = getattr(text, "model_type", "") or type(text).__name__
     where = f"from {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else "seeded random weights"
     cache = (

@@ -11,15 +11,23 @@ allocates its tensors on the first call and from then on writes them in place (`
 
 :class:`StatesDecoder` takes that rule as it is, with no list of families:
 
-1. build the model's ``StaticCache`` and run one token through the model, so that every layer
+1. build the model's ``StaticCache`` (a sliding-window layer whose window holds every position
+   of the program made a full static layer: transformers' sliding layer picks its path and the
+   mask's query offset by a Python int, which a program would hold at its traced value; a
+   shorter window is refused) and run two tokens through the model, so that every layer
    allocates its tensors at their real shapes and dtypes;
 2. register one zeroed buffer per tensor the layers then hold (a tensor attribute, or one entry of
    a dict of tensors), named ``layer{i}_{attribute}`` (``_{index}`` for a dict entry), and mark the
    linear-attention states as carried over (``has_previous_state``): a zero conv state is the
    zero padding of a first call, a zero recurrent state the zero initial state;
-3. on each call point the layers at the buffers, run the model's own code, and check that every
-   layer still holds its buffer: a layer that replaced a state instead of writing into it would
-   lose the state in the exported program, so the call raises :class:`StateLostError` naming it.
+3. register one zeroed buffer per plain tensor attribute of the model's modules that the second
+   call reassigned (state the model keeps outside the cache layers: RecurrentGemma's
+   ``conv1d_state`` and ``recurrent_states``), named ``{module path}_{attribute}``;
+4. on each call point the layers and those attributes at the buffers, run the model's own code,
+   copy each reassigned attribute's new value into its buffer (``copy_``: a buffer mutation of
+   the program) and point the attribute back, and check that every layer still holds its
+   buffer: a layer that replaced a state instead of writing into it would lose the state in the
+   exported program, so the call raises :class:`StateLostError` naming it.
 
 The prompt is prefilled one token per call: the layer code of these models takes another path
 for one token than for several (``seq_len == 1``), and only the one-token path continues from the
@@ -39,6 +47,7 @@ from torch import nn
 from writeback_decoders.logits import causal_lm_logits, keeps_logits
 
 __all__ = [
+    "AttributeSlot",
     "StateLostError",
     "StateSlot",
     "StatesDecoder",
@@ -79,6 +88,78 @@ class StateSlot:
             getattr(layer, self.attribute)[self.index] = tensor
 
 
+@dataclass(frozen=True)
+class AttributeSlot:
+    """State a model keeps as a plain tensor attribute ``name`` of its module at ``path`` (which its
+    forward reassigns every call), held by the decoder as buffer ``buffer``."""
+
+    path: str
+    name: str
+    buffer: str
+
+    def read(self, model: nn.Module) -> Any:
+        return getattr(model.get_submodule(self.path), self.name)
+
+    def bind(self, model: nn.Module, tensor: torch.Tensor) -> None:
+        # Into the module's __dict__: setattr would refuse a registered buffer's name, and a
+        # tensor there stays a plain attribute, as the model's own code assigns it.
+        vars(model.get_submodule(self.path))[self.name] = tensor
+
+
+def _attribute_tensors(model: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    """Every plain tensor attribute of ``model``'s modules (not a parameter or buffer): (module
+    path, attribute) -> the tensor."""
+    return {
+        (path, name): value
+        for path, module in model.named_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    }
+
+
+def _sliding(layer: Any) -> bool:
+    from transformers.cache_utils import StaticLayer
+
+    return bool(getattr(layer, "is_sliding", False)) and isinstance(layer, StaticLayer)
+
+
+def _window_refusal(cache: Any, kind: str, max_cache_len: int) -> str | None:
+    """Why a sliding-window layer of ``cache`` cannot be held for a program of ``max_cache_len``
+    positions (its window is shorter), or ``None``."""
+    for i, layer in enumerate(cache.layers):
+        if _sliding(layer) and layer.max_cache_len < max_cache_len:
+            return (
+                f"model type {kind!r}: cache layer {i} is a sliding window of {layer.max_cache_len} positions, "
+                f"fewer than the program's {max_cache_len}, and transformers' sliding layer counts its positions "
+                "in a Python int that no exported program carries; it would export with a cache of at most "
+                f"{layer.max_cache_len} positions"
+            )
+    return None
+
+
+def _full_windows(cache: Any, kind: str, max_cache_len: int) -> None:
+    """Each sliding-window layer of ``cache`` (its window holds every position of the program)
+    replaced by a full one of ``max_cache_len`` positions: the same attention (the window never
+    cuts a position), written at a traced position. transformers' sliding layer picks its path and
+    the mask's query offset by a Python counter, which an exported program would hold at the value
+    it had while tracing.
+
+    :raises StatesUnsupported: a window is shorter than ``max_cache_len``.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    refusal = _window_refusal(cache, kind, max_cache_len)
+    if refusal is not None:
+        raise StatesUnsupported(refusal)
+    for i, layer in enumerate(cache.layers):
+        if _sliding(layer):
+            cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
+
+
+def _buffer_name(path: str, name: str) -> str:
+    return f"{path.replace('.', '_')}_{name}" if path else name
+
+
 # Families that cannot be exported by this route, by model type: the cause and the fix.
 # Each was tried; transformers' own code decides it, not writeback.
 _REFUSED: dict[str, str] = {
@@ -86,11 +167,6 @@ _REFUSED: dict[str, str] = {
         "keeps its state in its own xLSTMCache, not in transformers' cache layers (its StaticCache describes "
         "attention layers it does not have), and transformers refuses the SDPA attention implementation for "
         "it; it would export once transformers describes its state with cache layer classes, as it does for Mamba"
-    ),
-    "recurrent_gemma": (
-        "keeps its recurrent and convolution state as plain attributes of its modules (set up by "
-        "_setup_cache), not in transformers' cache layers, so no exported program can carry it between "
-        "calls; it would export once transformers describes that state with cache layer classes"
     ),
 }
 
@@ -119,13 +195,18 @@ def uses_states(config: Any) -> bool:
     return any(not issubclass(cls, StaticLayer) or hasattr(cls, "update_conv_state") for cls in classes)
 
 
-def states_refusal(config: Any) -> str | None:
-    """Why a model with ``config`` cannot be exported with its state as program buffers, in one
-    sentence naming the model type, the cause and what would fix it; ``None`` when it can."""
+def states_refusal(config: Any, max_cache_len: int | None = None) -> str | None:
+    """Why a model with ``config`` cannot be exported with its state as program buffers (with a
+    cache of ``max_cache_len`` positions, when given), in one sentence naming the model type, the
+    cause and what would fix it; ``None`` when it can."""
     text = config.get_text_config()
     kind = getattr(text, "model_type", "") or type(text).__name__
     if kind in _REFUSED:
         return f"model type {kind!r} {_REFUSED[kind]}"
+    if max_cache_len is not None:
+        from transformers import StaticCache
+
+        return _window_refusal(StaticCache(config=config, max_cache_len=max_cache_len), kind, max_cache_len)
     try:
         _layer_classes(config)
     except Exception as error:  # whatever transformers raises, it is the cause to name
@@ -196,12 +277,25 @@ class StatesDecoder(nn.Module):
         self._keeps = keeps_logits(model)
         self._argument = _cache_argument(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-        with torch.no_grad():  # every layer allocates its tensors at their real shapes
-            model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True, **{self._argument: self.cache})
+        # Two calls: every layer allocates its tensors at their real shapes in the first; a tensor
+        # attribute of a module that the second call reassigns is state the model keeps there.
+        text = model.config.get_text_config()
+        _full_windows(self.cache, getattr(text, "model_type", "") or type(text).__name__, max_cache_len)
+        with torch.no_grad():
+            self._call_once()
+            before = _attribute_tensors(model)
+            self._call_once()
+        self.attributes = tuple(
+            AttributeSlot(path, name, _buffer_name(path, name))
+            for (path, name), tensor in _attribute_tensors(model).items()
+            if before.get((path, name)) is not tensor
+        )
+        for slot in self.attributes:
+            self.register_buffer(slot.buffer, torch.zeros_like(slot.read(model)), persistent=False)
         slots: list[StateSlot] = []
         for i, layer in enumerate(self.cache.layers):
             found = list(_tensors(layer))
-            if not found and not isinstance(layer, DummyLayer):
+            if not found and not isinstance(layer, DummyLayer) and not self.attributes:
                 kind = getattr(model.config.get_text_config(), "model_type", type(model).__name__)
                 raise StatesUnsupported(
                     f"model type {kind!r}: cache layer {i} ({type(layer).__name__}) holds no tensor after a call, "
@@ -221,9 +315,32 @@ class StatesDecoder(nn.Module):
         self.slots = tuple(slots)
         self._bind()
 
+    def _call_once(self) -> None:
+        ids = torch.zeros(1, 1, dtype=torch.int64)
+        self.model(input_ids=ids, use_cache=True, **{self._argument: self.cache})
+
     def _bind(self) -> None:
         for slot in self.slots:
             slot.bind(self.cache.layers[slot.layer], getattr(self, slot.buffer))
+        for attribute in self.attributes:
+            attribute.bind(self.model, getattr(self, attribute.buffer))
+
+    def _write_back_attributes(self) -> None:
+        """Each module attribute the call reassigned: its new value written into its buffer
+        (``copy_``: a buffer mutation in the exported program)."""
+        for attribute in self.attributes:
+            buffer = getattr(self, attribute.buffer)
+            new = attribute.read(self.model)
+            if new is buffer:
+                continue
+            if not isinstance(new, torch.Tensor) or new.shape != buffer.shape or new.dtype != buffer.dtype:
+                raise StateLostError(
+                    f"state {attribute.buffer} ({attribute.path}.{attribute.name}, {list(buffer.shape)} "
+                    f"{buffer.dtype}) was set by the model to "
+                    f"{f'{list(new.shape)} {new.dtype}' if isinstance(new, torch.Tensor) else type(new).__name__}: "
+                    "the exported program holds it at one shape and dtype; this model cannot be exported this way"
+                )
+            buffer.copy_(new)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[1]
@@ -233,7 +350,9 @@ class StatesDecoder(nn.Module):
                 "path for several tokens that does not continue from the carried state)"
             )
         # The layers write the buffers as this call sees them (torch.export traces the module's
-        # attributes, not tensors held elsewhere).
+        # attributes, not tensors held elsewhere). The attributes are left as the call found them
+        # (the buffers themselves, not the traced stand-ins torch.export puts in their place).
+        found = [attribute.read(self.model) for attribute in self.attributes]
         self._bind()
         logits = causal_lm_logits(
             self.model,
@@ -244,6 +363,9 @@ class StatesDecoder(nn.Module):
             use_cache=True,
             **{self._argument: self.cache},
         )
+        self._write_back_attributes()
+        for attribute, held in zip(self.attributes, found, strict=True):
+            attribute.bind(self.model, held)
         for slot in self.slots:
             held = slot.read(self.cache.layers[slot.layer])
             if held is not getattr(self, slot.buffer):

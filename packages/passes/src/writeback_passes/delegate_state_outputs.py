@@ -42,9 +42,9 @@ from executorch.exir.delegate import executorch_call_delegate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from writeback_core import meta
-from writeback_core.ops import aten_op
+from writeback_core.ops import aten_op, source_of
 
-from writeback_passes.graph import StorageAliases, reads_no_value, source_of, tensor_value, views_of
+from writeback_passes.graph import StorageAliases, reads_no_value, tensor_value, views_of
 
 __all__ = [
     "FUSED_INTO_PRODUCER",

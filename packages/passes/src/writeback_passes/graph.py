@@ -24,7 +24,6 @@ __all__ = [
     "StorageAliases",
     "arg_value",
     "reads_no_value",
-    "source_of",
     "tensor_value",
     "views_of",
 ]
@@ -102,34 +101,6 @@ class StorageAliases:
 def reads_no_value(node: torch.fx.Node) -> bool:
     """Whether ``node`` reads only metadata of its arguments (so never an old value)."""
     return node.op == "call_function" and packet_name(node.target) in METADATA_ONLY
-
-
-def source_of(node: torch.fx.Node) -> str:
-    """Where the model wrote ``node``, in its own terms: the innermost module's path and the
-    model's source line (``layers.0.conv at short_conv.py:77``), from the node's
-    ``nn_module_stack`` and ``stack_trace``; the node's name where the export kept neither."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path = ""
-    if isinstance(stack, dict) and stack:
-        entry = list(stack.values())[-1]
-        path = str(entry[0]) if isinstance(entry, tuple) and entry else ""
-    line = _model_line(node.meta.get("stack_trace"))
-    if path and line:
-        return f"{path} at {line}"
-    return path or line or f"node {node.name!r}"
-
-
-def _model_line(trace: object) -> str:
-    """``file.py:N`` of the last frame of ``trace`` (a Python traceback text), ``""`` for none."""
-    if not isinstance(trace, str):
-        return ""
-    found = ""
-    for text in trace.splitlines():
-        text = text.strip()
-        if text.startswith('File "') and '", line ' in text:
-            name, _, rest = text[len('File "') :].partition('", line ')
-            found = f"{name.replace(chr(92), '/').rsplit('/', 1)[-1]}:{rest.split(',', 1)[0]}"
-    return found
 
 
 def tensor_value(node: object) -> torch.Tensor | None:

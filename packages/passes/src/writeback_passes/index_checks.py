@@ -16,7 +16,9 @@ stock runtime. This pass restores "refused means unchanged":
    ``index_put_`` and the rest). An index the passes already wrapped
    (``where(i < 0, i + size, i)``) or guarded for ``index_copy`` (``where(i < 0, i -
    size, i)``) is read through to ``i`` with that meaning. An ``arange`` of constant
-   bounds inside the dim needs no check.
+   bounds inside the dim needs no check, nor does an index that holds positions along a dim
+   no longer than the one it indexes by construction (``topk``'s or ``sort``'s indices,
+   ``argmax``, read through ops that only move values: a router's expert ids).
 3. Move the pure nodes that compute ``i`` (never a read of state that is written in
    place, never a delegate output) to just after what they read (before that first
    write, and a write-back placed right after its value stays there), and put there
@@ -43,7 +45,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from writeback_core import ProgramPass
-from writeback_core.ops import aten_op, node_value, packet_name
+from writeback_core.ops import SAME_VALUES, aten_op, node_value, packet_name
 
 __all__ = [
     "IndexCheckReport",
@@ -169,7 +171,7 @@ def _index_uses(node: torch.fx.Node) -> Iterator[_Use]:
         size = source.shape[dim]
         if not isinstance(size, int):
             continue
-        if _constant_in_range(index, size):
+        if _constant_in_range(index, size) or _in_range_by_construction(index, size):
             continue  # nothing to check at run time
         negatives = "wrap" if packet in _WRAPS else "reject"
         unwrapped = _unwrap(index, size)
@@ -194,6 +196,48 @@ def _constant_in_range(index: torch.fx.Node, size: int) -> bool:
         return False
     values = range(start, end, step)
     return len(values) == 0 or (0 <= values[0] and values[-1] < size)
+
+
+# Ops whose output holds positions along ``dim`` of their input, each in [0, that dim's size):
+# which output (``None``: the op's only one) and where ``dim`` is given (its argument position,
+# default -1; ``argmax`` without a dim counts positions in the flattened input).
+_POSITIONS: dict[str, tuple[int | None, int]] = {
+    "topk": (1, 2),
+    "sort": (1, 1),
+    "argmax": (None, 1),
+    "argmin": (None, 1),
+}
+
+
+def _in_range_by_construction(index: torch.fx.Node, size: int) -> bool:
+    """Whether every value of ``index`` is by construction a position along a dim no longer
+    than ``size``: the indices of ``topk`` or ``sort``, an ``argmax`` or ``argmin``, read through
+    ops that only move values (a router's expert ids gathering the experts' weights). Such an
+    index needs no check at run time."""
+    node = index
+    while packet_name(node.target) in SAME_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    output: int | None = None
+    producer, position = (node.args[0], node.args[1]) if node.target is operator.getitem else (None, None)
+    if isinstance(producer, torch.fx.Node) and isinstance(position, int):
+        node, output = producer, position
+    packet = packet_name(node.target)
+    if packet not in _POSITIONS or output != _POSITIONS[packet][0] or not node.args:
+        return False
+    source = node_value(node.args[0])
+    if not isinstance(source, torch.Tensor):
+        return False
+    slot = _POSITIONS[packet][1]
+    dim = (
+        node.args[slot] if len(node.args) > slot else node.kwargs.get("dim", -1 if packet in ("topk", "sort") else None)
+    )
+    if dim is None:
+        length = source.numel()
+    elif isinstance(dim, int) and -source.dim() <= dim < source.dim():
+        length = source.shape[dim]
+    else:
+        return False
+    return isinstance(length, int) and length <= size
 
 
 def _cone(

@@ -60,12 +60,12 @@ import torch.fx
 from executorch.exir import memory
 from executorch.exir.delegate import executorch_call_delegate
 from writeback_core import ProgramPass, meta
-from writeback_core.ops import packet_name, write_back_copies
+from writeback_core.ops import packet_name, source_of, write_back_copies
 from writeback_core.registry import InPlaceDecision
 
 from writeback_passes.backend_names import XNNPACK_BACKEND_ID
 from writeback_passes.delegate_state_outputs import delegate_output_refusal, delegate_writer, is_delegate_output
-from writeback_passes.graph import StorageAliases, reads_no_value, source_of, tensor_value
+from writeback_passes.graph import StorageAliases, reads_no_value, tensor_value
 
 __all__ = ["ELEMENTWISE", "SCATTERS", "WholeStateReport", "whole_state_writes", "whole_state_writes_pass"]
 
