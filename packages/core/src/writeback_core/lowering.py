@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MEMORY_PLANS",
     "QUANTIZED_NAMESPACE",
+    "WEIGHTS_TAG",
     "MemoryPlan",
     "Partitioned",
     "backend_config",
@@ -70,6 +71,16 @@ __all__ = [
     "preprocess_shares_constants",
     "to_executorch",
 ]
+
+
+#: The name exir and XNNPACK file every weight under when a lowering keeps the weights apart
+#: from the program (``weights_apart``): one data file (``.ptd``, ExecuTorch's program-data
+#: separation) in which exir stores bytes that two weights share, a tied embedding and LM
+#: head, once.
+WEIGHTS_TAG = "weights"
+
+# The node.meta["custom"] key XNNPACK reads to put a weight it serializes in a data file.
+_DELEGATE_TAG_KEY = "delegate_constant_tag"
 
 
 @dataclass
@@ -88,6 +99,8 @@ def partition(
     registry: Registry | None,
     backend: BackendSpec | None,
     constant_methods: Mapping[str, Any] | None = None,
+    *,
+    weights_apart: bool = False,
 ) -> Partitioned:
     """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
     delegate) inside a :class:`~writeback_core.partition.LoweringPartitioner`, which runs the
@@ -96,7 +109,8 @@ def partition(
     mutation a partition touches. Delegates preprocess their partitions under
     :func:`preprocess_shares_constants`.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
-    ``forward``.
+    ``forward``. With ``weights_apart``, every delegate files the weights it serializes under
+    :data:`WEIGHTS_TAG` (:func:`to_executorch` with the same flag puts the program's own there).
 
     ``program`` is not changed. :raises LoweringError: naming the backend.
     """
@@ -111,7 +125,12 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
-            with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
+            with ExitStack() as stack:
+                stack.enter_context(known_warnings_ignored())
+                stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(unbacked_symbols_settled(program))
+                if weights_apart:
+                    stack.enter_context(_weights_tagged(program))
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
             mutations = wrapped.mutations
@@ -134,6 +153,43 @@ def partition(
         raise LoweringError(f"partitioning for backend {name!r} failed: {type(error).__name__}: {error}") from error
     decisions.update(in_place_decisions(edge.exported_program()))
     return Partitioned(edge, decisions, mutations)
+
+
+def _weights(program: ExportedProgram) -> set[str]:
+    """Placeholder names of ``program``'s weights: parameters, buffers it never writes, constants."""
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    return (
+        set(signature.inputs_to_parameters)
+        | {name for name, target in signature.inputs_to_buffers.items() if target not in mutated}
+        | set(signature.inputs_to_lifted_tensor_constants)
+    )
+
+
+@contextmanager
+def _weights_tagged(program: ExportedProgram) -> Iterator[None]:
+    """While the block runs, every weight placeholder of ``program`` carries XNNPACK's data-file
+    tag (:data:`WEIGHTS_TAG`), which a delegate's copy of the partition keeps; the placeholders'
+    metadata is as it was afterwards."""
+    names = _weights(program)
+    saved: dict[torch.fx.Node, Any] = {}
+    for node in program.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            saved[node] = node.meta.get("custom")
+            node.meta["custom"] = {**(saved[node] or {}), _DELEGATE_TAG_KEY: WEIGHTS_TAG}
+    try:
+        yield
+    finally:
+        for node, custom in saved.items():
+            if custom is None:
+                node.meta.pop("custom", None)
+            else:
+                node.meta["custom"] = custom
+
+
+def _weights_tag(_node: torch.fx.Node) -> str:
+    """exir's ``external_constants`` answer: every program constant goes to :data:`WEIGHTS_TAG`."""
+    return WEIGHTS_TAG
 
 
 def _copy_sharing_constants(cls: type, edge_program: ExportedProgram, compile_specs: Any) -> ExportedProgram:
@@ -203,6 +259,7 @@ def to_executorch(
     plan: MemoryPlan = "state",
     passes: bool = True,
     warn_copies: bool = True,
+    weights_apart: bool = False,
 ) -> ExecutorchProgramManager:
     """``edge_manager.to_executorch(config)`` with every registered program pass for the
     backend added: the one ``to_executorch`` of writeback, the lowering path's and a user's
@@ -229,6 +286,9 @@ def to_executorch(
     :class:`~writeback_core.copies.CopyLeftWarning` per method (:func:`lower` reports them
     on its result instead).
 
+    ``weights_apart`` (without a ``config``): the program's weights go to one data file,
+    :data:`WEIGHTS_TAG` (:func:`backend_config`).
+
     ``edge_manager`` is consumed (exir edits its signature).
 
     :raises TypeError: a registered pass returned something exir cannot use.
@@ -242,7 +302,7 @@ def to_executorch(
         decisions.update(in_place_decisions(edge_manager.exported_program(method)))
     if config is None:
         load_quantized_kernels(edge_manager)
-        config = backend_config(edge_manager, plan)
+        config = backend_config(edge_manager, plan, weights_apart=weights_apart)
     if isinstance(backend, _Backend):
         backend = _backend_of(edge_manager, registry, decisions) if registry is not None else None
     with known_warnings_ignored(), _methods_settled(edge_manager):  # exir's notes that are harmless here
@@ -288,6 +348,7 @@ def lower(
     *,
     partitioned: Partitioned | None = None,
     between_steps: Callable[[], None] | None = None,
+    weights_apart: bool = False,
 ) -> Lowered:
     """Partition ``exported`` for ``backend`` (:func:`partition`), run the registry's passes
     for it and serialize (:func:`to_executorch`); ``registry`` None: exir alone, no passes.
@@ -299,6 +360,9 @@ def lower(
     ``between_steps`` is called once partitioning is done, before serialization: a command
     passes its housekeeping there (the app's ``return_freed_memory`` frees the
     partitioner's working copies before serialization copies the weights).
+    ``weights_apart``: every weight, the program's and each delegate's, goes to one data file
+    beside the ``.pte`` (:meth:`~writeback_core.lowered.Lowered.write_weights`), where bytes two
+    weights share (a tied embedding and LM head) are stored once; a runtime loads the pair.
 
     ``exported`` is not changed. :raises LoweringError: a step failed; the message names it.
     """
@@ -306,13 +370,19 @@ def lower(
     if constant_methods is None and case is not None:
         constant_methods = case.constant_methods
     if partitioned is None:
-        partitioned = partition(exported, registry, backend, constant_methods)
+        partitioned = partition(exported, registry, backend, constant_methods, weights_apart=weights_apart)
     if between_steps is not None:
         between_steps()
     name = backend.name if backend is not None else None
     try:
         program = to_executorch(
-            partitioned.edge, registry=registry, backend=name, plan=plan, passes=registry is not None, warn_copies=False
+            partitioned.edge,
+            registry=registry,
+            backend=name,
+            plan=plan,
+            passes=registry is not None,
+            warn_copies=False,
+            weights_apart=weights_apart,
         )
     except Exception as error:
         raise LoweringError(
@@ -333,6 +403,7 @@ def lower(
         passes=pass_names(registry, name),
         seconds=time.perf_counter() - start,
         case=case,
+        weights_apart=weights_apart,
     )
 
 
@@ -369,9 +440,12 @@ def initialized_buffers(program: ExportedProgram) -> list[str]:
     return found
 
 
-def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> ExecutorchBackendConfig:
+def backend_config(
+    edge: EdgeProgramManager, plan: MemoryPlan = "state", *, weights_apart: bool = False
+) -> ExecutorchBackendConfig:
     """The ``ExecutorchBackendConfig`` writeback lowers with: named mutable buffers, non-zero
-    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``."""
+    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``;
+    with ``weights_apart``, every program constant in the data file :data:`WEIGHTS_TAG`."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -384,6 +458,7 @@ def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> Exec
         emit_mutable_buffer_names=True,
         passes=[InitializedMutableBufferPass(names)] if names else [],
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=inputs, alloc_graph_output=outputs),
+        external_constants=_weights_tag if weights_apart else False,
     )
 
 
