@@ -125,12 +125,9 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
-            with ExitStack() as stack:
-                stack.enter_context(known_warnings_ignored())
-                stack.enter_context(preprocess_shares_constants())
-                stack.enter_context(unbacked_symbols_settled(program))
-                if weights_apart:
-                    stack.enter_context(_weights_tagged(program))
+            if weights_apart:
+                arguments["transform_passes"] = [_tag_weights_apart, *(arguments["transform_passes"] or [])]
+            with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
             mutations = wrapped.mutations
@@ -155,36 +152,17 @@ def partition(
     return Partitioned(edge, decisions, mutations)
 
 
-def _weights(program: ExportedProgram) -> set[str]:
-    """Placeholder names of ``program``'s weights: parameters, buffers it never writes, constants."""
-    signature = program.graph_signature
-    mutated = set(signature.buffers_to_mutate.values())
-    return (
-        set(signature.inputs_to_parameters)
-        | {name for name, target in signature.inputs_to_buffers.items() if target not in mutated}
-        | set(signature.inputs_to_lifted_tensor_constants)
-    )
+def _tag_weights_apart(graph_module: torch.fx.GraphModule) -> Any:
+    """An edge transform: every placeholder carries XNNPACK's data-file tag (:data:`WEIGHTS_TAG`),
+    so that a delegate files each weight it serializes there, quantized weights made by the
+    edge decompositions included. A delegate reads the tag only of the constants it
+    serializes, so inputs and state are unaffected."""
+    from executorch.exir.pass_base import PassResult
 
-
-@contextmanager
-def _weights_tagged(program: ExportedProgram) -> Iterator[None]:
-    """While the block runs, every weight placeholder of ``program`` carries XNNPACK's data-file
-    tag (:data:`WEIGHTS_TAG`), which a delegate's copy of the partition keeps; the placeholders'
-    metadata is as it was afterwards."""
-    names = _weights(program)
-    saved: dict[torch.fx.Node, Any] = {}
-    for node in program.graph_module.graph.nodes:
-        if node.op == "placeholder" and node.name in names:
-            saved[node] = node.meta.get("custom")
-            node.meta["custom"] = {**(saved[node] or {}), _DELEGATE_TAG_KEY: WEIGHTS_TAG}
-    try:
-        yield
-    finally:
-        for node, custom in saved.items():
-            if custom is None:
-                node.meta.pop("custom", None)
-            else:
-                node.meta["custom"] = custom
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), _DELEGATE_TAG_KEY: WEIGHTS_TAG}
+    return PassResult(graph_module, True)
 
 
 def _weights_tag(_node: torch.fx.Node) -> str:
