@@ -188,6 +188,28 @@ def test_generate_streams_the_runners_text_and_prints_its_statistics(
     assert "prefill " in done.stdout and " tokens/s" in done.stdout and "time to first token" in done.stdout
 
 
+def test_generate_loads_the_weights_file_an_export_with_separate_weights_writes_beside_the_pte(
+    folder: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """`export --quantize 8da4w-e8 --separate-weights`: the .pte holds no weight (every one, XNNPACK's
+    4-bit matrices and the 8-bit table, is in model.ptd); `writeback generate` loads the pair and
+    gives the tokens the single-file export gives."""
+    model, _ = folder
+    (tmp_path / "one").mkdir()
+    _export(model, "xnnpack", tmp_path / "one", "--quantize", "8da4w-e8")
+    output = _export(model, "xnnpack", tmp_path, "--quantize", "8da4w-e8", "--separate-weights")
+    assert "wrote the weights to" in output
+    pte, data = (tmp_path / "model.pte").stat().st_size, (tmp_path / "model.ptd").stat().st_size
+    single_size = (tmp_path / "one" / "model.pte").stat().st_size
+    # What left the .pte is what the data file holds, give or take their headers and alignment.
+    assert abs((single_size - pte) - data) < 8 * 1024, (single_size, pte, data)
+    single, _ = runner_generates(tmp_path / "one" / "model.pte", tmp_path / "one" / "tokenizer.json")
+    command = [sys.executable, "-m", "writeback", "generate", str(tmp_path / "model.pte"), "--prompt", PROMPT]
+    done = subprocess.run([*command, "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "".join(single) in done.stdout
+
+
 def test_export_refuses_a_folder_no_plugin_reads_with_exit_2(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"\0")
     result = CliRunner().invoke(main, ["export", str(tmp_path), "--output", str(tmp_path / "m.pte")])

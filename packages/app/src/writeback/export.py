@@ -48,6 +48,8 @@ class ExportReport:
     tokenizer: Path | None
     #: Which positions' logits a call returns (:func:`writeback_core.llm_runner.logits_rows`).
     logits: str | None = None
+    #: The weights' data file written beside the ``.pte`` (``--separate-weights``), else None.
+    weights_path: Path | None = None
 
 
 def _default_backend(registry: Registry) -> str:
@@ -68,6 +70,7 @@ def _lines(report: ExportReport) -> list[str]:
         f"model {case.name}: {case.description}",
         f"wrote {report.pte_path} ({format_bytes(lowered.pte_nbytes)}, backend {backend}, "
         f"lowered in {lowered.seconds:.1f} s)",
+        *_weights_lines(report),
         "runner metadata: " + ", ".join(f"{name}={methods[name]!r}" for name in RUNNER_METADATA if name in methods),
         "prefill: "
         + (
@@ -92,6 +95,18 @@ def _lines(report: ExportReport) -> list[str]:
     else:
         lines.append(where_it_loads(lowered.backend, report.pte_path))
     return lines
+
+
+def _weights_lines(report: ExportReport) -> list[str]:
+    """Where the weights went when they are in a file of their own."""
+    if report.weights_path is None:
+        return []
+    size = format_bytes(report.weights_path.stat().st_size)
+    return [
+        f"wrote the weights to {report.weights_path} ({size}; each weight once, a tied embedding/LM head too): "
+        f"load both, TextLLMRunner(PTE, TOKENIZER, {report.weights_path.name}); writeback generate finds it beside "
+        "the .pte"
+    ]
 
 
 # What export prints for each answer of logits_rows.
@@ -152,6 +167,14 @@ def _tokenizer_of(model: str) -> Path | None:
     "position. Default: the last position's only, which is all ExecuTorch's LLM runner reads (the LM head then runs "
     "on one row and the program plans no [1, max_seq_len, vocab] buffer).",
 )
+@click.option(
+    "--separate-weights",
+    is_flag=True,
+    help="Write the weights to a data file of their own beside the .pte (OUTPUT with the suffix .ptd, ExecuTorch's "
+    "program-data separation), each stored once: a tied embedding/LM head, which the .pte holds twice (the lookup's "
+    "table and the delegate's matrix), is stored once there. The runner loads both: TextLLMRunner(PTE, TOKENIZER, "
+    "PTD).",
+)
 @quantize_option()
 @accept_weights_option()
 @click.pass_context
@@ -162,6 +185,7 @@ def export_command(
     output: Path,
     token_by_token: bool,
     all_logits: bool,
+    separate_weights: bool,
     quantize: str | None,
     accept_weights: bool,
 ) -> None:
@@ -178,6 +202,11 @@ def export_command(
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)
+    if separate_weights and output.suffix == ".ptd":
+        raise click.UsageError(
+            f"--separate-weights writes the weights to OUTPUT with the suffix .ptd, which is {output} itself: "
+            "give the program a .pte path"
+        )
     try:
         pipeline = assemble(registry, backend or _default_backend(registry))
     except PipelineError as error:
@@ -202,7 +231,22 @@ def export_command(
         exported = export_case(case)
         check_runner_contract(exported, case.constant_methods)
         rows = logits_rows(exported)
-        lowered = lower(exported, pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory)
+        lowered = lower(
+            exported,
+            pipeline.registry,
+            pipeline.backend,
+            "state",
+            case,
+            between_steps=return_freed_memory,
+            weights_apart=separate_weights,
+        )
+        weights = output.with_suffix(".ptd") if separate_weights else None
+        if weights is not None:
+            with replacing(weights) as temporary:
+                lowered.write_weights(temporary)
+        elif output.suffix != ".ptd":
+            # A weights file from an earlier export would be loaded with this program (generate finds it).
+            output.with_suffix(".ptd").unlink(missing_ok=True)
         with replacing(output) as temporary:
             lowered.write_pte(temporary)
     except RunnerContractError as error:
@@ -215,5 +259,5 @@ def export_command(
         tokenizer = output.parent / "tokenizer.json"
         if tokenizer.resolve() != source.resolve():
             shutil.copyfile(source, tokenizer)
-    for line in _lines(ExportReport(lowered, output, tokenizer, rows)):
+    for line in _lines(ExportReport(lowered, output, tokenizer, rows, weights)):
         console.print(line, markup=False, highlight=False)

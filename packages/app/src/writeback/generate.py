@@ -98,17 +98,22 @@ def generate_text(
     on_text: Any = None,
 ) -> GenerationStats:
     """Generate through ``TextLLMRunner``: the runner prints the text as it decodes (and
-    passes each piece to ``on_text`` when given); returns its statistics.
+    passes each piece to ``on_text`` when given); returns its statistics. A weights file
+    beside ``pte`` (its path with ``.ptd``, ``writeback export --separate-weights``) is
+    loaded with it.
 
     :raises RunnerRefused: the runner refused the program, the tokenizer or the prompt; the
         message gives the reason from the runner's own log (exit 2).
     """
+    from writeback_core.llm_runner import data_file_beside
+
     from writeback.generate_checks import runner_log
 
     config_class, runner_class = _runner()
+    data = data_file_beside(pte)
     with runner_log() as log:
         try:
-            runner = runner_class(str(pte), str(tokenizer))
+            runner = runner_class(str(pte), str(tokenizer), None if data is None else str(data))
         except RuntimeError as error:
             failure: RuntimeError | None = error
         else:

@@ -100,9 +100,10 @@ def measure_generation(pte: Path, tokenizer: Path, prompt: str, new_tokens: int,
     """Load ``pte`` in ``TextLLMRunner`` and generate greedily in this process (see the module
     docstring). Call it in a fresh process: the baseline is what the process holds before it."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-    from writeback_core.llm_runner import load_runner_kernels
+    from writeback_core.llm_runner import data_file_beside, load_runner_kernels
 
     load_runner_kernels()
+    data = data_file_beside(pte)
     try:
         from executorch.extension.pybindings import portable_lib
 
@@ -122,7 +123,7 @@ def measure_generation(pte: Path, tokenizer: Path, prompt: str, new_tokens: int,
     reset_peak()
     before = read_resident()
     start = time.perf_counter()
-    runner = TextLLMRunner(str(pte), str(tokenizer))
+    runner = TextLLMRunner(str(pte), str(tokenizer), None if data is None else str(data))
     with _stdout_silenced():
         runner.generate(prompt, config, token_callback=on_token, stats_callback=stats.append)
     end = read_resident()

@@ -168,7 +168,7 @@ def bench_generation(
     """
     from executorch.extension.llm.runner import TextLLMRunner
     from writeback.process_memory import return_freed_memory
-    from writeback_core.llm_runner import load_runner_kernels
+    from writeback_core.llm_runner import data_file_beside, load_runner_kernels
 
     load_runner_kernels()
     say = on_progress or (lambda _line: None)
@@ -189,7 +189,8 @@ def bench_generation(
                 return_freed_memory()
                 # Made once here (it reads the .pte's metadata) so that a .pte the runner refuses
                 # is reported before any round; each generation runs in a process of its own.
-                TextLLMRunner(str(path), str(tokenizer))
+                data = data_file_beside(path)
+                TextLLMRunner(str(path), str(tokenizer), None if data is None else str(data))
                 paths[name] = path
                 row.file_bytes = path.stat().st_size
             except OpsOutsideCoreAtenError:

@@ -26,6 +26,7 @@ The contract, as the runner reads it:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "RUNNER_METADATA",
     "RunnerContractError",
     "check_runner_contract",
+    "data_file_beside",
     "load_runner_kernels",
     "logits_rows",
     "runner_contract_problems",
@@ -69,6 +71,15 @@ def load_runner_kernels() -> bool:
     except (ImportError, OSError, RuntimeError):
         return False
     return True
+
+
+def data_file_beside(pte: Path) -> Path | None:
+    """The weights' data file of ``pte`` when it was exported with its weights apart
+    (``writeback export --separate-weights``): the same path with the suffix ``.ptd``,
+    which the runner loads beside the program (``TextLLMRunner(PTE, TOKENIZER, PTD)``).
+    None when there is no such file."""
+    data = pte.with_suffix(".ptd")
+    return data if data != pte and data.is_file() else None
 
 
 class RunnerContractError(ValueError):

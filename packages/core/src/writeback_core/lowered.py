@@ -5,6 +5,8 @@ inputs must be (:class:`InputSignature`), all still answering once the program i
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,8 @@ class Lowered:
     passes: tuple[str, ...]
     seconds: float
     case: ModelCase | None = None
+    #: The weights are in a data file of their own (:meth:`write_weights`), not in the ``.pte``.
+    weights_apart: bool = False
     _after_release: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _pte: bytes | None = field(default=None, repr=False, compare=False)
     _written_nbytes: int | None = field(default=None, repr=False, compare=False)
@@ -143,6 +147,25 @@ class Lowered:
             with open(path, "wb") as handle, known_warnings_ignored():
                 self.program.write_to_file(handle)
         self._written_nbytes = path.stat().st_size
+
+    def write_weights(self, path: Path) -> bool:
+        """Write the weights' data file (``.ptd``) of a lowering that keeps them apart
+        (``lower(..., weights_apart=True)``) to ``path``; a runtime loads it beside the ``.pte``
+        (``TextLLMRunner(PTE, TOKENIZER, PTD)``, ``Runtime.load_program(PTE, data_path=PTD)``).
+        Returns False, writing nothing, for a lowering whose weights are in the ``.pte``.
+
+        :raises OSError: the file cannot be written.
+        """
+        if self.released:
+            raise Released("weights")._refuse()
+        if not self.weights_apart:
+            return False
+        from writeback_core.lowering import WEIGHTS_TAG
+
+        with tempfile.TemporaryDirectory(prefix=".writeback-weights-", dir=path.parent) as folder:
+            self.program.write_tensor_data_to_file(folder)
+            os.replace(Path(folder) / f"{WEIGHTS_TAG}.ptd", path)
+        return True
 
     @property
     def released(self) -> bool:

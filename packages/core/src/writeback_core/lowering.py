@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MEMORY_PLANS",
     "QUANTIZED_NAMESPACE",
+    "WEIGHTS_TAG",
     "MemoryPlan",
     "Partitioned",
     "backend_config",
@@ -70,6 +71,16 @@ __all__ = [
     "preprocess_shares_constants",
     "to_executorch",
 ]
+
+
+#: The name exir and XNNPACK file every weight under when a lowering keeps the weights apart
+#: from the program (``weights_apart``): one data file (``.ptd``, ExecuTorch's program-data
+#: separation) in which exir stores bytes that two weights share, a tied embedding and LM
+#: head, once.
+WEIGHTS_TAG = "weights"
+
+# The node.meta["custom"] key XNNPACK reads to put a weight it serializes in a data file.
+_DELEGATE_TAG_KEY = "delegate_constant_tag"
 
 
 @dataclass
@@ -88,6 +99,8 @@ def partition(
     registry: Registry | None,
     backend: BackendSpec | None,
     constant_methods: Mapping[str, Any] | None = None,
+    *,
+    weights_apart: bool = False,
 ) -> Partitioned:
     """``to_edge_transform_and_lower`` of ``program`` with ``backend``'s partitioner (none: no
     delegate) inside a :class:`~writeback_core.partition.LoweringPartitioner`, which runs the
@@ -96,7 +109,8 @@ def partition(
     mutation a partition touches. Delegates preprocess their partitions under
     :func:`preprocess_shares_constants`.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
-    ``forward``.
+    ``forward``. With ``weights_apart``, every delegate files the weights it serializes under
+    :data:`WEIGHTS_TAG` (:func:`to_executorch` with the same flag puts the program's own there).
 
     ``program`` is not changed. :raises LoweringError: naming the backend.
     """
@@ -111,6 +125,8 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
+            if weights_apart:
+                arguments["transform_passes"] = [_tag_weights_apart, *(arguments["transform_passes"] or [])]
             with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
@@ -134,6 +150,24 @@ def partition(
         raise LoweringError(f"partitioning for backend {name!r} failed: {type(error).__name__}: {error}") from error
     decisions.update(in_place_decisions(edge.exported_program()))
     return Partitioned(edge, decisions, mutations)
+
+
+def _tag_weights_apart(graph_module: torch.fx.GraphModule) -> Any:
+    """An edge transform: every placeholder carries XNNPACK's data-file tag (:data:`WEIGHTS_TAG`),
+    so that a delegate files each weight it serializes there, quantized weights made by the
+    edge decompositions included. A delegate reads the tag only of the constants it
+    serializes, so inputs and state are unaffected."""
+    from executorch.exir.pass_base import PassResult
+
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), _DELEGATE_TAG_KEY: WEIGHTS_TAG}
+    return PassResult(graph_module, True)
+
+
+def _weights_tag(_node: torch.fx.Node) -> str:
+    """exir's ``external_constants`` answer: every program constant goes to :data:`WEIGHTS_TAG`."""
+    return WEIGHTS_TAG
 
 
 def _copy_sharing_constants(cls: type, edge_program: ExportedProgram, compile_specs: Any) -> ExportedProgram:
@@ -203,6 +237,7 @@ def to_executorch(
     plan: MemoryPlan = "state",
     passes: bool = True,
     warn_copies: bool = True,
+    weights_apart: bool = False,
 ) -> ExecutorchProgramManager:
     """``edge_manager.to_executorch(config)`` with every registered program pass for the
     backend added: the one ``to_executorch`` of writeback, the lowering path's and a user's
@@ -229,6 +264,9 @@ def to_executorch(
     :class:`~writeback_core.copies.CopyLeftWarning` per method (:func:`lower` reports them
     on its result instead).
 
+    ``weights_apart`` (without a ``config``): the program's weights go to one data file,
+    :data:`WEIGHTS_TAG` (:func:`backend_config`).
+
     ``edge_manager`` is consumed (exir edits its signature).
 
     :raises TypeError: a registered pass returned something exir cannot use.
@@ -242,7 +280,7 @@ def to_executorch(
         decisions.update(in_place_decisions(edge_manager.exported_program(method)))
     if config is None:
         load_quantized_kernels(edge_manager)
-        config = backend_config(edge_manager, plan)
+        config = backend_config(edge_manager, plan, weights_apart=weights_apart)
     if isinstance(backend, _Backend):
         backend = _backend_of(edge_manager, registry, decisions) if registry is not None else None
     with known_warnings_ignored(), _methods_settled(edge_manager):  # exir's notes that are harmless here
@@ -288,6 +326,7 @@ def lower(
     *,
     partitioned: Partitioned | None = None,
     between_steps: Callable[[], None] | None = None,
+    weights_apart: bool = False,
 ) -> Lowered:
     """Partition ``exported`` for ``backend`` (:func:`partition`), run the registry's passes
     for it and serialize (:func:`to_executorch`); ``registry`` None: exir alone, no passes.
@@ -299,6 +338,9 @@ def lower(
     ``between_steps`` is called once partitioning is done, before serialization: a command
     passes its housekeeping there (the app's ``return_freed_memory`` frees the
     partitioner's working copies before serialization copies the weights).
+    ``weights_apart``: every weight, the program's and each delegate's, goes to one data file
+    beside the ``.pte`` (:meth:`~writeback_core.lowered.Lowered.write_weights`), where bytes two
+    weights share (a tied embedding and LM head) are stored once; a runtime loads the pair.
 
     ``exported`` is not changed. :raises LoweringError: a step failed; the message names it.
     """
@@ -306,13 +348,19 @@ def lower(
     if constant_methods is None and case is not None:
         constant_methods = case.constant_methods
     if partitioned is None:
-        partitioned = partition(exported, registry, backend, constant_methods)
+        partitioned = partition(exported, registry, backend, constant_methods, weights_apart=weights_apart)
     if between_steps is not None:
         between_steps()
     name = backend.name if backend is not None else None
     try:
         program = to_executorch(
-            partitioned.edge, registry=registry, backend=name, plan=plan, passes=registry is not None, warn_copies=False
+            partitioned.edge,
+            registry=registry,
+            backend=name,
+            plan=plan,
+            passes=registry is not None,
+            warn_copies=False,
+            weights_apart=weights_apart,
         )
     except Exception as error:
         raise LoweringError(
@@ -333,6 +381,7 @@ def lower(
         passes=pass_names(registry, name),
         seconds=time.perf_counter() - start,
         case=case,
+        weights_apart=weights_apart,
     )
 
 
@@ -369,9 +418,12 @@ def initialized_buffers(program: ExportedProgram) -> list[str]:
     return found
 
 
-def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> ExecutorchBackendConfig:
+def backend_config(
+    edge: EdgeProgramManager, plan: MemoryPlan = "state", *, weights_apart: bool = False
+) -> ExecutorchBackendConfig:
     """The ``ExecutorchBackendConfig`` writeback lowers with: named mutable buffers, non-zero
-    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``."""
+    initial values kept (:func:`initialized_buffers`), inputs/outputs planned per ``plan``;
+    with ``weights_apart``, every program constant in the data file :data:`WEIGHTS_TAG`."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -384,6 +436,7 @@ def backend_config(edge: EdgeProgramManager, plan: MemoryPlan = "state") -> Exec
         emit_mutable_buffer_names=True,
         passes=[InitializedMutableBufferPass(names)] if names else [],
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=inputs, alloc_graph_output=outputs),
+        external_constants=_weights_tag if weights_apart else False,
     )
 
 
