@@ -1,32 +1,42 @@
 """Put llama.cpp's GGUF files of a model folder beside writeback's `.pte` files of it, measured alike.
 
     uv run python docs/llamacpp_compare.py FOLDER --convert PATH/convert_hf_to_gguf.py \\
-        --quantize-tool PATH/llama-quantize --pte "writeback 8da4w=model.pte" [--types q4_0,q8_0]
+        --pte "writeback 8da4w=model.pte" [--types q4_0,q8_0] [--quantize-tool PATH/llama-quantize]
 
-What it does: converts FOLDER (a Hugging Face folder, the one `writeback export` read) to GGUF with
-llama.cpp's own converter (f32, and q8_0), quantizes the f32 file to q4_0 with `llama-quantize`
-(llama.cpp's default keeps the embedding/output in q8_0; `q4_0-pure` quantizes them to q4_0 too, as
-writeback's 8da4w LM head is), then runs every contender (each GGUF through llama-cpp-python, each
-`--pte` through ExecuTorch's `TextLLMRunner`) in a process of its own, in interleaved rounds with the
-contenders' order rotated each round: the time from just before loading to the first logits of the
-prompt, the resident memory that loading and prefill added by then, the peak through the generation
-(minus what the process held before loading), the file's size, and prefill and decode tokens/s from
-greedy generation of the same prompt text. Medians; ratios against the first row (or --baseline).
+What it does: converts FOLDER (a Hugging Face folder, the one `writeback export` read) to an f32
+GGUF with llama.cpp's own converter, quantizes that file to each of --types (q4_0: llama.cpp's
+default, which keeps a tied embedding/LM head in q8_0 when the hidden size is no multiple of 256;
+`q4_0-pure` quantizes it to q4_0 too, as writeback's 8da4w LM head is; q8_0) with llama.cpp's
+quantizer (`llama-quantize` where --quantize-tool is given, else the same library function through
+llama-cpp-python), then runs every contender (each GGUF through llama-cpp-python, each `--pte`
+through ExecuTorch's `TextLLMRunner`) in a process of its own, in interleaved rounds with the
+contenders' order rotated each round. Each process imports its runtime first, then measures: the
+time from just before loading to the first logits of the prompt, the resident memory that loading
+and prefill added by then, the peak through the generation (minus what the process held before
+loading), the file's size, and prefill and decode tokens/s from greedy generation of the same
+prompt text. Medians; ratios against the first row (or --baseline).
 
-Installing llama.cpp for it (not a dependency of writeback):
+A folder whose tokenizer llama.cpp's converter does not recognise (it hashes how the tokenizer
+splits a test text, and refuses an unknown hash: a test folder's tiny trained tokenizer, say) needs
+`--pre-tokenizer NAME`: the converter then writes NAME (one of llama.cpp's pre-tokenizer names,
+`gpt-2` for a byte-level BPE with GPT-2's split rule) where it would have refused.
+
+Installing llama.cpp for it (not a dependency of writeback; keep it out of the project's lock file):
   - the Python binding, built from source with the CPU's AMX code off (a native build segfaults on
-    quantized models in some virtual machines):
-        CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install --no-binary llama-cpp-python llama-cpp-python
-  - llama.cpp's converter and quantizer: clone llama.cpp, `pip install -r requirements.txt` there
-    (`gguf`, `sentencepiece`, ...), build with `cmake -B build -DGGML_NATIVE=OFF && cmake --build
-    build --target llama-quantize`; pass `--convert convert_hf_to_gguf.py` and `--quantize-tool
-    build/bin/llama-quantize` from that checkout.
+    quantized models in some virtual machines), into the environment that runs this script:
+        CMAKE_ARGS="-DGGML_NATIVE=OFF" uv pip install --no-binary llama-cpp-python llama-cpp-python
+  - llama.cpp's converter, of the llama.cpp that binding vendors (its source distribution carries it
+    under vendor/llama.cpp) or of a checkout of the same date: pass `--convert
+    PATH/convert_hf_to_gguf.py`; it imports the `gguf` package beside it (gguf-py), so the two match.
+    Optionally build `llama-quantize` there (`cmake -B build -DGGML_NATIVE=OFF && cmake --build
+    build --target llama-quantize`) and pass `--quantize-tool build/bin/llama-quantize`.
 Without them the script exits with status 2 and says what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import os
@@ -38,11 +48,31 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MIB = 1 << 20
 BASE_TEXT = "the quick brown fox jumps over the lazy dog and the state it mutates is written once in place "
 # llama-quantize's type names for each --types entry; "-pure" quantizes the embedding/output as the rest.
 QUANTIZED = {"q4_0": ("Q4_0", False), "q4_0-pure": ("Q4_0", True), "q8_0": ("Q8_0", False)}
+# Runs llama.cpp's converter (argv[1]) with its arguments (argv[3:]), writing the pre-tokenizer name
+# argv[2] where the converter would refuse a tokenizer it does not recognise.
+_CONVERT_WITH_PRE_TOKENIZER = """
+import runpy, sys
+from pathlib import Path
+convert, name = sys.argv[1], sys.argv[2]
+sys.argv = [convert, *sys.argv[3:]]
+sys.path[:0] = [str(Path(convert).parent), str(Path(convert).parent / "gguf-py")]
+from conversion import base
+recognise = base.TextModel.get_vocab_base_pre
+def recognised_or_named(self, tokenizer):
+    try:
+        return recognise(self, tokenizer)
+    except NotImplementedError:
+        print(f"llamacpp_compare: tokenizer not recognised; writing pre-tokenizer {name!r}", file=sys.stderr)
+        return name
+base.TextModel.get_vocab_base_pre = recognised_or_named
+runpy.run_path(convert, run_name="__main__")
+"""
 
 
 @dataclass
@@ -64,29 +94,42 @@ def _missing(convert: Path | None, quantize_tool: Path | None, types: list[str])
         missing.append('llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python)')
     if convert is None or not convert.is_file():
         missing.append("llama.cpp's convert_hf_to_gguf.py (--convert PATH; from a llama.cpp checkout)")
-    if any(t.startswith("q4_0") for t in types) and (quantize_tool is None or not quantize_tool.is_file()):
-        missing.append(
-            "llama.cpp's llama-quantize (--quantize-tool PATH; cmake -DGGML_NATIVE=OFF, target llama-quantize)"
-        )
+    if quantize_tool is not None and not quantize_tool.is_file():
+        missing.append(f"llama.cpp's llama-quantize at {quantize_tool} (--quantize-tool)")
     return missing
 
 
-def _convert(folder: Path, convert: Path, quantize_tool: Path | None, types: list[str], work: Path) -> list[Row]:
+def _quantize(source: Path, out: Path, name: str, quantize_tool: Path | None) -> None:
+    """llama.cpp's quantizer: `llama-quantize` where given, else the same library call through the binding."""
+    kind, pure = QUANTIZED[name]
+    if quantize_tool is not None:
+        subprocess.run([str(quantize_tool), *(["--pure"] if pure else []), str(source), str(out), kind], check=True)
+        return
+    llama_cpp: Any = importlib.import_module("llama_cpp")  # optional: not a dependency of writeback
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    params.pure = pure
+    failed = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if failed:
+        raise RuntimeError(f"llama.cpp's llama_model_quantize({source.name} -> {out.name}, {kind}) returned {failed}")
+
+
+def _convert(
+    folder: Path, convert: Path, pre_tokenizer: str | None, quantize_tool: Path | None, types: list[str], work: Path
+) -> list[Row]:
+    """The GGUF rows, converted into ``work``; files already there (from a ``--keep`` folder) are reused."""
     rows = []
     f32 = work / "model-f32.gguf"
-    subprocess.run([sys.executable, str(convert), str(folder), "--outtype", "f32", "--outfile", str(f32)], check=True)
+    arguments = [str(folder), "--outtype", "f32", "--outfile", str(f32)]
+    if not f32.is_file():
+        launcher = [sys.executable, str(convert)]
+        if pre_tokenizer is not None:
+            launcher = [sys.executable, "-c", _CONVERT_WITH_PRE_TOKENIZER, str(convert), pre_tokenizer]
+        subprocess.run([*launcher, *arguments], check=True)
     for name in types:
-        out = work / f"model-{name}.gguf"
-        if name == "f32":
-            out = f32
-        elif name == "q8_0" and not quantize_tool:
-            subprocess.run(
-                [sys.executable, str(convert), str(folder), "--outtype", "q8_0", "--outfile", str(out)], check=True
-            )
-        else:
-            kind, pure = QUANTIZED[name]
-            assert quantize_tool is not None
-            subprocess.run([str(quantize_tool), *(["--pure"] if pure else []), str(f32), str(out), kind], check=True)
+        out = f32 if name == "f32" else work / f"model-{name}.gguf"
+        if not out.is_file():
+            _quantize(f32, out, name, quantize_tool)
         rows.append(Row(f"llama.cpp {name}", out, "gguf"))
     return rows
 
@@ -100,36 +143,48 @@ def _prompt(folder: Path, tokens: int) -> str:
     return text
 
 
-def _gguf_child(request: dict[str, object]) -> dict[str, float]:
-    """One llama.cpp generation in this process (a fresh one): load, prefill, greedy decode."""
+def _gguf_child(request: dict[str, Any]) -> dict[str, float]:
+    """One llama.cpp generation in this process (a fresh one): load, prefill, greedy decode. The
+    binding is imported before the baseline, as the `.pte` child imports ExecuTorch's runtime."""
+    import numpy as np
     from writeback_bench.resident_memory import read_resident, reset_peak
 
-    threads = int(request["threads"])  # type: ignore[call-overload]
-    new_tokens = int(request["new_tokens"])  # type: ignore[call-overload]
+    llama_cpp: Any = importlib.import_module("llama_cpp")  # optional: not a dependency of writeback
+    threads = int(request["threads"])
+    new_tokens = int(request["new_tokens"])
     reset_peak()
     before = read_resident()
     start = time.perf_counter()
-    llama_cpp = importlib.import_module("llama_cpp")  # optional: not a dependency of writeback
     llm = llama_cpp.Llama(model_path=str(request["path"]), n_ctx=1024, n_threads=threads, n_batch=1024, verbose=False)
     loaded = time.perf_counter()
+    vocab = llm.n_vocab()
+
+    def next_token() -> int:
+        # The last evaluated position's logits, read in place (the binding keeps no copy of them
+        # unless every position's logits are asked for).
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+        return int(row.argmax())
+
     tokens = llm.tokenize(str(request["prompt"]).encode(), add_bos=True)
     llm.eval(tokens)
-    logits = llm.eval_logits[-1]
+    token = next_token()
     first = time.perf_counter()
     at_first = read_resident()
     for _ in range(new_tokens):
-        token = max(range(len(logits)), key=logits.__getitem__)
         llm.eval([token])
-        logits = llm.eval_logits[-1]
+        token = next_token()
     end = time.perf_counter()
     peak = read_resident().peak
     return {
         "first_token_s": first - start,
         "load_s": loaded - start,
         "resident_added": at_first.total - before.total,
+        "anon_added": at_first.anon - before.anon,
+        "file_added": at_first.file - before.file,
         "peak_added": max(peak, at_first.total) - before.total,
         "prefill_tps": len(tokens) / (first - loaded),
         "decode_tps": new_tokens / (end - first),
+        "prompt_tokens": len(tokens),
     }
 
 
@@ -139,7 +194,11 @@ def _measure(row: Row, folder: Path, prompt: str, new_tokens: int, threads: int)
 
         from writeback_bench.resident_memory import measure_in_child
 
-        figures = asdict(measure_in_child(row.path, folder / "tokenizer.json", prompt, new_tokens, threads))
+        try:
+            figures = asdict(measure_in_child(row.path, folder / "tokenizer.json", prompt, new_tokens, threads))
+        except RuntimeError as error:
+            row.error = str(error)
+            return
         row.figures.append({k: float(v) for k, v in figures.items() if k != "text"})
         return
     with tempfile.TemporaryDirectory(prefix="llamacpp-compare-") as tmp:
@@ -183,7 +242,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the Hugging Face folder writeback exported")
     parser.add_argument("--convert", type=Path, default=None, help="llama.cpp's convert_hf_to_gguf.py")
-    parser.add_argument("--quantize-tool", type=Path, default=None, help="llama.cpp's llama-quantize binary")
+    parser.add_argument(
+        "--quantize-tool", type=Path, default=None, help="llama.cpp's llama-quantize (default: the binding's quantizer)"
+    )
+    parser.add_argument(
+        "--pre-tokenizer", default=None, help="llama.cpp pre-tokenizer name for a tokenizer its converter does not know"
+    )
     parser.add_argument("--types", default="q4_0,q8_0", help=f"GGUF types: f32, {', '.join(QUANTIZED)}")
     parser.add_argument("--pte", action="append", default=[], metavar="NAME=PATH", help="a .pte contender")
     parser.add_argument("--rounds", type=int, default=5)
@@ -191,7 +255,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", default=None, help="the row ratios are against (default: the first)")
-    parser.add_argument("--keep", type=Path, default=None, help="write the GGUF files here, kept")
+    parser.add_argument("--json", type=Path, default=None, help="also write every round's figures here")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the GGUF files here (reused)")
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t]
     unknown = [t for t in types if t != "f32" and t not in QUANTIZED]
@@ -203,8 +268,8 @@ def main() -> int:
         print(
             "llamacpp_compare: cannot run: " + "; ".join(problems) + ". This script puts llama.cpp's GGUF files "
             "of the folder beside writeback's .pte files; llama.cpp is not a dependency of writeback, so install "
-            "it as this script's docstring says (build with -DGGML_NATIVE=OFF) and pass --convert and "
-            "--quantize-tool. Nothing was written.",
+            "it as this script's docstring says (build with -DGGML_NATIVE=OFF) and pass --convert (and, if you "
+            "built it, --quantize-tool). Nothing was written.",
             file=sys.stderr,
         )
         return 2
@@ -218,7 +283,7 @@ def main() -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="llamacpp-compare-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rows = [*_convert(args.folder, args.convert, args.quantize_tool, types, work), *ptes]
+        rows = [*_convert(args.folder, args.convert, args.pre_tokenizer, args.quantize_tool, types, work), *ptes]
         prompt = _prompt(args.folder, args.prompt_tokens)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         for round_ in range(args.rounds):
@@ -232,6 +297,9 @@ def main() -> int:
             f"{args.rounds} interleaved rounds, each run in a process of its own; {args.threads} thread(s); medians"
         )
         _table(rows, args.baseline)
+        if args.json is not None:
+            rounds = {row.name: {"file_bytes": row.path.stat().st_size, "rounds": row.figures} for row in rows}
+            args.json.write_text(json.dumps(rounds, indent=1))
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
