@@ -15,6 +15,7 @@ import pytest
 import torch
 from writeback_bench.runner_generation import STOCK_SAME, WRITEBACK, GenerationRow, _programs, _table
 
+from tests.decoders.test_hf_states import _COMMON, FAMILIES
 from tests.decoders.test_llm_runner import _tokenizer
 
 CONV = 128 * 4 * 4  # bytes: [1, 128, 4] fp32
@@ -27,17 +28,8 @@ def mamba_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = tmp_path_factory.mktemp("mamba")
     tokenizer = _tokenizer(path)
-    config = transformers.MambaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        num_hidden_layers=2,
-        state_size=8,
-        expand=2,
-        conv_kernel=4,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
+    config_class, fields = FAMILIES["mamba"]  # hidden 64, 2 layers, state 8, expand 2, conv kernel 4
+    config = getattr(transformers, config_class)(vocab_size=tokenizer.get_vocab_size(), **_COMMON, **fields)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path

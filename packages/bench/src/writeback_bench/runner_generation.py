@@ -173,7 +173,15 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Write
         )
         lowered.write_pte(path)
         # writeback's partitioner may move states into a delegate: its own record of the mutations counts them.
-        state = sum(math.prod(int(d) for d in m.shape) * m.dtype.itemsize for m in lowered.mutations)
+        state = 0
+        for mutation in lowered.mutations:
+            dims = [d for d in mutation.shape if isinstance(d, int)]
+            if len(dims) != len(mutation.shape):
+                raise ValueError(
+                    f"state {mutation.target!r} has shape {mutation.shape}, not fixed: bench-generate counts the "
+                    "bytes of fixed-size states only (a runner-ready program holds its states as buffers)"
+                )
+            state += math.prod(dims) * mutation.dtype.itemsize
         return path, StateTraffic(len(lowered.write_back_bytes), lowered.copied_per_call, state)
 
     rows.append((WRITEBACK, case.description, ours))
