@@ -20,10 +20,18 @@ the other, in an order rotated each round, so a noisy machine slows them alike. 
 pool runs one thread unless asked. The runner's own statistics give prefill (prompt tokens /
 prefill time) and decode (generated tokens / decode time) speeds; ratios are against the first
 stock row (or ``--baseline``).
+
+Each row also says what its program moves to keep its state, counted from the lowered
+program's final graph: the whole-state write-back copies left (exir's ``copy_`` into a mutated
+buffer, the copies ``writeback run`` names) and the bytes they move per call, beside the bytes
+of all the states the program mutates. The runner decodes one token per call, and prefills the
+recurrent and hybrid folders one token per call too, so the bytes per call are the state bytes
+the copies move per token. A ``--pte`` file written elsewhere has no graph here: ``-``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -40,7 +48,16 @@ from writeback_core.types import ModelCase
 
 from writeback_bench.contenders import write_stock_pte
 
-__all__ = ["STOCK_SAME", "WRITEBACK", "GenerationRow", "bench_generate_command", "bench_generation"]
+__all__ = [
+    "STOCK_SAME",
+    "WRITEBACK",
+    "GenerationRow",
+    "StateTraffic",
+    "bench_generate_command",
+    "bench_generation",
+    "mutated_state_bytes",
+    "state_traffic",
+]
 
 MIB = 1 << 20
 WRITEBACK = "writeback+xnnpack"
@@ -62,6 +79,7 @@ class GenerationRow:
     text: str = ""
     prompt_tokens: int = 0
     error: str | None = None
+    traffic: StateTraffic | None = None  # None: a file written elsewhere, no graph to count
 
     @property
     def prefill_median(self) -> float:
@@ -84,12 +102,48 @@ class GenerationRow:
         return _median(self.peak)
 
 
+@dataclass(frozen=True)
+class StateTraffic:
+    """What a lowered program moves to keep its state: ``copies`` whole-state write-back copies
+    left per call, ``copied_bytes`` the bytes they move per call, ``state_bytes`` the bytes of
+    every state the exported program mutates (its mutated buffers and user inputs)."""
+
+    copies: int
+    copied_bytes: int
+    state_bytes: int
+
+
+def state_traffic(final: Any) -> StateTraffic:
+    """The :class:`StateTraffic` of ``final``, the final ``ExportedProgram`` of a stock lowering
+    (after ``to_executorch``, where every mutated state is still a placeholder its signature
+    names: stock partitioners take no mutable buffer)."""
+    from writeback_core.program_passes import write_back_bytes
+
+    copies = write_back_bytes(final)
+    return StateTraffic(len(copies), sum(copies.values()), mutated_state_bytes(final))
+
+
+def mutated_state_bytes(exported: Any) -> int:
+    """The bytes of every state ``exported`` (a functional ``ExportedProgram``: edge or later)
+    mutates: its mutated buffers and mutated user inputs, as its signature names them."""
+    signature = exported.graph_signature
+    mutated = set(signature.buffers_to_mutate.values()) | set(signature.user_inputs_to_mutate.values())
+    buffers = signature.inputs_to_buffers
+    state = 0
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and (buffers.get(node.name) in mutated or node.name in mutated):
+            value = node.meta["val"]
+            state += value.numel() * value.element_size()
+    return state
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-# A contender's .pte: written to the path given (returned), or a file of its own (returned, the path ignored).
-WritePte = Callable[[Path], Path]
+# A contender's .pte: written to the path given (returned), or a file of its own (returned, the path
+# ignored), with what its program moves to keep its state (None for a file written elsewhere).
+WritePte = Callable[[Path], tuple[Path, StateTraffic | None]]
 
 
 def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, WritePte]]:
@@ -103,9 +157,9 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Write
     rows: list[tuple[str, str, WritePte]] = []
 
     def stock(make: Callable[[], Any]) -> WritePte:
-        def write(path: Path) -> Path:
-            write_stock_pte(make(), path, xnnpack=True, constant_methods=methods)
-            return path
+        def write(path: Path) -> tuple[Path, StateTraffic | None]:
+            program = write_stock_pte(make(), path, xnnpack=True, constant_methods=methods)
+            return path, state_traffic(program.exported_program())
 
         return write
 
@@ -113,20 +167,30 @@ def _programs(registry: Registry, case: ModelCase) -> list[tuple[str, str, Write
         rows.append((f"stock+xnnpack ({label})", label, stock(make)))
     rows.append((STOCK_SAME, case.description, stock(lambda: export_case(case))))
 
-    def ours(path: Path) -> Path:
+    def ours(path: Path) -> tuple[Path, StateTraffic | None]:
         pipeline = assemble(registry, "xnnpack")
         lowered = lower(
             export_case(case), pipeline.registry, pipeline.backend, "state", case, between_steps=return_freed_memory
         )
         lowered.write_pte(path)
-        return path
+        # writeback's partitioner may move states into a delegate: its own record of the mutations counts them.
+        state = 0
+        for mutation in lowered.mutations:
+            dims = [d for d in mutation.shape if isinstance(d, int)]
+            if len(dims) != len(mutation.shape):
+                raise ValueError(
+                    f"state {mutation.target!r} has shape {mutation.shape}, not fixed: bench-generate counts the "
+                    "bytes of fixed-size states only (a runner-ready program holds its states as buffers)"
+                )
+            state += math.prod(dims) * mutation.dtype.itemsize
+        return path, StateTraffic(len(lowered.write_back_bytes), lowered.copied_per_call, state)
 
     rows.append((WRITEBACK, case.description, ours))
     return rows
 
 
 def _given(path: Path) -> WritePte:
-    return lambda _unused: path
+    return lambda _unused: (path, None)
 
 
 def _prompt(tokenizer: Path, tokens: int) -> str:
@@ -183,7 +247,7 @@ def bench_generation(
             rows.append(row)
             say(f"lowering {name}")
             try:
-                path = write(Path(folder) / f"{len(rows)}.pte")
+                path, row.traffic = write(Path(folder) / f"{len(rows)}.pte")
                 # The lowering's copies of the weights are garbage now (some held by the
                 # toolchain's caches): gone before the next contender lowers.
                 return_freed_memory()
@@ -238,7 +302,8 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
     reference, label = (ours, "writeback") if ours is not None else (base, "the baseline")
     lines = [
         f"{'contender':<52} {'file MiB':>8} {'load s':>6} {'resident MiB':>12} {'peak MiB':>8} {'prefill tok/s':>13} "
-        f"{'decode tok/s':>12} {'load x':>6} {'resident x':>10} {'peak x':>6} {'prefill x':>9} {'decode x':>8}  tokens"
+        f"{'decode tok/s':>12} {'load x':>6} {'resident x':>10} {'peak x':>6} {'prefill x':>9} {'decode x':>8} "
+        f"{'copies/call':>11} {'copied/call':>11} {'state':>9}  tokens"
     ]
     for row in rows:
         if row.error is not None:
@@ -255,9 +320,18 @@ def _table(rows: list[GenerationRow], baseline: str | None = None) -> list[str]:
             f"{row.name:<52} {row.file_bytes / MIB:>8.1f} {row.first_token_median:>6.2f} "
             f"{row.resident_median / MIB:>12.1f} {row.peak_median / MIB:>8.1f} {row.prefill_median:>13.1f} "
             f"{row.decode_median:>12.1f} {ratios[0]:>6.2f} {ratios[1]:>10.2f} {ratios[2]:>6.2f} {ratios[3]:>9.2f} "
-            f"{ratios[4]:>8.2f}  {same}"
+            f"{ratios[4]:>8.2f} {_traffic_cells(row.traffic)}  {same}"
         )
     return lines
+
+
+def _traffic_cells(traffic: StateTraffic | None) -> str:
+    from writeback_core.units import format_bytes
+
+    if traffic is None:
+        return f"{'-':>11} {'-':>11} {'-':>9}"
+    copied = format_bytes(traffic.copied_bytes) if traffic.copies else "0"
+    return f"{traffic.copies:>11} {copied:>11} {format_bytes(traffic.state_bytes):>9}"
 
 
 def _ratio(value: float, base: float) -> float:
@@ -354,7 +428,9 @@ def bench_generate_command(
     click.echo(
         "load s: from just before loading to the first token (prompt prefilled); resident: what loading and "
         "prefill added to the process by then; peak: its highest resident set through the generation, minus "
-        "what it held before loading"
+        "what it held before loading; copies/call, copied/call: whole-state write-back copies left in the "
+        "program and the bytes they move per call (one call per decoded token: the state bytes moved per "
+        "token); state: the bytes of every state the program mutates"
     )
     for line in _table(rows, baseline):
         click.echo(line)
