@@ -94,7 +94,7 @@ def partition(
     registry's ``"exported"`` passes for the backend on a copy of the program and its
     ``"before_partition"`` passes on the edge program, and records core's decision per
     mutation a partition touches. Delegates preprocess their partitions under
-    :func:`preprocess_shares_constants`.
+    :func:`preprocess_shares_constants` and the backend's ``lowering_context``.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
     ``forward``.
 
@@ -111,7 +111,12 @@ def partition(
         if backend is not None and registry is not None:
             # What writeback_core.to_edge_arguments() hands a user's own export script.
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
-            with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
+            with ExitStack() as stack:
+                stack.enter_context(known_warnings_ignored())
+                stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(unbacked_symbols_settled(program))
+                if backend.lowering_context is not None:
+                    stack.enter_context(backend.lowering_context())
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
             mutations = wrapped.mutations
