@@ -40,9 +40,8 @@ class _ConvNorm(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(4, 8, 3)
         self.norm = nn.BatchNorm1d(8)
-        with torch.no_grad():
-            self.norm.running_mean.uniform_(-1, 1)
-            self.norm.running_var.uniform_(0.5, 2)
+        self.norm.running_mean = torch.linspace(-1, 1, 8)
+        self.norm.running_var = torch.linspace(0.5, 2, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.relu(self.norm(self.conv(x)))

@@ -95,7 +95,7 @@ def _pruned(manager: Any) -> Any:
     :func:`_finds_nothing` rules out replaced by one trace (step 2)."""
     needs: dict[str, list[frozenset[str]]] = {}
 
-    class PrunedPassManager(manager):  # type: ignore[misc,valid-type]  # executorch is untyped
+    class PrunedPassManager(manager):  # type: ignore[misc]  # executorch is untyped: its classes are Any
         def transform(self) -> Any:
             from executorch.exir.pass_base import ExportPass
 
