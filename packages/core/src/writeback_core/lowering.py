@@ -107,7 +107,7 @@ def partition(
     registry's ``"exported"`` passes for the backend on a copy of the program and its
     ``"before_partition"`` passes on the edge program, and records core's decision per
     mutation a partition touches. Delegates preprocess their partitions under
-    :func:`preprocess_shares_constants`.
+    :func:`preprocess_shares_constants` and the backend's ``lowering_context``.
     ``constant_methods`` (exir's: method name -> the constant it returns) are written beside
     ``forward``. With ``weights_apart``, every delegate files the weights it serializes under
     :data:`WEIGHTS_TAG` (:func:`to_executorch` with the same flag puts the program's own there).
@@ -127,7 +127,12 @@ def partition(
             arguments = edge_arguments(backend.name, backend.partitioner(registry), registry)
             if weights_apart:
                 arguments["transform_passes"] = [_tag_weights_apart, *(arguments["transform_passes"] or [])]
-            with known_warnings_ignored(), preprocess_shares_constants(), unbacked_symbols_settled(program):
+            with ExitStack() as stack:
+                stack.enter_context(known_warnings_ignored())
+                stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(unbacked_symbols_settled(program))
+                if backend.lowering_context is not None:
+                    stack.enter_context(backend.lowering_context())
                 edge = to_edge_transform_and_lower(program, **arguments, constant_methods=methods)
             wrapped: LoweringPartitioner = arguments["partitioner"][0]
             mutations = wrapped.mutations

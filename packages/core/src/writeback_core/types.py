@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
@@ -124,6 +125,10 @@ class BackendSpec:
     prefilled in one call); ``writeback export`` exports decoders so only then.
     ``preferred``: the backend a command takes when none is named (of several
     preferred ones, the first by name; of none, the only backend installed).
+    ``lowering_context``: makes a context manager that the lowering enters around
+    partitioning and the delegates' ``preprocess`` (``None``: none). A backend uses it to
+    make its own preprocessing cheaper; the ``.pte`` must be the same byte for byte with
+    or without it, as a user's own ``to_edge_transform_and_lower`` does not enter it.
     """
 
     name: str
@@ -133,6 +138,7 @@ class BackendSpec:
     kernel_writes: bool = False
     dynamic_shapes: bool = False
     preferred: bool = False
+    lowering_context: Callable[[], AbstractContextManager[None]] | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ so loading the plugin costs nothing until a pipeline asks for a pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from writeback_core import BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
@@ -36,6 +37,12 @@ def _xnnpack(registry: Registry, **options: Any) -> Any:
     return xnnpack_partitioner(**options)
 
 
+def _xnnpack_lowering() -> AbstractContextManager[None]:
+    from writeback_passes.xnnpack_preprocess import xnnpack_passes_pruned
+
+    return xnnpack_passes_pruned()
+
+
 @hookimpl
 def writeback_backends() -> Sequence[BackendSpec]:
     """``portable`` (no delegate) and ``xnnpack`` (ExecuTorch's ``XnnpackPartitioner``), both
@@ -56,6 +63,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
             description="ExecuTorch's XNNPACK delegate; state written in place outside it by index_put_",
             kernel_writes=True,
             dynamic_shapes=True,
+            lowering_context=_xnnpack_lowering,
         ),
     ]
 
