@@ -28,7 +28,13 @@ if TYPE_CHECKING:
     from writeback_core.copies import CopyLeft
     from writeback_core.types import MemoryPlan, ModelCase
 
-__all__ = ["InputSignature", "Lowered", "Released", "ReleasedError", "StatePlace", "state_places"]
+__all__ = ["WEIGHTS_TAG", "InputSignature", "Lowered", "Released", "ReleasedError", "StatePlace", "state_places"]
+
+#: The name exir and XNNPACK file every weight under when a lowering keeps the weights apart
+#: from the program (``weights_apart``): one data file (``.ptd``, ExecuTorch's program-data
+#: separation) in which exir stores bytes that two weights share, a tied embedding and LM
+#: head, once.
+WEIGHTS_TAG = "weights"
 
 # The cause of a copy left when no backend was chosen.
 _NO_BACKEND = "no backend was chosen, so no plugin decided (the portable backend runs the same kernels in place)"
@@ -160,8 +166,6 @@ class Lowered:
             raise Released("weights")._refuse()
         if not self.weights_apart:
             return False
-        from writeback_core.lowering import WEIGHTS_TAG
-
         with tempfile.TemporaryDirectory(prefix=".writeback-weights-", dir=path.parent) as folder:
             self.program.write_tensor_data_to_file(folder)
             os.replace(Path(folder) / f"{WEIGHTS_TAG}.ptd", path)

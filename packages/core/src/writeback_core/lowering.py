@@ -36,7 +36,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
-from writeback_core.lowered import Lowered
+from writeback_core.lowered import WEIGHTS_TAG, Lowered
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.ops import schema_of
 from writeback_core.program_passes import (
@@ -72,12 +72,6 @@ __all__ = [
     "to_executorch",
 ]
 
-
-#: The name exir and XNNPACK file every weight under when a lowering keeps the weights apart
-#: from the program (``weights_apart``): one data file (``.ptd``, ExecuTorch's program-data
-#: separation) in which exir stores bytes that two weights share, a tied embedding and LM
-#: head, once.
-WEIGHTS_TAG = "weights"
 
 # The node.meta["custom"] key XNNPACK reads to put a weight it serializes in a data file.
 _DELEGATE_TAG_KEY = "delegate_constant_tag"
