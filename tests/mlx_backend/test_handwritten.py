@@ -5,6 +5,7 @@ computes, step after step (past the end of the cache, where positions wrap), and
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -81,8 +82,8 @@ def test_vs_mlx_mode_prints_both_models_and_the_idle_call(capsys: pytest.Capture
             "hand-written MLX, masked whole cache",
             "writeback+mlx delegate",
         ]
-        # Every contender matched eager at warm-up and was timed.
-        assert all("ok, max |err|" in row and " ms" in row for row in rows), rows
+        # Every contender matched eager at warm-up and was timed (in ms, or in µs on a quiet machine).
+        assert all("ok, max |err|" in row and re.search(r"\d (ms|µs) ", row) for row in rows), rows
         assert "goal: writeback+mlx delegate step <= 1.2x hand-written MLX: " in table
     idle = out[out.index("idle call:") :].splitlines()
     assert [row.split("  ")[1].strip() for row in idle[2:7]] == [
