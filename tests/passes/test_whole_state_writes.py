@@ -211,20 +211,26 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REFUSALS))
-def test_each_refusal_keeps_the_copy_names_the_source_line_and_matches_eager(name: str, tmp_path: Path) -> None:
-    build, shape, words = REFUSALS[name]
+def _copies_kept(name: str, build: type[nn.Module], shape: tuple[int, ...], backend: str, tmp_path: Path) -> list[str]:
+    """Run form ``name`` on ``backend``, check every call's output against eager's, and return
+    the reasons of the copies the lowering kept."""
     FORMS[name] = (build, shape)
     try:
         case = _case(name)
-        report, outputs = _run(case, "portable", tmp_path)
+        report, outputs = _run(case, backend, tmp_path)
     finally:
         del FORMS[name]
     eager = case.build().eval()
     for step in range(CALLS):
         with torch.no_grad():
             torch.testing.assert_close(outputs[step], eager(*case.step_inputs(step)), msg=f"{name} call {step}")
-    kept = [c.reason for c in report.lowered.copies_left]  # type: ignore[attr-defined]
+    return [c.reason for c in report.lowered.copies_left]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_each_refusal_keeps_the_copy_names_the_source_line_and_matches_eager(name: str, tmp_path: Path) -> None:
+    build, shape, words = REFUSALS[name]
+    kept = _copies_kept(name, build, shape, "portable", tmp_path)
     assert len(kept) == 1 and words in kept[0], kept
     lines, first = inspect.getsourcelines(build.forward)
     assert name == "from-input" or any(
@@ -352,17 +358,7 @@ def test_each_xnnpack_refusal_keeps_the_copy_names_the_source_line_and_matches_e
     written into its memory, the copy stays, named with the model's line, and the state after
     every call equals eager's (each form's output reads it)."""
     build, shape, words = XNNPACK_REFUSALS[name]
-    FORMS[name] = (build, shape)
-    try:
-        case = _case(name)
-        report, outputs = _run(case, "xnnpack", tmp_path)
-    finally:
-        del FORMS[name]
-    eager = case.build().eval()
-    for step in range(CALLS):
-        with torch.no_grad():
-            torch.testing.assert_close(outputs[step], eager(*case.step_inputs(step)), msg=f"{name} call {step}")
-    kept = [c.reason for c in report.lowered.copies_left]  # type: ignore[attr-defined]
+    kept = _copies_kept(name, build, shape, "xnnpack", tmp_path)
     assert len(kept) == 1 and words in kept[0] and "inside delegate XnnpackBackend" in kept[0], kept
     lines, first = inspect.getsourcelines(build.forward)
     assert any(f"test_whole_state_writes.py:{first + i}" in kept[0] for i in range(len(lines))), kept[0]
