@@ -188,3 +188,21 @@ def test_an_operator_fused_into_the_writer_reading_the_state_is_refused() -> Non
     output.args = ([clamp if r is add else r for r in results],)
     why = _refusal(state, new, copy)
     assert "the operator writing it" in why and "reads the state through a view or copy of it" in why, why
+
+
+def test_a_delegate_result_that_is_one_of_its_inputs_is_refused() -> None:
+    """A delegated graph that returns its input ``x`` unchanged as the state's new value: no
+    operator of it writes that result, so there is nothing to check and the copy stays."""
+    state, new, copy = _write_back()
+    index = new.args[1]
+    assert isinstance(index, int)
+    found = delegate_writer(_call(new), index)
+    assert found is not None
+    program, add = found
+    x = next(n for n in program.graph.nodes if n.op == "placeholder" and n is not add and n.name != "b_h")
+    output = program.graph.output_node()
+    results = output.args[0]
+    assert isinstance(results, (list, tuple)) and results[index] is add
+    output.args = ([x if r is add else r for r in results],)
+    why = _refusal(state, new, copy)
+    assert "passes the value through unchanged or holds no graph to check" in why, why
