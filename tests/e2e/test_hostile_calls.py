@@ -142,3 +142,39 @@ def test_a_good_prefill_gives_transformers_logits_in_both_runtimes(folder: Path,
     for runtime in RUNTIMES:
         got = _method(runtime, str(pte))([PROMPT, torch.arange(3)])[0]
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+# What writeback's runtime must say for each refused call: the input (index and name), the value
+# the caller passed and the bound it broke, worked out by hand from the test folder (cache 16,
+# vocabulary 96) and the case's inputs.
+_NAMED = {
+    "three_tokens_one_position": ("input 1 (positions)", "1 entry for 3 tokens", "takes 3"),
+    "three_tokens_four_positions": ("input 1 (positions)", "4 entries for 3 tokens", "takes 3"),
+    "tokens_of_batch_2": ("input 0 (tokens)", "batch 2", "batch 1"),
+    "negative_positions": ("input 1 (positions)", "position -5 is below 0", f"[0, {CACHE})"),
+    "huge_positions": ("input 1 (positions)", f"position {(1 << 40) + 2} ", f"[0, {CACHE})"),
+    "positions_past_the_cache": ("input 1 (positions)", f"position {CACHE} ", f"[0, {CACHE})"),
+    "zero_tokens": ("input 0 (tokens)", "0 tokens", f"1 to {CACHE}"),
+    "zero_tokens_one_position": ("input 0 (tokens)", "0 tokens", f"1 to {CACHE}"),
+    "more_tokens_than_the_cache": ("input 0 (tokens)", f"{CACHE + 1} tokens", f"1 to {CACHE}"),
+    "token_id_past_the_vocabulary": ("input 0 (tokens)", "token id 1000", "[0, 96)"),
+    "int32_tokens": ("input 0", "int32", "int64"),
+    "float_tokens": ("input 0", "float32", "int64"),
+    "int32_positions": ("input 1", "int32", "int64"),
+    "tokens_of_rank_1": ("input 0", "[3]", "[1, 16]"),
+    "positions_of_rank_2": ("input 1", "[1, 3]", "[16]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NAMED))
+def test_writeback_runtime_refusal_names_the_input_the_value_and_the_bound(
+    outcomes: dict[str, dict[str, dict[str, Any]]], case: str
+) -> None:
+    result = outcomes["writeback"][case]
+    assert result["outcome"] == "error", result
+    for fragment in _NAMED[case]:
+        assert fragment in result["message"], f"{case}: {fragment!r} not in {result['message']!r}"
+
+
+def test_every_refused_case_has_its_expected_message() -> None:
+    assert set(_NAMED) == set(CASES) - {"non_contiguous_tokens"}

@@ -23,6 +23,9 @@ Contracts that differ from stock ``executorch.runtime`` 1.5.1 (each has a test):
 - Before a call runs, every tensor it reads or writes in caller memory must
   still have the storage its shape needs, and a tensor it writes must not
   require grad while grad mode is on; otherwise ``ValueError``, nothing run.
+- A decoder program (one carrying ExecuTorch's LLM-runner metadata) has its
+  ``forward`` calls checked against the runner's contract before they run:
+  ``ValueError`` naming the input, the value and the bound (:class:`DecoderContract`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from writeback_core.types import RuntimeDelegate
 
 __all__ = [
+    "DecoderContract",
     "DelegateError",
     "Method",
     "MethodMetadata",
@@ -114,6 +118,103 @@ def _value(raw: Mapping[str, Any]) -> ValueMetadata:
     )
 
 
+@dataclass(frozen=True)
+class DecoderContract:
+    """What a decoder program's ``forward(tokens, positions)`` accepts, from the runner metadata
+    the program carries (exir constant methods: ``get_max_context_len``, ``get_max_seq_len``,
+    ``get_vocab_size``), the contract ExecuTorch's LLM runner calls it with
+    (:mod:`writeback_core.llm_runner`).
+
+    ``check`` refuses a call that breaks it, before anything is installed, with a ``ValueError``
+    naming the input, the value and the bound. The program's own in-graph checks
+    (``check_runner_inputs``) refuse the same calls in any runtime, but ExecuTorch's index
+    kernel can only say ``InvalidArgument`` and log a shifted index; this says which input.
+    """
+
+    cache: int  # get_max_context_len: every position lies in [0, cache)
+    per_call: int  # get_max_seq_len: the most tokens one call takes
+    vocab: int | None  # get_vocab_size: token ids lie in [0, vocab)
+    one_position: bool  # positions is ET's input_pos [1] (the first position), not one per token
+
+    @classmethod
+    def of(cls, program: Program, inputs: Sequence[Mapping[str, Any]]) -> DecoderContract | None:
+        """The contract of ``program``'s ``forward`` whose declared ``inputs`` are these, or None when
+        the program is no runner-ready decoder (no cache length, or inputs not int64 ``[1, n]`` and
+        int64 of one dim)."""
+        shapes = [tuple(v.get("sizes") or ()) if v.get("tag") == "Tensor" else None for v in inputs]
+        dtypes = [v.get("dtype") for v in inputs]
+        if len(inputs) != 2 or shapes[0] is None or shapes[1] is None:
+            return None
+        if len(shapes[0]) != 2 or len(shapes[1]) != 1 or any(not str(d).endswith("int64") for d in dtypes):
+            return None
+        values = program.constant_values(("get_max_context_len", "get_max_seq_len", "get_vocab_size"))
+        cache, per_call, vocab = (values.get(k) for k in ("get_max_context_len", "get_max_seq_len", "get_vocab_size"))
+        if cache is None or cache < 1:
+            return None
+        return cls(
+            cache=cache,
+            per_call=min(per_call or cache, cache, shapes[0][1]),
+            vocab=vocab if vocab is not None and vocab >= 1 else None,
+            one_position=shapes[1][0] == 1 and shapes[0][1] > 1,
+        )
+
+    def check(self, inputs: Sequence[Any]) -> None:
+        """Refuse ``inputs`` (``[tokens, positions]``) that break the contract: ``ValueError``.
+
+        Inputs of another dtype or rank are left to the method's own checks, which name them.
+        """
+        if len(inputs) != 2:
+            return
+        tokens, positions = inputs
+        if not (_is_int64(tokens, 2) and _is_int64(positions, 1)):
+            return
+        batch, n = (int(d) for d in tokens.shape)
+        where = "forward input 0 (tokens)"
+        if batch != 1:
+            raise ValueError(
+                f"{where}: batch {batch}; a decoder takes batch 1 (tokens [1, n]); got shape {list(tokens.shape)}"
+            )
+        if not 1 <= n <= self.per_call:
+            raise ValueError(
+                f"{where}: {n} tokens; one call takes 1 to {self.per_call} (get_max_seq_len, the cache's "
+                f"{self.cache} positions at most): split a longer prompt into calls"
+            )
+        if self.vocab is not None:
+            low, high = int(tokens.min()), int(tokens.max())
+            bad = low if low < 0 else high
+            if low < 0 or high >= self.vocab:
+                raise ValueError(
+                    f"{where}: token id {bad} is outside the vocabulary; token ids must be in [0, {self.vocab}) "
+                    "(get_vocab_size)"
+                )
+        self._check_positions(positions, n)
+
+    def _check_positions(self, positions: Any, n: int) -> None:
+        where = "forward input 1 (positions)"
+        m = int(positions.shape[0])
+        want = 1 if self.one_position else n
+        if m != want:
+            kind = "the first position of the call (input_pos)" if self.one_position else "one per token"
+            entries = "entry" if m == 1 else "entries"
+            raise ValueError(f"{where}: {m} {entries} for {n} tokens; this program takes {want}: {kind}")
+        low, high = int(positions.min()), int(positions.max())
+        bound = f"positions must be in [0, {self.cache}) (the cache's length, get_max_context_len)"
+        if low < 0:
+            raise ValueError(f"{where}: position {low} is below 0; {bound}")
+        if high >= self.cache:
+            raise ValueError(f"{where}: position {high} is past the cache's end; {bound}")
+        last = int(positions[0]) + n - 1
+        if last >= self.cache:
+            raise ValueError(
+                f"{where}: the call writes rows {int(positions[0])} to {last} (positions[0] + {n} tokens - 1), "
+                f"past the cache's end; the last row written must be below {self.cache} (get_max_context_len)"
+            )
+
+
+def _is_int64(value: Any, rank: int) -> bool:
+    return str(getattr(value, "dtype", "")) == "torch.int64" and len(getattr(value, "shape", ())) == rank
+
+
 class Method:
     """One loaded method: its own planned memory, inputs and output bindings.
 
@@ -128,8 +229,9 @@ class Method:
     and ``execute(inputs)`` do all three as one call.
     """
 
-    def __init__(self, native_method: Any) -> None:
+    def __init__(self, native_method: Any, contract: DecoderContract | None = None) -> None:
         self._native = native_method
+        self._contract = contract
         # The largest shape of each tensor input, as the program declares it (None: not a tensor).
         self._largest = tuple(
             tuple(v["sizes"]) if v["tag"] == "Tensor" and v.get("sizes") is not None else None
@@ -145,6 +247,8 @@ class Method:
         """
         if inputs is None:
             return
+        if self._contract is not None:
+            self._contract.check(inputs)
         for index, (value, largest) in enumerate(zip(inputs, self._largest, strict=False)):
             shape = getattr(value, "shape", None)
             if largest is None or shape is None or len(shape) != len(largest):
@@ -267,7 +371,24 @@ class Program:
             raise ProgramError(f"cannot load method {name!r}: {error}") from error
         repeats = [list(r) for r in io.output_repeats()]
         is_input = [-1 if j is None else j for j in io.output_is_input()]
-        return Method(native().NativeMethod(self._native, name, is_input, repeats, written))
+        method = native().NativeMethod(self._native, name, is_input, repeats, written)
+        contract = DecoderContract.of(self, method.metadata()["inputs"]) if name == "forward" else None
+        return Method(method, contract)
+
+    def constant_values(self, names: Sequence[str]) -> dict[str, int]:
+        """The int each of ``names`` returns, for those that are methods of this program taking no
+        input and returning one int (exir constant methods, such as the runner's metadata)."""
+        found: dict[str, int] = {}
+        for name in names:
+            if name not in self.method_names:
+                continue
+            method = self.load_method(name)
+            if method.metadata.num_inputs != 0:
+                continue
+            out = method.execute([])
+            if len(out) == 1 and isinstance(out[0], int) and not isinstance(out[0], bool):
+                found[name] = out[0]
+        return found
 
     def metadata(self, name: str) -> MethodMetadata:
         """The metadata of method ``name`` (loads it)."""
