@@ -16,6 +16,7 @@ check_executorch()
 
 from writeback_pybind_runtime._errors import DelegateError, ProgramError  # noqa: E402 - after the version check
 from writeback_pybind_runtime._runtime import (  # noqa: E402 - after the version check
+    DecoderContract,
     Method,
     MethodMetadata,
     Program,
@@ -26,6 +27,7 @@ from writeback_pybind_runtime._runtime import (  # noqa: E402 - after the versio
 )
 
 __all__ = [
+    "DecoderContract",
     "DelegateError",
     "Method",
     "MethodMetadata",
