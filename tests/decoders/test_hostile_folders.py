@@ -6,7 +6,7 @@ nothing from the folder run or unpickled.
 Fast tier: every case through :func:`check_folder` in this process, and the real
 ``writeback`` command in a child process for the folder claiming a model larger than
 memory. Slow tier: every case through every command that reads folders (``export``,
-``run``, ``explain``, ``bench-generate``), each case's commands in one child process under
+``run``, ``explain``, ``bench --model``, ``bench-generate``), each case's commands in one child process under
 a memory cap and a timeout, each command in its own copy of the folder.
 """
 
@@ -30,7 +30,7 @@ from tests.hostile import ACCEPTABLE, HOSTILE_FOLDERS, Q0, HostileFolder, write_
 # The child's address space is capped here (torch and exir map a few GiB of libraries).
 _ADDRESS_SPACE = 12 << 30
 # A refusal comes before any model is built; this bounds a child (one command, or the
-# whole matrix's 84) that hangs or builds.
+# whole matrix's 105) that hangs or builds.
 _TIMEOUT_S = 300.0
 # A refused folder's child never grows past this (a model built would).
 _RESIDENT_BYTES = 1 << 30
@@ -185,13 +185,24 @@ _COMMANDS = {
     "run": ["run", "model", "--steps", "1"],
     "explain": ["explain", "model"],
     "bench-generate": ["bench-generate", "model", "--rounds", "1"],
+    "bench": ["bench", "--model", "model", "--steps", "1"],
 }
+
+
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+def test_every_command_that_reads_folders_has_the_accept_weights_option_its_refusals_advise(command: str) -> None:
+    from click.testing import CliRunner
+    from writeback.cli import main
+
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--accept-weights" in result.output, result.output
 
 
 # Case name -> command -> (the directory it ran in, its child's result). Every case's
 # commands run in one child process: its first command costs ~10 s (torch, exir and the
 # plugins imported, the registry loaded), each later refusal milliseconds, so the matrix
-# costs about one command instead of 84 (measurement log, 2026-12-07). Each command runs in
+# costs about one command instead of 105 (measurement log, 2026-12-07). Each command runs in
 # a directory of its own holding a fresh copy of its folder; the child's peak memory is
 # read after each command. Filled by the first matrix test a pytest process runs.
 _MATRIX: dict[str, dict[str, tuple[Path, Child]]] = {}

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from writeback import WriteFailed
-from writeback.cli import CacheMiB, cache_mib_problem, progress_bar, writable_file
+from writeback.cli import CacheMiB, accept_weights_option, cache_mib_problem, progress_bar, writable_file
 from writeback.session import PipelineError, choose_backend
 from writeback_core.quiet import native_stderr_filtered
 from writeback_core.registry import Registry
@@ -135,6 +135,7 @@ def _sizes(ctx: click.Context, param: click.Parameter, text: str) -> list[float]
     default=None,
     help="With --model: only these contenders, comma-separated (the table lists every name).",
 )
+@accept_weights_option()
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -148,6 +149,7 @@ def bench_command(
     steps: int | None,
     start: int,
     contender_names: str | None,
+    accept_weights: bool,
 ) -> None:
     """Time one decode step through stock ExecuTorch, stock + reinplace, stock + XNNPACK and writeback (on
     xnnpack unless --backend says otherwise), interleaved, at each cache size; print medians, ratios and
@@ -156,11 +158,15 @@ def bench_command(
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     if model is not None:
-        _bench_model(registry, model, cache_mib, steps or 15, start, contender_names, plot_path, torch_threads)
+        _bench_model(
+            registry, model, cache_mib, steps or 15, start, contender_names, plot_path, torch_threads, accept_weights
+        )
         return
     given = [f"--{n}" for n, v in (("cache-mib", cache_mib), ("steps", steps), ("contenders", contender_names)) if v]
     if start:
         given.append("--start")
+    if accept_weights:
+        given.append("--accept-weights")
     if given:
         raise click.UsageError(f"{', '.join(given)} go with --model NAME (without it, bench times the cache sizes)")
     if backend is None and DEPLOYABLE in registry.backends():
@@ -191,12 +197,14 @@ def _bench_model(
     contender_names: str | None,
     plot_path: Path | None,
     torch_threads: int,
+    accept_weights: bool,
 ) -> None:
     """``bench --model``: resolve the model as ``writeback run`` does, check the contender names
-    and the plot path before anything is lowered, then time and print."""
+    and the plot path before anything is lowered, then time and print (with ``--accept-weights``,
+    the model's description first: it says what the option let through)."""
     from writeback.run import resolve_case
 
-    case = resolve_case(registry, model, cache_mib)
+    case = resolve_case(registry, model, cache_mib, accept_weights)
     offered = model_contenders(registry, case)
     chosen = None
     if contender_names is not None:
@@ -212,6 +220,8 @@ def _bench_model(
         check_plot(plot_path)
     torch.set_num_threads(torch_threads)
     console = Console(width=160)
+    if accept_weights:
+        console.print(f"model {case.name}: {case.description}", markup=False)
     with progress_bar(Progress(console=console, transient=True)) as progress:
         result = run_model_bench(registry, case, steps, start, chosen, progress)
     console.print(model_table(result))
