@@ -105,11 +105,15 @@ def tiny_llama_tensors(config: dict[str, Any] = TINY_LLAMA_CONFIG, seed: int = 0
 def safetensors_bytes(tensors: dict[str, Any], header_edit: Any = None) -> bytes:
     """A safetensors file of ``tensors`` (torch tensors), its header written here;
     ``header_edit(header)`` may change the header dict before it is written."""
-    names = {"float32": "F32", "float16": "F16", "int8": "I8"}
+    import torch
+
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8"}
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     data = bytearray()
     for name, tensor in tensors.items():
-        raw = tensor.contiguous().numpy().tobytes()
+        # numpy has no bfloat16: its bytes are those of the same-sized int16 view.
+        bits = tensor.contiguous().view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor.contiguous()
+        raw = bits.numpy().tobytes()
         kind = names[str(tensor.dtype).removeprefix("torch.")]
         header[name] = {"dtype": kind, "shape": list(tensor.shape), "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw

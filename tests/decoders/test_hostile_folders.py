@@ -122,6 +122,17 @@ def test_check_folder_passes_the_tiny_llama_the_generator_starts_from(tmp_path: 
     assert check_folder(write_folder(tmp_path / "model")) == []
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_check_folder_passes_a_float_models_fp16_and_bf16_weights(dtype: str, tmp_path: Path) -> None:
+    """Half-precision weights convert exactly to the float model's fp32: nothing to refuse."""
+    import torch
+
+    from tests.hostile import tiny_llama_tensors
+
+    tensors = {name: t.to(getattr(torch, dtype)) for name, t in tiny_llama_tensors().items()}
+    assert check_folder(write_folder(tmp_path / "model", tensors=tensors)) == []
+
+
 @pytest.mark.parametrize("name", sorted(ACCEPTABLE))
 def test_accept_weights_lets_mismatched_weights_through_and_says_which(name: str, tmp_path: Path) -> None:
     folder = tmp_path / "model"
