@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from writeback.generate_checks import RunnerLog, tokenizer_problem
 
-from tests.decoders.test_hostile_folders import Child, run_writeback
+from tests.decoders.test_hostile_folders import MISLEADING, Child, run_writeback
 from tests.hostile import write_folder
 
 _BPE = {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}
@@ -79,6 +79,8 @@ def _assert_refused(child: Child, *says: str) -> None:
     assert len(error.splitlines()) == 1, error
     for words in says:
         assert words in error, (words, error)
+    for misleading in MISLEADING:
+        assert misleading not in error, (misleading, error)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,10 @@ _TIMEOUT_S = 300.0
 _RESIDENT_BYTES = 1 << 30
 
 _BY_NAME = {case.name: case for case in HOSTILE_FOLDERS}
+# Advice the refusals used to give that does not apply: an option writeback does not have
+# (a remote-code folder), an install that is not missing (a config that is not a file), the
+# mlx backend (a runner failure on a portable program).
+MISLEADING = ("trust_remote_code", "install", "mlx")
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ def assert_one_paragraph_refusal(child: Child, case: HostileFolder) -> None:
     assert "\n\n" not in error and len(error.splitlines()) == 1, error
     for words in case.says:
         assert words in error, (words, error)
+    for misleading in MISLEADING:
+        assert misleading not in error, (misleading, error)
 
 
 @pytest.mark.parametrize("case", HOSTILE_FOLDERS, ids=lambda c: c.name)
@@ -114,6 +120,8 @@ def test_check_folder_refuses_each_hostile_folder_naming_the_cause_nothing_unpic
     assert "\n" not in message
     for words in case.says:
         assert words in message, (words, message)
+    for misleading in MISLEADING:
+        assert misleading not in message, (misleading, message)
     assert not (folder / "UNPICKLED").exists()
 
 
