@@ -180,7 +180,7 @@ class DecoderContract:
                 f"{self.cache} positions at most): split a longer prompt into calls"
             )
         if self.vocab is not None:
-            low, high = int(tokens.min()), int(tokens.max())
+            low, high = _bounds(tokens)
             bad = low if low < 0 else high
             if low < 0 or high >= self.vocab:
                 raise ValueError(
@@ -197,7 +197,7 @@ class DecoderContract:
             kind = "the first position of the call (input_pos)" if self.one_position else "one per token"
             entries = "entry" if m == 1 else "entries"
             raise ValueError(f"{where}: {m} {entries} for {n} tokens; this program takes {want}: {kind}")
-        low, high = int(positions.min()), int(positions.max())
+        low, high = _bounds(positions)
         bound = f"positions must be in [0, {self.cache}) (the cache's length, get_max_context_len)"
         if low < 0:
             raise ValueError(f"{where}: position {low} is below 0; {bound}")
@@ -209,6 +209,12 @@ class DecoderContract:
                 f"{where}: the call writes rows {int(positions[0])} to {last} (positions[0] + {n} tokens - 1), "
                 f"past the cache's end; the last row written must be below {self.cache} (get_max_context_len)"
             )
+
+
+def _bounds(value: Any) -> tuple[int, int]:
+    """The smallest and the largest element of a non-empty integer tensor (one reduction)."""
+    low, high = value.aminmax()
+    return int(low), int(high)
 
 
 def _is_int64(value: Any, rank: int) -> bool:
