@@ -178,3 +178,25 @@ def test_writeback_runtime_refusal_names_the_input_the_value_and_the_bound(
 
 def test_every_refused_case_has_its_expected_message() -> None:
     assert set(_NAMED) == set(CASES) - {"non_contiguous_tokens"}
+
+
+@pytest.mark.slow
+def test_executorch_llama_input_pos_program_runs_the_runner_s_calls_and_refuses_a_bad_position(
+    tmp_path: Path,
+) -> None:
+    """ExecuTorch's own Llama (`et-llama`, positions ``input_pos [1]``, 32-position cache): the
+    runner's calls (a 3-token prefill at 0, a decode step at 3) give the stock runtime's logits in
+    writeback's runtime, and a negative ``input_pos`` is refused naming the input, value and bound."""
+    out = tmp_path / "et.pte"
+    result = CliRunner().invoke(main, ["export", "et-llama", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    from tests.e2e.hostile_call_worker import _method
+
+    calls = [[torch.tensor([[1, 2, 3]]), torch.tensor([0])], [torch.tensor([[4]]), torch.tensor([3])]]
+    mine, stock = _method("writeback", str(out)), _method("stock", str(out))
+    for inputs in calls:
+        torch.testing.assert_close(mine(inputs)[0], stock(inputs)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError) as refused:
+        mine([torch.tensor([[4]]), torch.tensor([-3])])
+    for words in ("input 1 (positions)", "position -3 is below 0", "[0, 32)"):
+        assert words in str(refused.value), str(refused.value)
