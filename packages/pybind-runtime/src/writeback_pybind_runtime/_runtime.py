@@ -293,7 +293,8 @@ class Method:
         ``tensor.detach()`` or call under ``torch.no_grad()``. On error
         (``ValueError`` or ``TypeError`` naming the input, expected and actual)
         the method refuses to execute until a full set is installed. A tensor with a dim
-        larger than the method's largest shape for it is refused (``ValueError``).
+        larger than the method's largest shape for it is refused (``ValueError``), and so is
+        a decoder's call that breaks its runner contract (:class:`DecoderContract`).
         """
         self._check_sizes(inputs)
         self._native.set_inputs(inputs)
