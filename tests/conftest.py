@@ -56,7 +56,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what collection made (torch, exir and every test module's objects, alive for the
     whole run) out of the collector's reach: each later full collection then scans only what
     the tests make. About 13% of a lowering-heavy test file's time here (measurement log,
-    2026-12-05, seventh session); objects made by a test are collected as before."""
+    2026-12-05, seventh session); objects made by a test are collected as before.
+
+    And torch's set of composite ops, which every decomposition asks for twice, is made once per
+    op registry instead (writeback_testing.cia_ops: the same set; measurement log, 2026-12-07)."""
+    from writeback_testing.cia_ops import remember_cia_ops
+
+    remember_cia_ops()
     gc.collect()
     gc.freeze()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,25 +103,44 @@ def _export(model: Path, backend: str, out: Path, *options: str) -> str:
     return result.output
 
 
+@pytest.fixture(scope="module")
+def exported(
+    folder: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., tuple[Path, str]]:
+    """``exported(backend, *options)``: the folder's ``writeback export`` with those arguments, made
+    once in this module (several tests read the same export): the directory holding its
+    ``model.pte`` and ``tokenizer.json``, and what the command printed. Tests only read them."""
+    made: dict[tuple[str, ...], tuple[Path, str]] = {}
+
+    def export(backend: str, *options: str) -> tuple[Path, str]:
+        key = (backend, *options)
+        if key not in made:
+            out = tmp_path_factory.mktemp("export")
+            made[key] = (out, _export(folder[0], backend, out, *options))
+        return made[key]
+
+    return export
+
+
 @pytest.mark.parametrize(
     ("backend", "prefill"),
     [("xnnpack", "one-call"), ("portable", "one-call"), ("xnnpack", "token-by-token")],
 )
 def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder(
-    folder: tuple[Path, list[str]], tmp_path: Path, backend: str, prefill: str
+    folder: tuple[Path, list[str]], exported: Callable[..., tuple[Path, str]], backend: str, prefill: str
 ) -> None:
     from writeback_core.llm_runner import load_runner_kernels
 
     assert load_runner_kernels()  # the folder's attention runs ExecuTorch's llama:: kernels
     model, expected = folder
     if prefill == "one-call":
-        output = _export(model, backend, tmp_path)
+        out, output = exported(backend)
         assert "get_max_seq_len=64, get_max_context_len=64" in output
         assert "enable_dynamic_shape=True" in output
         assert "prefill: the whole prompt in one call (up to 64 tokens)" in output
         assert "logits: the last position's only (what the runner reads;" in output
     else:
-        output = _export(model, backend, tmp_path, "--token-by-token")
+        out, output = exported(backend, "--token-by-token")
         assert "get_max_seq_len=1, get_max_context_len=64" in output
         assert "enable_dynamic_shape=False" in output
         assert "prefill: one token per call" in output
@@ -128,15 +148,15 @@ def test_the_runner_generates_transformers_greedy_tokens_from_an_exported_folder
     assert "written by llama::update_cache, read by llama::custom_sdpa" in " ".join(output.split())
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
-    assert (tmp_path / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
-    pieces, stats = runner_generates(tmp_path / "model.pte", tmp_path / "tokenizer.json")
+    assert (out / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    pieces, stats = runner_generates(out / "model.pte", out / "tokenizer.json")
     assert pieces == expected
     assert stats[-1].num_prompt_tokens == 3
 
 
 @pytest.mark.parametrize("scheme", ["8da4w", "8da4w-e8", "8da8w"])
 def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_exported_quantized(
-    folder: tuple[Path, list[str]], tmp_path: Path, scheme: str
+    folder: tuple[Path, list[str]], exported: Callable[..., tuple[Path, str]], tmp_path: Path, scheme: str
 ) -> None:
     """`export --quantize SCHEME`: each token TextLLMRunner generates is the top choice of
     transformers' eager model with the same quantized weights fed the same sequence, within the
@@ -146,11 +166,11 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_expor
     from writeback_decoders.quantize import QUANTIZATIONS, quantize
 
     model, _ = folder
-    output = _export(model, "xnnpack", tmp_path, "--quantize", scheme)
+    out, output = exported("xnnpack", "--quantize", scheme)
     assert QUANTIZATIONS[scheme].description in " ".join(output.split())
     for cache in ("key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"):
         assert f"{cache} (8.0 KiB): program buffer; no copy left" in output
-    pieces, _ = runner_generates(tmp_path / "model.pte", tmp_path / "tokenizer.json")
+    pieces, _ = runner_generates(out / "model.pte", out / "tokenizer.json")
     tokenizer = _tokenizer(tmp_path)  # the same training text: the same vocabulary
     ids = {tokenizer.decode([i]): i for i in range(tokenizer.get_vocab_size())}
     prompt = tokenizer.encode(PROMPT).ids
@@ -165,7 +185,7 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_expor
     # beside the file's ~45 KB of program and metadata); 8-bit ones a quarter and a scale per
     # row or channel (74 %, over 55 % net of that overhead at this size).
     saved = 0.7 if QUANTIZATIONS[scheme].linear_bits == 4 else 0.55
-    size = (tmp_path / "model.pte").stat().st_size
+    size = (out / "model.pte").stat().st_size
     assert size < weights - saved * quantized_bytes, (size, weights, quantized_bytes)
     quantized = quantize(plain, scheme)
     with torch.no_grad():
@@ -176,11 +196,11 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_folder_expor
 
 
 def test_generate_streams_the_runners_text_and_prints_its_statistics(
-    folder: tuple[Path, list[str]], tmp_path: Path
+    folder: tuple[Path, list[str]], exported: Callable[..., tuple[Path, str]]
 ) -> None:
-    model, expected = folder
-    _export(model, "xnnpack", tmp_path)
-    command = [sys.executable, "-m", "writeback", "generate", str(tmp_path / "model.pte"), "--prompt", PROMPT]
+    _, expected = folder
+    out, _ = exported("xnnpack")
+    command = [sys.executable, "-m", "writeback", "generate", str(out / "model.pte"), "--prompt", PROMPT]
     done = subprocess.run([*command, "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert "".join(expected) in done.stdout
@@ -189,21 +209,20 @@ def test_generate_streams_the_runners_text_and_prints_its_statistics(
 
 
 def test_generate_loads_the_weights_file_an_export_with_separate_weights_writes_beside_the_pte(
-    folder: tuple[Path, list[str]], tmp_path: Path
+    folder: tuple[Path, list[str]], exported: Callable[..., tuple[Path, str]], tmp_path: Path
 ) -> None:
     """`export --quantize 8da4w-e8 --separate-weights`: the .pte holds no weight (every one, XNNPACK's
     4-bit matrices and the 8-bit table, is in model.ptd); `writeback generate` loads the pair and
     gives the tokens the single-file export gives."""
     model, _ = folder
-    (tmp_path / "one").mkdir()
-    _export(model, "xnnpack", tmp_path / "one", "--quantize", "8da4w-e8")
+    one, _ = exported("xnnpack", "--quantize", "8da4w-e8")  # the single-file export
     output = _export(model, "xnnpack", tmp_path, "--quantize", "8da4w-e8", "--separate-weights")
     assert "wrote the weights to" in output
     pte, data = (tmp_path / "model.pte").stat().st_size, (tmp_path / "model.ptd").stat().st_size
-    single_size = (tmp_path / "one" / "model.pte").stat().st_size
+    single_size = (one / "model.pte").stat().st_size
     # What left the .pte is what the data file holds, give or take their headers and alignment.
     assert abs((single_size - pte) - data) < 8 * 1024, (single_size, pte, data)
-    single, _ = runner_generates(tmp_path / "one" / "model.pte", tmp_path / "one" / "tokenizer.json")
+    single, _ = runner_generates(one / "model.pte", one / "tokenizer.json")
     command = [sys.executable, "-m", "writeback", "generate", str(tmp_path / "model.pte"), "--prompt", PROMPT]
     done = subprocess.run([*command, "--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

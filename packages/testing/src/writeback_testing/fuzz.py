@@ -30,6 +30,8 @@ from typing import Any
 
 from writeback_core.quiet import native_stderr_filtered, quiet_upstream_noise
 
+from writeback_testing.cia_ops import remember_cia_ops
+
 __all__ = ["FuzzConfig", "FuzzFailure", "FuzzReport", "check_config", "run_fuzz"]
 
 
@@ -245,6 +247,9 @@ def _worker(config: FuzzConfig, job: int, count: int, queue: Any) -> None:
     # for start methods that do not exec (fork, forkserver).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     quiet_upstream_noise()
+    # Each program's lowerings decompose it several times; torch's set of composite ops is
+    # then made once per op registry, not per decomposition (the same set: see cia_ops).
+    remember_cia_ops()
     with native_stderr_filtered():
         report = _run_share(config, job, count, lambda n: queue.put(("progress", n)))
     queue.put(("done", report))
