@@ -47,6 +47,8 @@ def make():
     return ModelCase("cancelling", "an ill-conditioned subtraction", Cancelling, step_inputs)
 """
 
+# Every backend a fault must fail on; XNNPACK's sums run in another order than eager's
+# (ExecuTorch's portable mm sums as eager does here), so its steps are beyond rtol = atol = 1e-4.
 BACKENDS = ["none", "xnnpack"]
 
 
@@ -71,15 +73,14 @@ def test_the_model_is_beyond_the_fixed_tolerance_in_eager_fp32_itself(tmp_path: 
     assert float((low.double() - high).abs().max()) > 1e-4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fp32_rounding_beyond_the_fixed_tolerance_matches_against_float64_eager(tmp_path: Path, backend: str) -> None:
+def test_fp32_rounding_beyond_the_fixed_tolerance_matches_against_float64_eager(tmp_path: Path) -> None:
     source, _ = _model(tmp_path, 0.0)
-    result = CliRunner().invoke(main, ["run", f"{source}:make", "--backend", backend, "--steps", "3"])
+    result = CliRunner().invoke(main, ["run", f"{source}:make", "--backend", "xnnpack", "--steps", "3"])
     assert result.exit_code == 0, result.output
-    assert "yes (f64)" in result.output
-    verdict = result.output.strip().splitlines()[-1]
-    assert "within fp32's own rounding error" in " ".join(result.output.split()), result.output
-    assert "eager fp32 itself" in " ".join(result.output.split()[-40:]), verdict
+    assert result.output.count("yes (f64)") == 3, result.output
+    message = " ".join(result.output.split())
+    assert "all 3 steps match eager PyTorch: 0 within rtol=0.0001, atol=0.0001, 3 within fp32's own" in message
+    assert "against float64 eager the program is at most" in message and "eager fp32 itself" in message
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

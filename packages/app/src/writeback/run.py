@@ -179,11 +179,11 @@ def run_model(
                 observed = result.outputs
             else:
                 expected = eager.step(step)
-                check = compare(result, expected, session.state, eager.state, case.rtol, case.atol)
-                if not check.ok and reference is not None and len(result.outputs) == len(expected):
+                step_check = compare(result, expected, session.state, eager.state, case.rtol, case.atol)
+                if not step_check.ok and reference is not None and len(result.outputs) == len(expected):
                     judged = reference.judge(step, result.outputs, session.state, expected, eager.state, case.atol)
-                    check = dataclasses.replace(check, float64=judged)
-                done.append((result, check))
+                    step_check = dataclasses.replace(step_check, float64=judged)
+                done.append((result, step_check))
                 observed = expected
             if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
                 case.observe(step, observed)
