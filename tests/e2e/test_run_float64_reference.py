@@ -91,5 +91,5 @@ def test_weights_off_by_1e_2_fail_against_float64_eager_naming_both_errors(tmp_p
     assert result.exit_code == 1, result.output
     message = " ".join(result.output.split())
     assert "3 of 3 steps differ from eager PyTorch" in message, message
-    assert "by more than fp32's own rounding error" in message
+    assert "Beyond fp32's own rounding error, judged against float64 eager: " in message
     assert "output 0 (64,) is" in message and "from float64 eager, where eager fp32 itself is" in message

@@ -11,12 +11,14 @@ judge a converted model against a higher-precision reference.
 
 1. Only a step the fixed tolerance refuses is judged (:meth:`Float64Reference.judge`); a run whose
    steps all match builds nothing.
-2. The first judged step copies eager's module in float64: every floating parameter and buffer is
-   converted one tensor at a time straight into the copy (tied weights stay tied, no second fp32
-   copy on the way); the buffers the program mutates start from the values they held before eager's
-   first step (:meth:`Float64Reference.snapshot`), so the copy starts where the run started, with
-   the very weights exported. It then runs every step from 0 to the judged one, with the same
-   inputs (floating ones in float64); a later judged step continues from where it stopped.
+2. Before eager's first step, the reference keeps eager's module as it is then, its parameters
+   shared (no copy of the weights) and everything else copied: buffers, and the Python attributes
+   and tensors a module carries between calls (a call counter, a cache object's tensors). The first
+   judged step copies that in float64: every floating parameter and buffer is converted one tensor
+   at a time straight into the copy (tied weights stay tied, no second fp32 copy on the way), so it
+   starts where the run started, with the very weights exported. It then runs every step from 0 to
+   the judged one with the same inputs (floating ones in float64); a later judged step continues
+   from where it stopped.
 3. For each output and caller-owned state: ``program_error = max|program - float64|`` and
    ``fp32_error = max|eager fp32 - float64|``. The step matches when, for every tensor,
    ``program_error <= FP32_FACTOR * fp32_error + atol`` (the case's ``atol``). ``FP32_FACTOR = 4``:
@@ -36,7 +38,7 @@ at 8 bits, a rounding float64 cannot stand for, and ``run`` builds no reference 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,18 +76,24 @@ def _float64(value: Any) -> Any:
     )
 
 
-def _float64_copy(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A deep copy of ``module`` whose floating parameters and buffers are float64, the buffers
-    named in ``initial`` holding those values. Each tensor is converted once, straight into the copy
-    (``copy.deepcopy``'s memo maps the original to its float64 version, so a tied weight stays tied)."""
+def _sharing_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` that shares its parameters (``copy.deepcopy``'s memo maps each
+    to itself) and copies everything else: buffers, attributes, tensors held by other objects."""
+    memo: dict[int, Any] = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
+    return copy.deepcopy(module, memo)
+
+
+def _float64_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose floating parameters and buffers are float64. Each tensor is
+    converted once, straight into the copy (``copy.deepcopy``'s memo maps the original to its
+    float64 version, so a tied weight stays tied)."""
     memo: dict[int, Any] = {}
-    for _, parameter in module.named_parameters(remove_duplicate=False):
-        if id(parameter) not in memo and parameter.is_floating_point():
-            memo[id(parameter)] = torch.nn.Parameter(parameter.detach().to(torch.float64), requires_grad=False)
-    for name, buffer in module.named_buffers(remove_duplicate=False):
-        if id(buffer) not in memo:
-            source = initial.get(name, buffer).detach()
-            memo[id(buffer)] = source.to(torch.float64) if source.is_floating_point() else source.clone()
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for _, tensor in held:
+        if id(tensor) not in memo and tensor.is_floating_point():
+            converted = tensor.detach().to(torch.float64)
+            is_parameter = isinstance(tensor, torch.nn.Parameter)
+            memo[id(tensor)] = torch.nn.Parameter(converted, requires_grad=False) if is_parameter else converted
     return copy.deepcopy(module, memo)
 
 
@@ -98,33 +106,28 @@ def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 class Float64Reference:
     """Eager's model in float64, built at the first step the fixed tolerance refuses (see the module).
 
-    Take :meth:`snapshot` before eager's first step, :meth:`judge` each refused step in
-    increasing order, :meth:`release` at the end."""
+    Make it before eager's first step (it keeps eager's module as it is then), :meth:`judge`
+    each refused step in increasing order, :meth:`release` at the end."""
 
     def __init__(self, case: ModelCase, eager: torch.nn.Module, factor: float = FP32_FACTOR) -> None:
         self.case = case
         self.factor = factor
-        self._eager: torch.nn.Module | None = eager
-        self._initial: dict[str, torch.Tensor] = {}
+        self._initial: torch.nn.Module | None = None
         self._module: torch.nn.Module | None = None
         self._state: tuple[Any, ...] = ()
         self._outputs: list[Any] = []
         self._fed = 0  # steps the float64 copy has run
         self._broken: str | None = None
-
-    def snapshot(self, buffers: Iterable[str]) -> None:
-        """Keep the values the named buffers of eager's module hold now (the state the program
-        keeps in buffers, which eager's steps then overwrite): the float64 copy starts from them."""
-        if self._eager is None:
-            return
-        held = dict(self._eager.named_buffers(remove_duplicate=False))
-        self._initial = {name: held[name].detach().clone() for name in buffers if name in held}
+        try:
+            self._initial = _sharing_parameters(eager)
+        except Exception as error:  # a module deepcopy cannot copy (it holds a lock, say): no reference
+            self._broken = f"copying the module before its first step failed: {type(error).__name__}: {error}"
 
     def _build(self) -> None:
-        assert self._eager is not None, "built once, before release"
-        self._module = _float64_copy(self._eager, self._initial)
+        assert self._initial is not None, "built once, before release"
+        self._module = _float64_copy(self._initial)
         self._module.eval()
-        self._initial = {}
+        self._initial = None
         self._state = tuple(_float64(self.case.make_state()))
 
     def _run_to(self, step: int) -> list[Any]:
@@ -194,5 +197,5 @@ class Float64Reference:
         )
 
     def release(self) -> None:
-        """Free the float64 copy, its state and eager's buffers kept for it."""
-        self._module, self._state, self._outputs, self._initial, self._eager = None, (), [], {}, None
+        """Free the float64 copy, its state and eager's module as it was before its first step."""
+        self._module, self._state, self._outputs, self._initial = None, (), [], None

@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from writeback_core.lowered import Lowered, state_places
-from writeback_core.mutations import MutationKind
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 from writeback_core.units import format_bytes
@@ -130,8 +129,8 @@ def run_model(
     A step beyond the case's ``rtol``/``atol`` is judged against eager's weights run in float64
     (:class:`~writeback.reference.Float64Reference`, built at the first such step, freed after
     the last step) unless ``float64_reference`` is false (a quantized run: its scheme's
-    tolerance alone decides). The reference keeps the initial values of the buffers the program
-    mutates (one more copy of the program-owned state) from before eager's first step.
+    tolerance alone decides). The reference keeps eager's module as it was before its first
+    step, parameters shared: one more copy of its buffers (the program-owned state among them).
 
     ``output`` is replaced whole or not at all (a new file renamed into place), so a
     process that has the old file mapped keeps it and a failure leaves it as it was."""
@@ -148,8 +147,6 @@ def run_model(
     session = Session.open(pipeline, lowered, path=output)
     eager = Eager(case, weights.eager_module()) if weights is not None else None
     reference = Float64Reference(case, eager.module) if eager is not None and float64_reference else None
-    if reference is not None:
-        reference.snapshot(m.target for m in lowered.mutations if m.kind is MutationKind.BUFFER)
     done: list[tuple[StepResult, StepCheck | None]] = []
     progress = Progress(
         TextColumn("[bold]decode"),
@@ -431,19 +428,19 @@ def _failure(report: RunReport) -> str:
     """The error of a run with a step that differs: how many, the first one, and why (against
     float64 eager, with the program's error and eager fp32's own, when it was judged there)."""
     result, check = report.failures[0]
-    head = f"{len(report.failures)} of {len(report.steps)} steps differ from eager PyTorch ({_tolerance(report.case)}"
+    message = (
+        f"{len(report.failures)} of {len(report.steps)} steps differ from eager PyTorch ({_tolerance(report.case)}); "
+        f"first at step {result.step}: {'; '.join(check.problems)}"
+    )
     judged = check.float64
     if judged is None:
-        return f"{head}); first at step {result.step}: {'; '.join(check.problems)}"
+        return message
     if judged.unavailable is not None:
         return (
-            f"{head}); first at step {result.step}: {'; '.join(check.problems)}. No float64 reference could "
-            f"judge whether that is fp32's own rounding: eager's model in float64 failed ({judged.unavailable})"
+            f"{message}. No float64 reference could judge whether that is fp32's own rounding: eager's model "
+            f"in float64 failed ({judged.unavailable})"
         )
-    return (
-        f"{head}) by more than fp32's own rounding error: first at step {result.step}, judged against the same "
-        f"weights in float64 eager: {'; '.join(judged.problems)}"
-    )
+    return f"{message}. Beyond fp32's own rounding error, judged against float64 eager: {'; '.join(judged.problems)}"
 
 
 def _verdict(report: RunReport) -> str:
