@@ -93,3 +93,22 @@ def test_weights_off_by_1e_2_fail_against_float64_eager_naming_both_errors(tmp_p
     assert "3 of 3 steps differ from eager PyTorch" in message, message
     assert "Beyond fp32's own rounding error, judged against float64 eager: " in message
     assert "output 0 (64,) is" in message and "from float64 eager, where eager fp32 itself is" in message
+
+
+def test_a_model_with_no_float64_copy_stays_refused_saying_why(tmp_path: Path) -> None:
+    """A module deepcopy cannot copy (it holds a lock) has no float64 reference: the steps beyond
+    the fixed tolerance stay refused, and the error says no reference could judge them and why."""
+    source, _ = _model(tmp_path, 0.0)
+    source.write_text(
+        source.read_text().replace("import torch\n", "import threading\nimport torch\n", 1)
+        + "\n\ndef make_locked():\n    case = make()\n    build = case.build\n\n"
+        "    def locked():\n        module = build()\n        module.lock = threading.Lock()\n        return module\n\n"
+        "    return ModelCase(case.name, case.description, locked, case.step_inputs)\n"
+    )
+    args = ["run", f"{source}:make_locked", "--backend", "xnnpack", "--steps", "2", "--eager-weights", "rebuild"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "2 of 2 steps differ from eager PyTorch" in message and "differs from eager by" in message
+    assert "No float64 reference could judge whether that is fp32's own rounding" in message, message
+    assert "copying the module before its first step failed: TypeError" in message
