@@ -21,11 +21,13 @@ judge a converted model against a higher-precision reference.
    from where it stopped.
 3. For each output and caller-owned state: ``program_error = max|program - float64|`` and
    ``fp32_error = max|eager fp32 - float64|``. The step matches when, for every tensor,
-   ``program_error <= FP32_FACTOR * fp32_error + atol`` (the case's ``atol``). ``FP32_FACTOR = 4``:
+   ``program_error <= FP32_FACTOR * fp32_error + atol`` (the case's ``atol``). ``FP32_FACTOR = 8``:
    two fp32 computations of the same math in different orders have rounding errors of the same
-   size, and a maximum over many elements of either rarely exceeds twice the other's; 4 leaves room
-   for a kernel that rounds a little worse (a sequential sum where eager's is blocked). A fault (a
-   dropped state write, other weights, a wrong index) moves values by their own size, orders beyond.
+   size; measured, the program's largest error is 1.2x eager fp32's on the ill-conditioned test
+   model and 2.2x (XNNPACK) and 2.4x (portable) on the Mamba-130M shape, whose float64 copy still
+   rounds to fp32 where Hugging Face's code casts (norms, the residual), which makes eager fp32's
+   error look smaller. 8 leaves three times that room; a fault (a dropped state write, other
+   weights, a wrong index) moves values by their own size: weights off by 1e-2 give 70x.
 4. :meth:`Float64Reference.release` frees the copy; ``run`` calls it after its last step.
 
 Refused: a program whose weights differ from eager's by 1e-2 (its error from float64 is a
@@ -48,7 +50,7 @@ from writeback_core.types import ModelCase
 
 __all__ = ["FP32_FACTOR", "Float64Check", "Float64Reference"]
 
-FP32_FACTOR = 4.0
+FP32_FACTOR = 8.0
 
 
 @dataclass(frozen=True)

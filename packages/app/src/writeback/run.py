@@ -363,7 +363,7 @@ def run_command(
     A step matches eager fp32 within the model's rtol/atol (1e-4 unless the model sets its own).
     A step beyond it is judged against the same weights run in float64 eager (built at that step,
     run from step 0, freed after the last step): it matches when, for each output and state,
-    |program - float64| <= 4 x |eager fp32 - float64| + atol (largest element errors): the program is
+    |program - float64| <= 8 x |eager fp32 - float64| + atol (largest element errors): the program is
     within a few times fp32's own rounding error, which grows past any fixed tolerance in a deep
     model. The last line gives both errors. --quantize runs keep their scheme's tolerance alone.
 
