@@ -30,8 +30,8 @@ judge a converted model against a higher-precision reference.
    weights, a wrong index) moves values by their own size: weights off by 1e-2 give 70x.
 4. :meth:`Float64Reference.release` frees the copy; ``run`` calls it after its last step.
 
-Refused: a program whose weights differ from eager's by 1e-2 (its error from float64 is a
-hundred times eager fp32's), a step whose integer output differs (compared exactly), and a model
+Refused: a program whose weights differ from eager's by 1e-2 (its error from float64 is 70 to
+480 times eager fp32's), a step whose integer output differs (compared exactly), and a model
 whose float64 copy cannot run (an op without a float64 kernel: the step stays refused, the reason
 given). Quantized runs keep their scheme's fixed tolerance: their integer kernels round activations
 at 8 bits, a rounding float64 cannot stand for, and ``run`` builds no reference for them.
