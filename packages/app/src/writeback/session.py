@@ -46,6 +46,7 @@ from writeback_core.registry import Registry
 from writeback_core.types import BackendSpec, ModelCase, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
 
 from writeback.model_build import ModelBuildError, build_case_module, export_case
+from writeback.reference import Float64Check
 
 __all__ = [
     "ATOL",
@@ -343,14 +344,19 @@ class Session:
 @dataclass(frozen=True)
 class StepCheck:
     """How far one step is from eager: the largest absolute error of outputs and of state,
-    and what differed (empty when the step matches)."""
+    and what differed beyond the fixed tolerance (empty when the step matches it). ``float64``:
+    the step judged against float64 eager when the fixed tolerance refused it
+    (:mod:`writeback.reference`); it then decides."""
 
     output_error: float
     state_error: float | None
     problems: tuple[str, ...]
+    float64: Float64Check | None = None
 
     @property
     def ok(self) -> bool:
+        if self.problems and self.float64 is not None:
+            return self.float64.ok
         return not self.problems
 
 
