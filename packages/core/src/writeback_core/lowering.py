@@ -36,6 +36,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
+from writeback_core.decompositions import decompositions_once
 from writeback_core.lowered import WEIGHTS_TAG, Lowered
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.ops import schema_of
@@ -124,6 +125,7 @@ def partition(
             with ExitStack() as stack:
                 stack.enter_context(known_warnings_ignored())
                 stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(decompositions_once(program, arguments["partitioner"]))
                 stack.enter_context(unbacked_symbols_settled(program))
                 if backend.lowering_context is not None:
                     stack.enter_context(backend.lowering_context())
