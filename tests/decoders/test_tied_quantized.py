@@ -21,6 +21,7 @@ from writeback_decoders.quantize import QUANTIZATIONS, ByteEmbedding, quantize
 from tests.decoders.test_llm_runner import NEW_TOKENS, PROMPT, _tokenizer
 
 SCHEMES = ["8da4w-e8", "8da8w"]
+each_scheme_slow = pytest.mark.parametrize("name", [pytest.param(s, marks=pytest.mark.slow) for s in SCHEMES])
 
 # A vocabulary large beside the rest (hidden 64, MLP 128, 2 layers), so that the tied table is most of the file.
 VOCAB = 8192
@@ -112,8 +113,7 @@ def _weights_bytes(model: nn.Module, name: str) -> int:
     return total
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", SCHEMES)
+@each_scheme_slow
 def test_separate_weights_stores_a_tied_quantized_table_once_with_quantized_eagers_logits(
     tmp_path: Path, name: str
 ) -> None:
@@ -158,8 +158,7 @@ def _greedy(model: nn.Module, ids: list[int]) -> tuple[list[int], float]:
     return tokens, margin
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", SCHEMES)
+@each_scheme_slow
 def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_tied_folder_with_separate_weights(
     tmp_path: Path, name: str
 ) -> None:
