@@ -15,8 +15,9 @@ Each generation runs in a new process (``writeback_bench.resident_memory.measure
 its contender's ``.pte`` by path, so one contender's weights are in memory at a time and each
 is measured from its own baseline: the time from just before loading to the first token, the
 resident memory loading and prefill added by then, the peak through the generation (both minus
-what the process held before loading) and the file's size. Rounds run the contenders one after
-the other, in an order rotated each round, so a noisy machine slows them alike. XNNPACK's thread
+what the process held before loading) and the file's size (with the weights' ``.ptd`` beside it,
+when there is one). Rounds run the contenders one after the other, in an order rotated each round,
+so a noisy machine slows them alike. XNNPACK's thread
 pool runs one thread unless asked. The runner's own statistics give prefill (prompt tokens /
 prefill time) and decode (generated tokens / decode time) speeds; ratios are against the first
 stock row (or ``--baseline``).
@@ -256,7 +257,7 @@ def bench_generation(
                 data = data_file_beside(path)
                 TextLLMRunner(str(path), str(tokenizer), None if data is None else str(data))
                 paths[name] = path
-                row.file_bytes = path.stat().st_size
+                row.file_bytes = path.stat().st_size + (0 if data is None else data.stat().st_size)
             except OpsOutsideCoreAtenError:
                 raise  # the model's refusal, not a contender's: no program of it could run
             except Exception as error:  # a contender that cannot lower or load is reported, not fatal

@@ -12,11 +12,16 @@ calls ``8da4w`` and ``8da8w``, each run by kernels ExecuTorch's stock runtime al
 - ``8da8w``: linear layers 8-bit per output channel with 8-bit dynamic activations
   (XNNPACK's ``qc8w`` dynamically quantized linear), the embedding 8-bit as in ``8da4w-e8``.
 
-A tied embedding/LM head becomes two tensors: the embedding table (int8, outside any
-delegate) and the LM head's weight (packed into XNNPACK's blob). No stock kernel pair reads
-one quantized tensor for both the lookup and the matmul, so each is stored once in its own
-form. Norms and the state (the KV cache) are untouched, so every in-place write of the fp32
-model is still in place.
+With an 8-bit embedding (``8da4w-e8``, ``8da8w``), an LM head tied to the embedding (one
+parameter for both, as Qwen2.5's) is quantized 8-bit per output channel whatever the scheme's
+linear bits, and the embedding's table is that head's: the same int8 ``[vocab, hidden]`` rows and
+fp32 ``[vocab]`` scales. The lookup reads them as program constants, XNNPACK's ``qc8w`` linear
+as named data, and ExecuTorch's data store keeps bytes two keys share once, so a program whose
+weights are in a data file of their own (``writeback export --separate-weights``) stores the
+tied table once. A single ``.pte`` still holds it twice: exir writes program constants and a
+delegate's named data to different segments. ``8da4w-e8``'s tied head is thereby 8-bit, as
+llama.cpp's q4_0 files keep theirs (q8_0). Norms and the state (the KV cache) are untouched, so
+every in-place write of the fp32 model is still in place.
 
 torchao comes with ExecuTorch (exir imports it); nothing here is imported until a
 model is quantized.
@@ -25,6 +30,7 @@ model is quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +67,7 @@ class Quantization:
 
 _LINEAR4 = "linear layers (the LM head too): 8-bit dynamic activations, 4-bit weights in groups of 32"
 _EMBEDDING8 = "embedding 8-bit, one scale per row (quantized_decomposed::embedding_byte)"
+_SHARED = "the embedding's own int8 table and scales (stored once with --separate-weights)"
 
 QUANTIZATIONS: dict[str, Quantization] = {
     "8da4w": Quantization(
@@ -76,7 +83,8 @@ QUANTIZATIONS: dict[str, Quantization] = {
     ),
     "8da4w-e8": Quantization(
         "8da4w-e8",
-        f"{_LINEAR4}; {_EMBEDDING8}",
+        f"{_LINEAR4}, except an LM head tied to the embedding: 8-bit, one scale per output channel, {_SHARED}; "
+        f"{_EMBEDDING8}",
         group_size=32,
         linear_bits=4,
         embedding_bits=8,
@@ -87,7 +95,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "8da8w": Quantization(
         "8da8w",
         "linear layers (the LM head too): 8-bit dynamic activations, 8-bit weights, one scale per "
-        f"output channel; {_EMBEDDING8}",
+        f"output channel; {_EMBEDDING8}; an LM head tied to the embedding reads {_SHARED}",
         group_size=None,
         linear_bits=8,
         embedding_bits=8,
@@ -115,7 +123,9 @@ def scheme(name: str, hidden: int | None = None) -> Quantization:
 
 def quantize(module: nn.Module, name: str) -> nn.Module:
     """Quantize ``module``'s linear layers (and, where the scheme says so, its embeddings) in
-    place as the scheme ``name`` says; returns ``module``.
+    place as the scheme ``name`` says; returns ``module``. With an 8-bit embedding, a linear
+    layer whose weight is an embedding's (a tied LM head) is 8-bit per output channel and the
+    embedding's table is that layer's int8 weight and scales (see the module's docstring).
 
     :raises QuantizationError: no scheme is called ``name``, or no linear layer's input width
         divides by the scheme's group size (nothing would be quantized).
@@ -129,37 +139,55 @@ def quantize(module: nn.Module, name: str) -> nn.Module:
             f"{name}: no linear layer's input width divides by the group size {chosen.grouping} "
             f"(widths {widths or 'none: the model has no nn.Linear'}); the model would stay fp32"
         )
-    if chosen.embedding_bits is not None:
-        _quantize_embeddings(module)
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
 
+    # Keyed by the id of the parameter the two modules share, taken before quantize_ replaces it.
+    heads = _tied_heads(module, linears) if chosen.embedding_bits is not None else {}
+    head_ids = {id(m) for m in heads.values()}
     config = Int8DynamicActivationIntxWeightConfig(
         weight_dtype=torch.int4 if chosen.linear_bits == 4 else torch.int8,  # type: ignore[attr-defined]  # in torch, missing from its stubs
         weight_granularity=PerGroup(chosen.group_size) if chosen.group_size else PerAxis(0),
     )
-    chosen_ids = {id(m) for m in fits}
+    chosen_ids = {id(m) for m in fits} - head_ids
     quantize_(module, config, filter_fn=lambda m, _fqn: id(m) in chosen_ids)
+    if heads:
+        per_channel = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+        quantize_(module, per_channel, filter_fn=lambda m, _fqn: id(m) in head_ids)
+    if chosen.embedding_bits is not None:
+        _quantize_embeddings(module, heads)
     return module
 
 
 class ByteEmbedding(nn.Module):
     """An embedding table in 8 bits, one symmetric scale per row: row ``i`` is
     ``weight[i] * scales[i]``, looked up by ``quantized_decomposed::embedding_byte`` (ExecuTorch's
-    quantized kernels at run time, its Python reference in eager)."""
+    quantized kernels at run time, its Python reference in eager).
+
+    Built from an fp32 ``table`` (each row's largest magnitude becomes 127), or, with
+    ``scales``, from int8 rows already quantized (``table``) and their fp32 scale per row.
+    """
 
     weight: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, table: torch.Tensor) -> None:
+    def __init__(self, table: torch.Tensor, scales: torch.Tensor | None = None) -> None:
         super().__init__()
         import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401  # registers embedding_byte
 
-        table = table.detach().float()
-        scales = table.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        table = table.detach()
+        if scales is None:
+            table = table.float()
+            scales = table.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+            table = torch.round(table / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        elif table.dtype != torch.int8 or table.dim() != 2 or scales.numel() != table.shape[0]:
+            raise QuantizationError(
+                f"an 8-bit embedding takes int8 rows [rows, width] and one scale per row; got {table.dtype} "
+                f"{list(table.shape)} and {scales.numel()} scales: pass an fp32 table alone to quantize it here"
+            )
         self.num_embeddings, self.embedding_dim = table.shape
-        self.register_buffer("weight", torch.round(table / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales)
+        self.register_buffer("weight", table.contiguous().clone())
+        self.register_buffer("scales", scales.detach().to(torch.float32).reshape(-1).clone())
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         rows: torch.Tensor = torch.ops.quantized_decomposed.embedding_byte.default(
@@ -168,10 +196,29 @@ class ByteEmbedding(nn.Module):
         return rows
 
 
-def _quantize_embeddings(module: nn.Module) -> None:
-    """Replace every ``nn.Embedding`` under ``module`` by a :class:`ByteEmbedding` of its table; a
-    tied LM head keeps the fp32 parameter, which the linear quantization then takes."""
+def _tied_heads(module: nn.Module, linears: list[nn.Linear]) -> dict[int, nn.Linear]:
+    """The linear layers whose weight is an ``nn.Embedding``'s (tied LM heads), keyed by the id
+    of that shared parameter."""
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    return {id(m.weight): m for m in linears if id(m.weight) in tables}
+
+
+def _quantize_embeddings(module: nn.Module, heads: dict[int, nn.Linear]) -> None:
+    """Replace every ``nn.Embedding`` under ``module`` by a :class:`ByteEmbedding`: of the int8
+    weight and scales of the LM head tied to it (``heads``, keyed by the id of the parameter
+    they shared), else of its own table."""
     for parent in list(module.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Embedding):
+            if not isinstance(child, nn.Embedding):
+                continue
+            head = heads.get(id(child.weight))
+            if head is None:
                 setattr(parent, child_name, ByteEmbedding(child.weight))
+                continue
+            quantized: Any = head.weight  # torchao's IntxUnpackedToInt8Tensor
+            if bool(quantized.zero_point.ne(0).any()):  # symmetric: all zero
+                raise QuantizationError(
+                    f"the LM head tied to embedding {child_name!r} has non-zero zero points, which "
+                    "quantized_decomposed::embedding_byte's table (symmetric, one scale per row) cannot share"
+                )
+            setattr(parent, child_name, ByteEmbedding(quantized.qdata, quantized.scale))
