@@ -155,6 +155,14 @@ def _first_difference(
     return None
 
 
+def _copy_sharing_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` deep-copied but for its parameters, which the copy shares: a call mutates
+    buffers and attributes, never parameters, so eager's copy keeps the state before any call
+    without a second copy of the weights."""
+    shared = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
+    return copy.deepcopy(module, shared)
+
+
 @dataclass
 class ExportedWeights:
     """Watches the build of a case while it is lowered, to hand eager the weights exported.
@@ -178,7 +186,7 @@ class ExportedWeights:
     def _build(self) -> torch.nn.Module:
         module = build_case_module(self.original)
         self.chosen = self._choose(module)
-        self._copy = copy.deepcopy(module) if self.chosen == "copy" else None
+        self._copy = _copy_sharing_parameters(module) if self.chosen == "copy" else None
         return module
 
     def _choose(self, module: torch.nn.Module) -> Literal["copy", "rebuild"]:
