@@ -186,8 +186,8 @@ def run_model(
                     case.observe(step, result.outputs)
             else:  # eager's outputs were observed when its steps were computed
                 expected = reference.expected(step)
-                done.append((result, compare(result, expected, session.state, reference.state, case.rtol, case.atol)))
                 reference.advance(step)
+                done.append((result, compare(result, expected, session.state, reference.state, case.rtol, case.atol)))
             progress.advance(task)
     return RunReport(pipeline, case, lowered, output, done)
 
@@ -272,7 +272,7 @@ class _Reference:
         return self.outputs[step]
 
     def advance(self, step: int) -> None:
-        """Move :attr:`state` past ``step``."""
+        """Move :attr:`state` past ``step`` (to eager's state after it)."""
         for mine, change in zip(self.state, self.changes[step], strict=True):
             _apply(mine, change)
 
