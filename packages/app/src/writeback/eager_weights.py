@@ -5,9 +5,9 @@ builds another model each time it is called, so an eager model built apart from 
 exported is compared against other weights and every step "differs". Two ways keep the
 comparison honest, the user's choice of memory (``writeback run --eager-weights``):
 
-1. ``copy``: build once; before export, keep a deep copy of the module (parameters,
-   buffers and any tensor it holds, in their state before any call); eager runs that copy.
-   One more copy of the weights while the run lasts.
+1. ``copy``: build once; before export, keep a deep copy of the module (buffers and any
+   tensor it holds, in their state before any call; its parameters shared, since a call never
+   writes them); eager runs that copy. No second copy of the weights.
 2. ``rebuild``: before the exported program is released, take a checksum of each of its
    parameters and buffers; build the model again for eager and refuse
    (:class:`WeightsDiffer`, naming the first differing tensor) unless every tensor the two
@@ -44,7 +44,7 @@ EagerWeights = Literal["auto", "copy", "rebuild"]
 EAGER_WEIGHTS_HELP = (
     "Which weights eager PyTorch checks the program with; always those exported, even from a factory that "
     "initialises them randomly. copy: build the model once and keep a copy of it, taken before export, for "
-    "eager (one more copy of the weights in memory). rebuild: build it again for eager and refuse, naming the "
+    "eager (its buffers copied, its parameters shared). rebuild: build it again for eager and refuse, naming the "
     "first differing tensor, when its parameters or buffers differ from those exported (a checksum per tensor, "
     "no second copy while lowering). auto: copy when the copy takes at most half the available memory, else "
     "rebuild."
@@ -127,7 +127,7 @@ def _program_checksums(program: ExportedProgram) -> dict[str, _Checksum]:
 
 _RUN_ADVICE = (
     "seed it (torch.manual_seed) or load its weights, or run with --eager-weights copy to check the program "
-    "against a copy of the exported build (one more copy of the weights in memory)"
+    "against a copy of the exported build (its parameters shared, no second copy of the weights)"
 )
 
 
