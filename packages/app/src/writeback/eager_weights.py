@@ -5,9 +5,9 @@ builds another model each time it is called, so an eager model built apart from 
 exported is compared against other weights and every step "differs". Two ways keep the
 comparison honest, the user's choice of memory (``writeback run --eager-weights``):
 
-1. ``copy``: build once; before export, keep a deep copy of the module (parameters,
-   buffers and any tensor it holds, in their state before any call); eager runs that copy.
-   One more copy of the weights while the run lasts.
+1. ``copy``: build once; before export, keep a deep copy of the module (buffers and any
+   tensor it holds, in their state before any call; its parameters shared, since a call never
+   writes them); eager runs that copy. No second copy of the weights.
 2. ``rebuild``: before the exported program is released, take a checksum of each of its
    parameters and buffers; build the model again for eager and refuse
    (:class:`WeightsDiffer`, naming the first differing tensor) unless every tensor the two
@@ -44,7 +44,7 @@ EagerWeights = Literal["auto", "copy", "rebuild"]
 EAGER_WEIGHTS_HELP = (
     "Which weights eager PyTorch checks the program with; always those exported, even from a factory that "
     "initialises them randomly. copy: build the model once and keep a copy of it, taken before export, for "
-    "eager (one more copy of the weights in memory). rebuild: build it again for eager and refuse, naming the "
+    "eager (its buffers copied, its parameters shared). rebuild: build it again for eager and refuse, naming the "
     "first differing tensor, when its parameters or buffers differ from those exported (a checksum per tensor, "
     "no second copy while lowering). auto: copy when the copy takes at most half the available memory, else "
     "rebuild."
@@ -127,7 +127,7 @@ def _program_checksums(program: ExportedProgram) -> dict[str, _Checksum]:
 
 _RUN_ADVICE = (
     "seed it (torch.manual_seed) or load its weights, or run with --eager-weights copy to check the program "
-    "against a copy of the exported build (one more copy of the weights in memory)"
+    "against a copy of the exported build (its parameters shared, no second copy of the weights)"
 )
 
 
@@ -155,6 +155,14 @@ def _first_difference(
     return None
 
 
+def _copy_sharing_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` deep-copied but for its parameters, which the copy shares: a call mutates
+    buffers and attributes, never parameters, so eager's copy keeps the state before any call
+    without a second copy of the weights."""
+    shared = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
+    return copy.deepcopy(module, shared)
+
+
 @dataclass
 class ExportedWeights:
     """Watches the build of a case while it is lowered, to hand eager the weights exported.
@@ -178,7 +186,7 @@ class ExportedWeights:
     def _build(self) -> torch.nn.Module:
         module = build_case_module(self.original)
         self.chosen = self._choose(module)
-        self._copy = copy.deepcopy(module) if self.chosen == "copy" else None
+        self._copy = _copy_sharing_parameters(module) if self.chosen == "copy" else None
         return module
 
     def _choose(self, module: torch.nn.Module) -> Literal["copy", "rebuild"]:
@@ -187,9 +195,10 @@ class ExportedWeights:
         available = available_bytes()
         return "copy" if available is None or 2 * _nbytes(module) <= available else "rebuild"
 
-    def record(self, exported: ExportedProgram) -> None:
-        """Take the checksums ``rebuild`` compares with (nothing kept when a copy is)."""
-        self._checksums = None if self._copy is not None else _program_checksums(exported)
+    def record(self, exported: ExportedProgram, checksums: bool = False) -> None:
+        """Take the checksums ``rebuild`` and :meth:`checked_rebuild` compare with (none when a
+        copy is kept, unless ``checksums``: a later :meth:`checked_rebuild` is wanted)."""
+        self._checksums = _program_checksums(exported) if self._copy is None or checksums else None
 
     def eager_module(self) -> torch.nn.Module:
         """The module eager runs: the copy kept, else a new build whose weights equal those exported.
@@ -199,8 +208,17 @@ class ExportedWeights:
         if self._copy is not None:
             module, self._copy = self._copy, None
             return module
+        return self.checked_rebuild()
+
+    def checked_rebuild(self, purpose: str = "eager PyTorch", advice: str = _RUN_ADVICE) -> torch.nn.Module:
+        """A new build (for ``purpose``) whose weights equal those :meth:`record` saw exported.
+
+        :raises WeightsDiffer: the new build's parameters or buffers differ from those exported
+            (the message ends with ``advice``).
+        """
         module = build_case_module(self.original)
-        problem = _first_difference(self.original.name, self._checksums or {}, module)
+        again = f"building it again for {purpose} gave other weights than the build that was exported"
+        problem = _first_difference(self.original.name, self._checksums or {}, module, again, advice)
         if problem is not None:
             raise WeightsDiffer(problem)
         return module

@@ -11,6 +11,7 @@ each state lives and which whole-state copies are left.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import click
 from rich.console import Console
 from writeback_core.llm_runner import RUNNER_METADATA, RunnerContractError, check_runner_contract, logits_rows
 from writeback_core.lowered import Lowered, state_places
-from writeback_core.lowering import lower
+from writeback_core.lowering import lower, partition
 from writeback_core.registry import Registry
 from writeback_core.types import LoweringError
 from writeback_core.units import format_bytes
@@ -33,7 +34,7 @@ from writeback.cli import (
 )
 from writeback.lowered_lines import runner_loads, state_lines, where_it_loads
 from writeback.model_build import export_case
-from writeback.process_memory import return_freed_memory
+from writeback.process_memory import free_delegated_weights, return_freed_memory
 from writeback.session import PipelineError, assemble
 
 __all__ = ["ExportReport", "export_command", "one_copy_line"]
@@ -232,15 +233,23 @@ def export_command(
         exported = export_case(case)
         check_runner_contract(exported, case.constant_methods)
         rows = logits_rows(exported)
+        start = time.perf_counter()
+        parts = partition(
+            exported, pipeline.registry, pipeline.backend, case.constant_methods, weights_apart=separate_weights
+        )
+        # Nothing reads the exported weights again: those the delegates took go before serialization.
+        free_delegated_weights(exported, [parts.edge.exported_program(method) for method in parts.edge.methods])
         lowered = lower(
             exported,
             pipeline.registry,
             pipeline.backend,
             "state",
             case,
+            partitioned=parts,
             between_steps=return_freed_memory,
             weights_apart=separate_weights,
         )
+        lowered.seconds = time.perf_counter() - start  # partitioning included
         weights = output.with_suffix(".ptd") if separate_weights else None
         if weights is not None:
             with replacing(weights) as temporary:

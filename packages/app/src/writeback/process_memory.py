@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-__all__ = ["forget_toolchain_caches", "return_freed_memory"]
+import torch
+from torch.export import ExportedProgram
+
+__all__ = ["forget_toolchain_caches", "free_delegated_weights", "return_freed_memory"]
 
 
 def forget_toolchain_caches() -> None:
@@ -53,3 +59,70 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         return
     trim(0)
+
+
+def _storages(value: Any) -> Iterator[torch.UntypedStorage]:
+    """The storages behind a tensor: its own, or for a wrapper subclass (a quantized weight)
+    those of the tensors it is made of."""
+    if not isinstance(value, torch.Tensor):
+        return
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if flatten is not None and type(value) is not torch.nn.Parameter:
+        names, _ = flatten()
+        for name in names:
+            yield from _storages(getattr(value, name))
+        return
+    try:
+        yield value.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a subclass without a storage of its own
+        return
+
+
+def _tensors(programs: Iterable[ExportedProgram]) -> Iterator[Any]:
+    for program in programs:
+        yield from program.state_dict.values()
+        yield from program.constants.values()
+
+
+_MADV_DONTNEED = 4  # Linux: drop the pages; a file's come back from the file if read again
+
+
+def _drop_pages(pointer: int, nbytes: int) -> int:
+    """Hand the whole pages of ``[pointer, pointer + nbytes)`` back to the system (``madvise``);
+    the bytes dropped (0 where that is not possible)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    page = mmap.PAGESIZE
+    first, last = -(-pointer // page) * page, (pointer + nbytes) // page * page
+    if last <= first:
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    done = libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+    return last - first if done == 0 else 0
+
+
+def free_delegated_weights(exported: ExportedProgram, kept: Iterable[ExportedProgram]) -> int:
+    """Free the memory of every weight of ``exported`` that none of the programs ``kept``
+    holds: once partitioned, a delegate has serialized its own copy of the weights it took and
+    the exported program's are dead weight until the ``.pte`` is written. Their storages are
+    emptied in place (a weight read from a mapped file gives its pages back instead), so every
+    holder sees them empty: the module exported, any copy sharing its parameters, ``exported``
+    itself. Call it only when nothing will read those values again (``writeback run`` computes
+    eager's steps first). Returns the bytes freed."""
+    keep = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for value in _tensors(kept) for s in _storages(value)]
+    freed = 0
+    for value in _tensors([exported]):
+        for storage in _storages(value):
+            pointer, nbytes = storage.data_ptr(), storage.nbytes()
+            if not nbytes or any(lo < pointer + nbytes and pointer < hi for lo, hi in keep):
+                continue
+            try:
+                storage.resize_(0)
+            except RuntimeError:  # not resizable: a weight read from a mapped file
+                freed += _drop_pages(pointer, nbytes)
+                continue
+            freed += nbytes
+    return freed

@@ -11,12 +11,13 @@ judge a converted model against a higher-precision reference.
 
 1. Only a step the fixed tolerance refuses is judged (:meth:`Float64Reference.judge`); a run whose
    steps all match builds nothing.
-2. Before eager's first step, the reference keeps eager's module as it is then, its parameters
-   shared (no copy of the weights) and everything else copied: buffers, and the Python attributes
-   and tensors a module carries between calls (a call counter, a cache object's tensors). The first
-   judged step copies that in float64: every floating parameter and buffer is converted one tensor
-   at a time straight into the copy (tied weights stay tied, no second fp32 copy on the way), so it
-   starts where the run started, with the very weights exported. It then runs every step from 0 to
+2. The first judged step builds the model again (``run`` frees eager's weights with the
+   delegated ones before the program loads) and refuses that build unless its weights equal those
+   exported (checksums taken when the program was partitioned): a new build is the module as it
+   is before its first step, buffers, call counters and a cache object's tensors included. It is
+   then copied in float64: every floating parameter and buffer is converted one tensor at a time
+   straight into the copy (tied weights stay tied), so it starts where the run started, with the
+   very weights exported. It then runs every step from 0 to
    the judged one with the same inputs (floating ones in float64); a later judged step continues
    from where it stopped.
 3. For each output and caller-owned state: ``program_error = max|program - float64|`` and
@@ -33,14 +34,16 @@ judge a converted model against a higher-precision reference.
 Refused: a program whose weights differ from eager's by 1e-2 (its error from float64 is 70 to
 480 times eager fp32's), a step whose integer output differs (compared exactly), and a model
 whose float64 copy cannot run (an op without a float64 kernel: the step stays refused, the reason
-given). Quantized runs keep their scheme's fixed tolerance: their integer kernels round activations
-at 8 bits, a rounding float64 cannot stand for, and ``run`` builds no reference for them.
+given), or whose new build has other weights than those exported (unseeded random
+initialisation: the step stays refused, the tensor named). Quantized runs keep their scheme's
+fixed tolerance: their integer kernels round activations at 8 bits, a rounding float64 cannot
+stand for, and ``run`` builds no reference for them.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,11 +81,11 @@ def _float64(value: Any) -> Any:
     )
 
 
-def _sharing_parameters(module: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``module`` that shares its parameters (``copy.deepcopy``'s memo maps each
-    to itself) and copies everything else: buffers, attributes, tensors held by other objects."""
-    memo: dict[int, Any] = {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
-    return copy.deepcopy(module, memo)
+_ADVICE = "seed it (torch.manual_seed) or load its weights, so the float64 reference runs the weights exported"
+
+
+class _NoCopy(RuntimeError):
+    """The module built for the reference cannot be copied in float64."""
 
 
 def _float64_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -108,28 +111,30 @@ def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 class Float64Reference:
     """Eager's model in float64, built at the first step the fixed tolerance refuses (see the module).
 
-    Make it before eager's first step (it keeps eager's module as it is then), :meth:`judge`
-    each refused step in increasing order, :meth:`release` at the end."""
+    ``build`` gives the module as it is before its first step, with the weights exported (it
+    raises :class:`~writeback.eager_weights.WeightsDiffer` otherwise): called at the first judged
+    step only. :meth:`judge` each refused step in increasing order, :meth:`release` at the end."""
 
-    def __init__(self, case: ModelCase, eager: torch.nn.Module, factor: float = FP32_FACTOR) -> None:
+    def __init__(
+        self, case: ModelCase, build: Callable[[str, str], torch.nn.Module], factor: float = FP32_FACTOR
+    ) -> None:
         self.case = case
         self.factor = factor
-        self._initial: torch.nn.Module | None = None
+        self._make = build
         self._module: torch.nn.Module | None = None
         self._state: tuple[Any, ...] = ()
         self._outputs: list[Any] = []
         self._fed = 0  # steps the float64 copy has run
         self._broken: str | None = None
-        try:
-            self._initial = _sharing_parameters(eager)
-        except Exception as error:  # a module deepcopy cannot copy (it holds a lock, say): no reference
-            self._broken = f"copying the module before its first step failed: {type(error).__name__}: {error}"
 
     def _build(self) -> None:
-        assert self._initial is not None, "built once, before release"
-        self._module = _float64_copy(self._initial)
+        module = self._make("its float64 reference", _ADVICE)
+        try:
+            self._module = _float64_copy(module)
+        except Exception as error:  # a module deepcopy cannot copy (it holds a lock, say): no reference
+            failed = f"{type(error).__name__}: {error}"
+            raise _NoCopy(f"copying the module before its first step failed: {failed}") from error
         self._module.eval()
-        self._initial = None
         self._state = tuple(_float64(self.case.make_state()))
 
     def _run_to(self, step: int) -> list[Any]:
@@ -161,7 +166,10 @@ class Float64Reference:
         if self._broken is None:
             try:
                 reference = self._run_to(step)
-            except Exception as error:  # whatever the model raises in float64: no reference, say why
+            except _NoCopy as error:
+                self._broken = str(error)
+                self.release()
+            except Exception as error:  # the new build refused, or what the model raises in float64: say why
                 self._broken = f"{type(error).__name__}: {error}"
                 self.release()
         if self._broken is not None:
@@ -199,5 +207,5 @@ class Float64Reference:
         )
 
     def release(self) -> None:
-        """Free the float64 copy, its state and eager's module as it was before its first step."""
-        self._module, self._state, self._outputs, self._initial = None, (), [], None
+        """Free the float64 copy and its state."""
+        self._module, self._state, self._outputs = None, (), []

@@ -17,13 +17,16 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from torch.export import ExportedProgram
 from writeback_core.lowered import Lowered, state_places
+from writeback_core.lowering import Partitioned
 from writeback_core.registry import Registry
 from writeback_core.types import ModelCase
 from writeback_core.units import format_bytes
@@ -42,7 +45,7 @@ from writeback.cli import (
 from writeback.eager_weights import EAGER_WEIGHTS_HELP, EagerWeights, ExportedWeights, WeightsDiffer
 from writeback.lowered_lines import state_lines, where_it_loads
 from writeback.pass_reasons import passes_run_lines
-from writeback.process_memory import return_freed_memory
+from writeback.process_memory import free_delegated_weights, return_freed_memory
 from writeback.reference import FP32_FACTOR, Float64Reference
 from writeback.session import (
     Eager,
@@ -129,24 +132,45 @@ def run_model(
     A step beyond the case's ``rtol``/``atol`` is judged against eager's weights run in float64
     (:class:`~writeback.reference.Float64Reference`, built at the first such step, freed after
     the last step) unless ``float64_reference`` is false (a quantized run: its scheme's
-    tolerance alone decides). The reference keeps eager's module as it was before its first
-    step, parameters shared: one more copy of its buffers (the program-owned state among them).
+    tolerance alone decides). Eager's own weights are freed with the delegated ones before the
+    program loads, so the reference is a new build, refused unless its weights equal those
+    exported (checksums taken at partitioning).
 
     ``output`` is replaced whole or not at all (a new file renamed into place), so a
     process that has the old file mapped keeps it and a failure leaves it as it was."""
     weights = ExportedWeights(case, eager_weights) if check else None
-    lowered = lower_case(weights.case if weights is not None else case, pipeline, between_steps=return_freed_memory)
-    if weights is not None:
-        weights.record(lowered.exported)
+    reference: _Reference | None = None
+
+    def partitioned(exported: ExportedProgram, parts: Partitioned) -> None:
+        # Eager's steps are computed while the weights are whole, then the weights the
+        # delegates took are freed: serialization, the runtime and eager never hold them at once.
+        nonlocal reference
+        if weights is not None:
+            weights.record(exported, checksums=float64_reference)
+            if weights.chosen == "copy":
+                reference = _Reference.compute(case, weights.eager_module(), steps)
+        edge = parts.edge
+        free_delegated_weights(exported, [edge.exported_program(method) for method in edge.methods])
+
+    lowered = lower_case(
+        weights.case if weights is not None else case,
+        pipeline,
+        between_steps=return_freed_memory,
+        partitioned=partitioned,
+    )
     with replacing(output) as temporary:
         lowered.write_pte(temporary)
     # The steps need the runtime's copy of the weights alone: the exported program, the
     # program manager and the .pte bytes go before the runtime and eager take theirs.
     lowered.release()
     return_freed_memory()
+    if weights is not None and reference is None:  # built again for eager: its steps before the runtime loads
+        reference = _Reference.compute(case, weights.eager_module(), steps)
+        return_freed_memory()
     session = Session.open(pipeline, lowered, path=output)
-    eager = Eager(case, weights.eager_module()) if weights is not None else None
-    reference = Float64Reference(case, eager.module) if eager is not None and float64_reference else None
+    # Built only at a step the fixed tolerance refuses, from a new build checked against the
+    # weights exported (eager's own were freed with the delegated weights).
+    float64 = Float64Reference(case, weights.checked_rebuild) if weights is not None and float64_reference else None
     done: list[tuple[StepResult, StepCheck | None]] = []
     progress = Progress(
         TextColumn("[bold]decode"),
@@ -163,30 +187,29 @@ def run_model(
             try:
                 result = session.step(step)
             except RuntimeError as error:
-                if eager is None:
+                if reference is None:
                     raise StepRefused(
                         f"step {step}: the runtime refused the call ({error}); run without --no-check "
                         "to ask eager PyTorch whether the inputs or the program are at fault",
                         eager_refuses=False,
                         state_kept=False,
                     ) from error
-                raise _refusal(step, error, session, eager) from error
-            if eager is None:
+                raise _refusal(step, error, session, reference) from error
+            if reference is None:
                 done.append((result, None))
-                observed = result.outputs
-            else:
-                expected = eager.step(step)
-                step_check = compare(result, expected, session.state, eager.state, case.rtol, case.atol)
-                if not step_check.ok and reference is not None and len(result.outputs) == len(expected):
-                    judged = reference.judge(step, result.outputs, session.state, expected, eager.state, case.atol)
+                if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
+                    case.observe(step, result.outputs)
+            else:  # eager's outputs were observed when its steps were computed
+                expected = reference.expected(step)
+                reference.advance(step)
+                step_check = compare(result, expected, session.state, reference.state, case.rtol, case.atol)
+                if not step_check.ok and float64 is not None and len(result.outputs) == len(expected):
+                    judged = float64.judge(step, result.outputs, session.state, expected, reference.state, case.atol)
                     step_check = dataclasses.replace(step_check, float64=judged)
                 done.append((result, step_check))
-                observed = expected
-            if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
-                case.observe(step, observed)
             progress.advance(task)
-    if reference is not None:
-        reference.release()
+    if float64 is not None:
+        float64.release()
     return RunReport(pipeline, case, lowered, output, done)
 
 
@@ -201,14 +224,87 @@ class StepRefused(RuntimeError):
         self.state_kept = state_kept
 
 
-def _refusal(step: int, error: RuntimeError, session: Session, eager: Eager) -> StepRefused:
-    """Why step ``step`` failed in the runtime: eager PyTorch is asked the same call (its own
-    error names the state, the index and the size) and the caller's state is checked unchanged."""
-    before = [t.clone() for t in eager.state]
-    try:
-        eager.step(step)
-    except Exception as eager_error:  # the model's own refusal, whatever its type
-        kept = all(torch.equal(ours, theirs) for ours, theirs in zip(session.state, before, strict=True))
+def _changes(before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What a step changed in one state tensor: ``(flat indices, values)``, or ``(None, the
+    whole tensor)`` where that is smaller (a state rewritten whole)."""
+    flat = after.reshape(-1)
+    differ = flat.ne(before.reshape(-1))
+    count = int(differ.sum())
+    if count * 8 >= flat.numel() * flat.element_size():  # the indices alone would outweigh the state
+        return None, after.clone(memory_format=torch.contiguous_format)
+    indices = differ.nonzero().squeeze(1)
+    return indices, flat[indices].clone()
+
+
+def _apply(state: torch.Tensor, change: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+    indices, values = change
+    if indices is None:
+        state.copy_(values)
+    elif indices.numel():
+        state.view(-1)[indices] = values
+
+
+@dataclass
+class _Reference:
+    """Eager PyTorch's answer to every step, computed before the runtime loads the program so
+    that eager's model and the runtime never hold the weights at once.
+
+    ``outputs``: each step's outputs (copies). ``state``: eager's state before the step being
+    compared, replayed from the state before step 0 by what each step changed (``changes``), so
+    the steps cost one state copy and the bytes they wrote. ``error``: the step eager raised at
+    (no later step ran) and what it raised."""
+
+    outputs: list[list[Any]]
+    state: tuple[torch.Tensor, ...]
+    changes: list[list[tuple[torch.Tensor | None, torch.Tensor]]]
+    error: tuple[int, Exception] | None = None
+
+    @classmethod
+    def compute(cls, case: ModelCase, module: torch.nn.Module, steps: int) -> _Reference:
+        """Run eager ``steps`` times on ``module``, handing each step's outputs to ``case.observe``."""
+        eager = Eager(case, module)
+        initial = tuple(t.clone(memory_format=torch.contiguous_format) for t in eager.state)
+        running = tuple(t.clone(memory_format=torch.contiguous_format) for t in eager.state)
+        outputs: list[list[Any]] = []
+        changes: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []
+        for step in range(steps):
+            try:
+                answered = eager.step(step)
+            except Exception as error:  # the model's own refusal, whatever its type: raised at that step
+                return cls(outputs, initial, changes, (step, error))
+            changed = [_changes(mine, now) for mine, now in zip(running, eager.state, strict=True)]
+            for mine, change in zip(running, changed, strict=True):
+                _apply(mine, change)
+            outputs.append([o.clone() if isinstance(o, torch.Tensor) else o for o in answered])
+            changes.append(changed)
+            if case.observe is not None:  # the next inputs from these outputs (greedy tokens)
+                case.observe(step, answered)
+        return cls(outputs, initial, changes)
+
+    def refuses(self, step: int) -> Exception | None:
+        """What eager raised at ``step``, or ``None`` when it answered."""
+        return self.error[1] if self.error is not None and self.error[0] == step else None
+
+    def expected(self, step: int) -> list[Any]:
+        """Eager's outputs of ``step``; raises what eager raised there."""
+        refused = self.refuses(step)
+        if refused is not None:
+            raise refused
+        return self.outputs[step]
+
+    def advance(self, step: int) -> None:
+        """Move :attr:`state` past ``step`` (to eager's state after it)."""
+        for mine, change in zip(self.state, self.changes[step], strict=True):
+            _apply(mine, change)
+
+
+def _refusal(step: int, error: RuntimeError, session: Session, reference: _Reference) -> StepRefused:
+    """Why step ``step`` failed in the runtime: what eager PyTorch answered to the same call (its
+    own error names the state, the index and the size) and the caller's state checked unchanged."""
+    eager_error = reference.refuses(step)
+    if eager_error is not None:
+        state = reference.state
+        kept = all(torch.equal(ours, theirs) for ours, theirs in zip(session.state, state, strict=True))
         indexed = [
             f"{m.target} ({m.write.kind.value} along dim {m.write.dim} of size {m.shape[m.write.dim]})"
             for m in session.lowered.mutations
@@ -218,7 +314,7 @@ def _refusal(step: int, error: RuntimeError, session: Session, eager: Eager) -> 
             f"step {step}: the program refused the call ({error}), as eager PyTorch refuses these inputs: "
             f"{type(eager_error).__name__}: {eager_error}. "
             + (f"States written at a run-time index: {', '.join(indexed)}. " if indexed else "")
-            + ("Nothing was written: every caller-owned state is as before the call. " if kept and before else "")
+            + ("Nothing was written: every caller-owned state is as before the call. " if kept and state else "")
             + "Fix the model's step inputs (an index out of range, say)"
         )
         return StepRefused(message, eager_refuses=True, state_kept=kept)

@@ -40,7 +40,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, TensorArgument
 from torch.utils import _pytree as pytree
 from writeback_core.lowered import InputSignature, Lowered
-from writeback_core.lowering import lower
+from writeback_core.lowering import Partitioned, lower, partition
 from writeback_core.mutations import Mutation, MutationKind
 from writeback_core.registry import Registry
 from writeback_core.types import BackendSpec, ModelCase, RuntimeDelegate, RuntimeMethod, RuntimeSpec, StateAllocator
@@ -142,18 +142,41 @@ def assemble(registry: Registry, backend: str | None = None, runtime: str | None
     return Pipeline(registry, spec, chosen, registry.runtime_delegates(), allocator)
 
 
-def lower_case(case: ModelCase, pipeline: Pipeline, *, between_steps: Callable[[], None] | None = None) -> Lowered:
+def lower_case(
+    case: ModelCase,
+    pipeline: Pipeline,
+    *,
+    between_steps: Callable[[], None] | None = None,
+    partitioned: Callable[[ExportedProgram, Partitioned], None] | None = None,
+) -> Lowered:
     """Export ``case`` (:func:`~writeback.model_build.export_case`) and take it through the one
     lowering path (:func:`writeback_core.lowering.lower`) with the pipeline's backend,
     caller-owned state left out of the memory plan. ``between_steps``: the command's
-    housekeeping between partitioning and serialization (see ``lower``).
+    housekeeping between partitioning and serialization (see ``lower``). ``partitioned``,
+    when given, is called with the exported program and the partitioned one before
+    ``between_steps`` (``writeback run`` computes eager's steps there, then frees the weights
+    the delegates took).
 
     :raises PipelineError: export, the backend's partitioner or the passes fail; the
         message names the model and the backend.
     :raises ModelBuildError: building the model raised (the model's error, not a lowering's).
     """
     try:
-        return lower(export_case(case), pipeline.registry, pipeline.backend, "state", case, between_steps=between_steps)
+        if partitioned is None:
+            return lower(
+                export_case(case), pipeline.registry, pipeline.backend, "state", case, between_steps=between_steps
+            )
+        start = time.perf_counter()
+        exported = export_case(case)
+        parts = partition(exported, pipeline.registry, pipeline.backend, case.constant_methods)
+        called = time.perf_counter()
+        partitioned(exported, parts)
+        start += time.perf_counter() - called  # the caller's work is no part of the lowering's time
+        lowered = lower(
+            exported, pipeline.registry, pipeline.backend, "state", case, partitioned=parts, between_steps=between_steps
+        )
+        lowered.seconds = time.perf_counter() - start
+        return lowered
     except ModelBuildError:
         raise  # the model's own error, not the lowering's: the CLI reports it as the user's
     except Exception as error:

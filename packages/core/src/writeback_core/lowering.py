@@ -125,7 +125,8 @@ def partition(
             with ExitStack() as stack:
                 stack.enter_context(known_warnings_ignored())
                 stack.enter_context(preprocess_shares_constants())
-                stack.enter_context(decompositions_once(program, arguments["partitioner"]))
+                if backend.single_decomposition:
+                    stack.enter_context(decompositions_once(program, arguments["partitioner"]))
                 stack.enter_context(unbacked_symbols_settled(program))
                 if backend.lowering_context is not None:
                     stack.enter_context(backend.lowering_context())

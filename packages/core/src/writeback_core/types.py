@@ -129,6 +129,10 @@ class BackendSpec:
     partitioning and the delegates' ``preprocess`` (``None``: none). A backend uses it to
     make its own preprocessing cheaper; the ``.pte`` must be the same byte for byte with
     or without it, as a user's own ``to_edge_transform_and_lower`` does not enter it.
+    ``single_decomposition``: the backend's partitioner filters the ops it keeps, and the
+    ``.pte`` was checked to be the same byte for byte when the lowering skips exir's idle
+    whole-graph retraces around the one that decomposes
+    (:func:`writeback_core.decompositions.decompositions_once`); ``False``: exir's own steps.
     """
 
     name: str
@@ -139,6 +143,7 @@ class BackendSpec:
     dynamic_shapes: bool = False
     preferred: bool = False
     lowering_context: Callable[[], AbstractContextManager[None]] | None = None
+    single_decomposition: bool = False
 
 
 @dataclass(frozen=True)

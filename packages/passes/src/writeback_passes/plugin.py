@@ -64,6 +64,7 @@ def writeback_backends() -> Sequence[BackendSpec]:
             kernel_writes=True,
             dynamic_shapes=True,
             lowering_context=_xnnpack_lowering,
+            single_decomposition=True,
         ),
     ]
 
