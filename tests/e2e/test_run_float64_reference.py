@@ -112,3 +112,21 @@ def test_a_model_with_no_float64_copy_stays_refused_saying_why(tmp_path: Path) -
     assert "2 of 2 steps differ from eager PyTorch" in message and "differs from eager by" in message
     assert "No float64 reference could judge whether that is fp32's own rounding" in message, message
     assert "copying the module before its first step failed: TypeError" in message
+
+
+def test_an_unseeded_factory_gets_no_float64_reference_and_stays_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Eager's weights are freed with the delegated ones, so the float64 reference is a new build:
+    one whose weights differ from those exported (a factory seeded anew on every call) is not
+    used; the steps beyond the fixed tolerance stay refused, naming the first tensor that differs."""
+    source, _ = _model(tmp_path, 0.0)
+    source.write_text(
+        source.read_text().replace("torch.Generator().manual_seed(0)", "torch.Generator().manual_seed(torch.seed())")
+    )
+    args = ["run", f"{source}:make", "--backend", "xnnpack", "--steps", "2", "--eager-weights", "copy"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "2 of 2 steps differ from eager PyTorch" in message, message
+    assert "No float64 reference could judge whether that is fp32's own rounding" in message, message
+    assert "building it again for its float64 reference gave other weights than the build that was exported" in message
+    assert "parameter 'a'" in message and "seed it (torch.manual_seed)" in message
