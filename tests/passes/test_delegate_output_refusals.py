@@ -106,6 +106,20 @@ def _call(new: torch.fx.Node) -> torch.fx.Node:
     return call
 
 
+def _writer_in_delegate() -> tuple[
+    torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.export.ExportedProgram, torch.fx.Node, int
+]:
+    """``_write_back()``'s nodes, then the delegated graph and the operator in it that writes the
+    state's new value (the delegate's result ``index``), for a test to change by hand."""
+    state, new, copy = _write_back()
+    index = new.args[1]
+    assert isinstance(index, int)
+    found = delegate_writer(_call(new), index)
+    assert found is not None
+    program, add = found
+    return state, new, copy, program, add, index
+
+
 def _refusal(state: torch.fx.Node, new: torch.fx.Node, copy: torch.fx.Node) -> str:
     why = delegate_output_refusal(state, new, copy)
     assert why is not None, "the altered graph was accepted"
@@ -172,12 +186,7 @@ def test_delegate_arguments_not_matching_its_graphs_user_inputs_are_refused() ->
 def test_an_operator_fused_into_the_writer_reading_the_state_is_refused() -> None:
     """``clamp(h * 0.5 + x, min=h)``: XNNPACK fuses the clamp into the add that writes the new
     state, so the clamp would read ``h`` while the add overwrites it."""
-    state, new, copy = _write_back()
-    index = new.args[1]
-    assert isinstance(index, int)
-    found = delegate_writer(_call(new), index)
-    assert found is not None
-    program, add = found
+    state, new, copy, program, add, index = _writer_in_delegate()
     h = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "b_h")
     with program.graph.inserting_after(add):
         clamp = program.graph.call_function(exir_ops.edge.aten.clamp.Tensor, (add, h))
@@ -193,12 +202,7 @@ def test_an_operator_fused_into_the_writer_reading_the_state_is_refused() -> Non
 def test_a_delegate_result_that_is_one_of_its_inputs_is_refused() -> None:
     """A delegated graph that returns its input ``x`` unchanged as the state's new value: no
     operator of it writes that result, so there is nothing to check and the copy stays."""
-    state, new, copy = _write_back()
-    index = new.args[1]
-    assert isinstance(index, int)
-    found = delegate_writer(_call(new), index)
-    assert found is not None
-    program, add = found
+    state, new, copy, program, add, index = _writer_in_delegate()
     x = next(n for n in program.graph.nodes if n.op == "placeholder" and n is not add and n.name != "b_h")
     output = program.graph.output_node()
     results = output.args[0]
