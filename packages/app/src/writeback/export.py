@@ -34,7 +34,7 @@ from writeback.cli import (
 )
 from writeback.lowered_lines import runner_loads, state_lines, where_it_loads
 from writeback.model_build import export_case
-from writeback.process_memory import free_delegated_weights, return_freed_memory
+from writeback.process_memory import free_delegated_weights, map_large_allocations, return_freed_memory
 from writeback.session import PipelineError, assemble
 
 __all__ = ["ExportReport", "export_command", "one_copy_line"]
@@ -201,6 +201,7 @@ def export_command(
     (xnnpack, portable) and the model offers it, the token dimension is dynamic: the
     runner prefills a prompt in one call. A call returns the last position's logits, all
     the runner reads; --all-logits returns every position's."""
+    map_large_allocations()  # freed temporaries go back to the system, not to glibc's heap
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)

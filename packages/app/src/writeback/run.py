@@ -45,7 +45,7 @@ from writeback.cli import (
 from writeback.eager_weights import EAGER_WEIGHTS_HELP, EagerWeights, ExportedWeights, WeightsDiffer
 from writeback.lowered_lines import state_lines, where_it_loads
 from writeback.pass_reasons import passes_run_lines
-from writeback.process_memory import free_delegated_weights, return_freed_memory
+from writeback.process_memory import free_delegated_weights, map_large_allocations, return_freed_memory
 from writeback.reference import FP32_FACTOR, Float64Reference
 from writeback.session import (
     Eager,
@@ -467,6 +467,7 @@ def run_command(
     factory() returns a writeback_core.types.ModelCase (how each step gets its own inputs and
     keyword arguments, strict export, or an ExportedProgram of your own) or a tuple
     (module, args) / (module, args, kwargs) that every step reuses."""
+    map_large_allocations()  # freed temporaries go back to the system, not to glibc's heap
     registry = ctx.find_object(Registry)
     assert registry is not None, "the writeback group puts the registry on the context"
     console = Console(width=120)

@@ -30,12 +30,21 @@ model is quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from writeback_core.memory import FilePages
 
-__all__ = ["QUANTIZATIONS", "ByteEmbedding", "Quantization", "QuantizationError", "quantize", "scheme"]
+__all__ = [
+    "QUANTIZATIONS",
+    "ByteEmbedding",
+    "Quantization",
+    "QuantizationError",
+    "RowChunkedLinear",
+    "quantize",
+    "scheme",
+]
 
 
 class QuantizationError(ValueError):
@@ -139,23 +148,20 @@ def quantize(module: nn.Module, name: str) -> nn.Module:
             f"{name}: no linear layer's input width divides by the group size {chosen.grouping} "
             f"(widths {widths or 'none: the model has no nn.Linear'}); the model would stay fp32"
         )
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    # Keyed by the id of the parameter the two modules share, taken before quantize_ replaces it.
+    # Keyed by the id of the parameter the two modules share, taken before a head is quantized.
     heads = _tied_heads(module, linears) if chosen.embedding_bits is not None else {}
     head_ids = {id(m) for m in heads.values()}
-    config = Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4 if chosen.linear_bits == 4 else torch.int8,  # type: ignore[attr-defined]  # in torch, missing from its stubs
-        weight_granularity=PerGroup(chosen.group_size) if chosen.group_size else PerAxis(0),
-    )
-    chosen_ids = {id(m) for m in fits} - head_ids
-    quantize_(module, config, filter_fn=lambda m, _fqn: id(m) in chosen_ids)
-    if heads:
-        per_channel = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-        quantize_(module, per_channel, filter_fn=lambda m, _fqn: id(m) in head_ids)
+    # The fp32 weights read from a mapped file give their pages back once quantized: the
+    # quantized model is then resident alone, not beside the whole file.
+    pages = FilePages()
+    for linear in fits:
+        if id(linear) in head_ids:
+            continue
+        _quantize_linear(linear, chosen.linear_bits, chosen.group_size, pages)
+    for head in heads.values():
+        _quantize_linear(head, 8, None, pages)
     if chosen.embedding_bits is not None:
-        _quantize_embeddings(module, heads)
+        _quantize_embeddings(module, heads, pages)
     return module
 
 
@@ -177,23 +183,138 @@ class ByteEmbedding(nn.Module):
 
         table = table.detach()
         if scales is None:
-            table = table.float()
-            scales = table.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-            table = torch.round(table / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            table, scales = _byte_rows(table)
         elif table.dtype != torch.int8 or table.dim() != 2 or scales.numel() != table.shape[0]:
             raise QuantizationError(
                 f"an 8-bit embedding takes int8 rows [rows, width] and one scale per row; got {table.dtype} "
                 f"{list(table.shape)} and {scales.numel()} scales: pass an fp32 table alone to quantize it here"
             )
+        else:
+            table = table.contiguous().clone()
         self.num_embeddings, self.embedding_dim = table.shape
-        self.register_buffer("weight", table.contiguous().clone())
+        self.register_buffer("weight", table)
         self.register_buffer("scales", scales.detach().to(torch.float32).reshape(-1).clone())
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        rows: torch.Tensor = torch.ops.quantized_decomposed.embedding_byte.default(
-            self.weight, self.scales, None, -128, 127, indices
-        )
+        lookup = torch.ops.quantized_decomposed.embedding_byte.default
+        if _tracing(indices):
+            rows: torch.Tensor = lookup(self.weight, self.scales, None, -128, 127, indices)
+            return rows
+        # Eager: the op's Python reference dequantizes the whole table at each call (1.1 GB of
+        # temporaries for a 151,936-row table); the same op on the rows read gives the same values.
+        flat = indices.reshape(-1)
+        picked = torch.arange(flat.numel(), dtype=indices.dtype).reshape(indices.shape)
+        rows = lookup(self.weight.index_select(0, flat), self.scales.index_select(0, flat), None, -128, 127, picked)
         return rows
+
+
+# Rows quantized (or dequantized) at a time: the fp32 temporaries of a 151,936-row LM head or
+# table would otherwise be several times its 545 MB (Qwen2.5-0.5B's) at once. Above glibc's
+# largest mmap threshold (32 MiB), so that each temporary is a map of its own, returned when freed:
+# smaller ones come from the heap, which kept them all (+590 MB over a 0.5B head's call).
+_CHUNK_BYTES = 64 << 20
+
+
+def _row_chunks(rows: int, row_bytes: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+    step = max(1, (chunk_bytes or _CHUNK_BYTES) // max(1, row_bytes))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _byte_rows(table: torch.Tensor, chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 ``table``'s int8 rows and fp32 scale per row (each row's largest magnitude
+    becomes 127), computed a bounded number of rows at a time."""
+    rows, width = table.shape
+    quantized = torch.empty((rows, width), dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    for start, end in _row_chunks(rows, width * 4, chunk_bytes):
+        part = table[start:end].float()
+        scale = part.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        quantized[start:end] = torch.round(part / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[start:end] = scale
+    return quantized, scales
+
+
+def _quantize_linear(
+    linear: nn.Linear, bits: int, group_size: int | None, pages: FilePages, chunk_bytes: int | None = None
+) -> None:
+    """Replace ``linear``'s weight by torchao's ``IntxUnpackedToInt8Tensor`` exactly as
+    ``quantize_(linear, Int8DynamicActivationIntxWeightConfig(...))`` makes it (symmetric
+    ``bits``-bit weights in groups of ``group_size`` along the input, or one scale per output
+    channel; 8-bit asymmetric activations per token), a bounded number of output rows at a time
+    (a row's groups never span rows), then give the fp32 weight's file pages back (``pages``)."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+    from torchao.quantization.quant_primitives import MappingType
+
+    weight = linear.weight.detach()
+    rows, width = weight.shape
+    block = (1, group_size or width)
+    target = torch.int4 if bits == 4 else torch.int8  # type: ignore[attr-defined]  # in torch, missing from its stubs
+    qdata = torch.empty((rows, width), dtype=torch.int8)
+    scale = torch.empty((rows, width // block[1]), dtype=weight.dtype)
+    zero_point = torch.empty((rows, width // block[1]), dtype=torch.int8)
+    for start, end in _row_chunks(rows, width * weight.element_size(), chunk_bytes):
+        part: Any = IntxUnpackedToInt8Tensor.from_hp(
+            weight[start:end],
+            block,
+            target,
+            mapping_type=MappingType.SYMMETRIC,
+            activation_quantization="int8_asym_per_token",
+        )
+        qdata[start:end] = part.qdata
+        scale[start:end] = part.scale
+        zero_point[start:end] = part.zero_point
+    quantized = IntxUnpackedToInt8Tensor(qdata, scale, zero_point, target, block, weight.dtype, "int8_asym_per_token")
+    linear.weight = nn.Parameter(quantized, requires_grad=False)
+    pages.release(weight)
+    if rows * width * 4 > 2 * (chunk_bytes or _CHUNK_BYTES):
+        # Eager would dequantize the whole weight at each call (an LM head: 545 MB at 0.5B).
+        linear.__class__ = RowChunkedLinear
+        cast("RowChunkedLinear", linear).chunk_bytes = chunk_bytes or _CHUNK_BYTES
+
+
+def _tracing(value: torch.Tensor) -> bool:
+    """Whether torch is tracing the call (``torch.export``, ``torch.compile``, a fake tensor):
+    then a module computes as its graph must hold it, not as eager's memory wants."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or isinstance(value, FakeTensor)
+
+
+class RowChunkedLinear(nn.Linear):
+    """A linear layer with a torchao quantized weight whose eager calls compute a bounded number
+    of output rows at a time.
+
+    torchao's eager linear dequantizes the whole weight to fp32 at each call: for an LM head of
+    151,936 rows that is 545 MB of temporaries per call (Qwen2.5-0.5B), on top of the model,
+    whenever eager runs it (checking the state it carries before export, eager's steps in
+    ``writeback run``). Each output row depends only on its own weight row, so the rows are
+    computed in slices of the same quantized weight and joined. While torch traces it
+    (``torch.export``, ``torch.compile``) it is the plain linear layer, so the program is the
+    one torchao's layer exports."""
+
+    chunk_bytes: int = _CHUNK_BYTES
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's own name
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+
+        weight: Any = self.weight
+        if _tracing(input) or not isinstance(weight, IntxUnpackedToInt8Tensor):
+            return super().forward(input)
+        rows, width = weight.shape
+        parts = []
+        for start, end in _row_chunks(rows, width * 4, self.chunk_bytes):
+            part = IntxUnpackedToInt8Tensor(
+                weight.qdata[start:end],
+                weight.scale[start:end],
+                weight.zero_point[start:end],
+                weight.target_dtype,
+                weight.block_size,
+                weight.dtype,
+                weight.activation_quantization,
+            )
+            bias = None if self.bias is None else self.bias[start:end]
+            parts.append(torch.nn.functional.linear(input, part, bias))
+        return torch.cat(parts, dim=-1)
 
 
 def _tied_heads(module: nn.Module, linears: list[nn.Linear]) -> dict[int, nn.Linear]:
@@ -203,7 +324,7 @@ def _tied_heads(module: nn.Module, linears: list[nn.Linear]) -> dict[int, nn.Lin
     return {id(m.weight): m for m in linears if id(m.weight) in tables}
 
 
-def _quantize_embeddings(module: nn.Module, heads: dict[int, nn.Linear]) -> None:
+def _quantize_embeddings(module: nn.Module, heads: dict[int, nn.Linear], pages: FilePages) -> None:
     """Replace every ``nn.Embedding`` under ``module`` by a :class:`ByteEmbedding`: of the int8
     weight and scales of the LM head tied to it (``heads``, keyed by the id of the parameter
     they shared), else of its own table."""
@@ -214,6 +335,7 @@ def _quantize_embeddings(module: nn.Module, heads: dict[int, nn.Linear]) -> None
             head = heads.get(id(child.weight))
             if head is None:
                 setattr(parent, child_name, ByteEmbedding(child.weight))
+                pages.release(child.weight)
                 continue
             quantized: Any = head.weight  # torchao's IntxUnpackedToInt8Tensor
             if bool(quantized.zero_point.ne(0).any()):  # symmetric: all zero
@@ -222,3 +344,4 @@ def _quantize_embeddings(module: nn.Module, heads: dict[int, nn.Linear]) -> None
                     "quantized_decomposed::embedding_byte's table (symmetric, one scale per row) cannot share"
                 )
             setattr(parent, child_name, ByteEmbedding(quantized.qdata, quantized.scale))
+            pages.release(child.weight)
