@@ -72,6 +72,7 @@ def _lines(report: ExportReport) -> list[str]:
         f"wrote {report.pte_path} ({format_bytes(lowered.pte_nbytes)}, backend {backend}, "
         f"lowered in {lowered.seconds:.1f} s)",
         *_weights_lines(report),
+        *_stored_once_lines(lowered),
         "runner metadata: " + ", ".join(f"{name}={methods[name]!r}" for name in RUNNER_METADATA if name in methods),
         "prefill: "
         + (
@@ -107,6 +108,19 @@ def _weights_lines(report: ExportReport) -> list[str]:
         f"wrote the weights to {report.weights_path} ({size}; each weight once, a tied embedding/LM head too): "
         f"load both, TextLLMRunner(PTE, TOKENIZER, {report.weights_path.name}); writeback generate finds it beside "
         "the .pte"
+    ]
+
+
+def _stored_once_lines(lowered: Lowered) -> list[str]:
+    """The constants the program and a delegate both read from one place in the .pte (a tied
+    embedding/LM head's table and scales)."""
+    if not lowered.stored_once:
+        return []
+    tensors = ", ".join(f"{record.tensor} ({format_bytes(record.nbytes)})" for record in lowered.stored_once)
+    backend = lowered.backend or "the delegate"
+    return [
+        f"stored once: {tensors}, read by the program's lookup and by {backend} alike (a tied embedding/LM head's "
+        "table); the .pte holds it once"
     ]
 
 

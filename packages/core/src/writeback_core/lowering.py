@@ -51,6 +51,7 @@ from writeback_core.program_passes import (
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions, load_registry
 from writeback_core.types import BackendSpec, LoweringError, MemoryPlan, Stage
+from writeback_core.stored_once import store_named_data_once, stored_once
 
 if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
@@ -290,6 +291,7 @@ def to_executorch(
             program = run_program_passes(edge_manager, config, registry, backend)
         else:
             program = edge_manager.to_executorch(config)
+        store_named_data_once(program, config)
     if warn_copies:
         for method in program.methods:
             warn_copies_left(copies_left(decisions, program.exported_program(method), backend), method)
@@ -384,6 +386,7 @@ def lower(
         seconds=time.perf_counter() - start,
         case=case,
         weights_apart=weights_apart,
+        stored_once=stored_once(program),
     )
 
 
