@@ -17,8 +17,8 @@ from torch import nn
 from writeback.cli import main
 from writeback_decoders.quantize import QUANTIZATIONS, quantize
 
-from tests.decoders.test_llm_runner import NEW_TOKENS, PROMPT, _tokenizer
-from tests.decoders.test_tied_quantized import HIDDEN, VOCAB, _greedy, _prefill, _tied_llama, _weights_bytes
+from tests.decoders.test_llm_runner import NEW_TOKENS, PROMPT
+from tests.decoders.test_tied_quantized import HIDDEN, VOCAB, _prefill, _tied_llama, _weights_bytes, runner_folder
 
 SCHEME = "8da8w"
 
@@ -129,18 +129,7 @@ def test_the_runner_generates_quantized_eagers_greedy_tokens_from_a_single_tied_
     from writeback_core.llm_runner import load_runner_kernels
 
     folder = tmp_path / "folder"
-    folder.mkdir()
-    tokenizer = _tokenizer(folder)
-    ids = tokenizer.encode(PROMPT).ids
-    # A seed whose quantized greedy steps each win by more than the scheme's tolerance.
-    for seed in range(50):
-        quantized = quantize(_tied_llama(tokenizer.get_vocab_size(), seed), SCHEME)
-        expected, margin = _greedy(quantized, ids)
-        if margin > 2 * QUANTIZATIONS[SCHEME].atol and 1 not in expected:
-            break
-    else:
-        pytest.fail("no seed of 50 gives quantized greedy steps with a top-2 margin above the tolerance")
-    _tied_llama(tokenizer.get_vocab_size(), seed).save_pretrained(folder)
+    tokenizer, expected = runner_folder(folder, SCHEME)
     output = _export(folder, tmp_path / "model.pte")
     assert "stored once: int8" in output and not (tmp_path / "model.ptd").exists()
     assert load_runner_kernels()

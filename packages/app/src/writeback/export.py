@@ -186,10 +186,9 @@ def _tokenizer_of(model: str) -> Path | None:
     "--separate-weights",
     is_flag=True,
     help="Write the weights to a data file of their own beside the .pte (OUTPUT with the suffix .ptd, ExecuTorch's "
-    "program-data separation), each stored once: a tied embedding/LM head, which the .pte holds twice (the lookup's "
-    "table and the delegate's matrix), is stored once there (in fp32, or as the int8 table and scales that "
-    "--quantize 8da4w-e8 and 8da8w give the lookup and the head alike). The runner loads both: "
-    "TextLLMRunner(PTE, TOKENIZER, PTD).",
+    "program-data separation), each stored once, a tied embedding/LM head too (as in a single .pte: in fp32, or as "
+    "the int8 table and scales that --quantize 8da4w-e8 and 8da8w give the lookup and the head alike). The runner "
+    "loads both: TextLLMRunner(PTE, TOKENIZER, PTD).",
 )
 @quantize_option()
 @accept_weights_option()

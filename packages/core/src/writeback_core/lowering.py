@@ -50,8 +50,8 @@ from writeback_core.program_passes import (
 )
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions, load_registry
-from writeback_core.types import BackendSpec, LoweringError, MemoryPlan, Stage
 from writeback_core.stored_once import store_named_data_once, stored_once
+from writeback_core.types import BackendSpec, LoweringError, MemoryPlan, Stage
 
 if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, ExecutorchProgramManager
@@ -268,7 +268,11 @@ def to_executorch(
     on its result instead).
 
     ``weights_apart`` (without a ``config``): the program's weights go to one data file,
-    :data:`WEIGHTS_TAG` (:func:`backend_config`).
+    :data:`WEIGHTS_TAG` (:func:`backend_config`). Without it, a delegate's named data whose
+    bytes equal a program constant's (a tied embedding/LM head) is read from the constant's
+    bytes, stored once in the ``.pte``
+    (:func:`~writeback_core.stored_once.store_named_data_once`; :func:`~writeback_core.stored_once.stored_once`
+    says what).
 
     ``edge_manager`` is consumed (exir edits its signature).
 
