@@ -117,10 +117,10 @@ def _stored_once_lines(lowered: Lowered) -> list[str]:
     if not lowered.stored_once:
         return []
     tensors = ", ".join(f"{record.tensor} ({format_bytes(record.nbytes)})" for record in lowered.stored_once)
-    backend = lowered.backend or "the delegate"
+    backend = lowered.backend or "a delegate"
     return [
-        f"stored once: {tensors}, read by the program's lookup and by {backend} alike (a tied embedding/LM head's "
-        "table); the .pte holds it once"
+        f"stored once: {tensors}, bytes the program and {backend} both read (as a tied embedding/LM head's table "
+        "and scales), held once in the .pte"
     ]
 
 

@@ -9,6 +9,11 @@ nothing asks the segments to be apart. :func:`store_named_data_once` serializes 
 without the named data whose bytes equal a constant's, then points each such key at that
 constant's bytes inside the constant segment: the file holds them once, and the stock runtime
 and ``TextLLMRunner`` load it unchanged (the delegate gets the same bytes under the same key).
+
+The other way round is closed in ExecuTorch 1.5: a constant exir marks external (its
+``TensorDataLocation.EXTERNAL``) is looked up only in the data map given to the method's load
+(a ``.ptd``); the program's own named data is handed to delegates alone, so a lookup table
+stored as named data would not load from a single file.
 """
 
 from __future__ import annotations
