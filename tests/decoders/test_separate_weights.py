@@ -1,7 +1,7 @@
 """``writeback export --separate-weights``: every weight in a data file of its own beside the
-``.pte`` (ExecuTorch's program-data separation), where a tied embedding/LM head, which a
-single ``.pte`` holds twice (the lookup's table as a program constant and XNNPACK's matrix in
-its named data), is stored once. The pair gives the single file's logits bit for bit and
+``.pte`` (ExecuTorch's program-data separation), where a tied embedding/LM head (the lookup's
+table as a program constant and XNNPACK's matrix in its named data) is stored once, as in a
+single ``.pte``. The pair gives the single file's logits bit for bit and
 transformers' own at fp32 tolerance (slow tier: transformers and lowerings).
 """
 
@@ -68,14 +68,16 @@ def test_separate_weights_stores_a_tied_embedding_and_lm_head_once_with_the_same
     assert "TextLLMRunner(PTE, TOKENIZER, two.ptd)" in output
     single = (tmp_path / "one.pte").stat().st_size
     pair = (tmp_path / "two.pte").stat().st_size + (tmp_path / "two.ptd").stat().st_size
-    # The pair is smaller by the tied table, VOCAB x HIDDEN fp32, less what the data file's header
-    # and alignment of its ~20 entries add (under 8 KiB).
+    # Both hold the tied table (VOCAB x HIDDEN fp32, 2 MiB) once: they differ by what the data
+    # file's header and the alignment of its ~20 entries add (under 8 KiB), not by the table.
     table = VOCAB * HIDDEN * 4
     assert table == 2_097_152
-    assert table - 8 * 1024 < single - pair <= table, (single, pair, single - pair)
+    assert abs(single - pair) < 8 * 1024, (single, pair, single - pair)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    rows = model.model.embed_tokens.weight.detach().numpy().tobytes()
+    assert (tmp_path / "one.pte").read_bytes().count(rows) == 1
     apart = _prefill(tmp_path / "two.pte", tmp_path / "two.ptd")
     assert torch.equal(apart, _prefill(tmp_path / "one.pte"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         eager = model(torch.tensor([PROMPT])).logits[:, -1:]
     torch.testing.assert_close(apart, eager, rtol=1e-4, atol=1e-4)

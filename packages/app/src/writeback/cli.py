@@ -135,8 +135,8 @@ QUANTIZE_HELP = (
     "8-bit dynamic activations and 4-bit weights in groups of 32, the embedding fp32; 8da4w-e8 = 8da4w with an "
     "8-bit embedding (one scale per row) and an LM head tied to it 8-bit per output channel; 8da8w = linear "
     "layers with 8-bit weights (one scale per output channel) and an 8-bit embedding. With an 8-bit embedding, "
-    "a tied LM head reads the embedding's own int8 table and scales, stored once with --separate-weights (twice "
-    "in a single .pte). Steps are then compared with eager PyTorch running the same quantized model, at the "
+    "a tied LM head reads the embedding's own int8 table and scales, stored once (in a single .pte as with "
+    "--separate-weights). Steps are then compared with eager PyTorch running the same quantized model, at the "
     "scheme's tolerance."
 )
 

@@ -72,6 +72,7 @@ def _lines(report: ExportReport) -> list[str]:
         f"wrote {report.pte_path} ({format_bytes(lowered.pte_nbytes)}, backend {backend}, "
         f"lowered in {lowered.seconds:.1f} s)",
         *_weights_lines(report),
+        *_stored_once_lines(lowered),
         "runner metadata: " + ", ".join(f"{name}={methods[name]!r}" for name in RUNNER_METADATA if name in methods),
         "prefill: "
         + (
@@ -107,6 +108,19 @@ def _weights_lines(report: ExportReport) -> list[str]:
         f"wrote the weights to {report.weights_path} ({size}; each weight once, a tied embedding/LM head too): "
         f"load both, TextLLMRunner(PTE, TOKENIZER, {report.weights_path.name}); writeback generate finds it beside "
         "the .pte"
+    ]
+
+
+def _stored_once_lines(lowered: Lowered) -> list[str]:
+    """The constants the program and a delegate both read from one place in the .pte (a tied
+    embedding/LM head's table and scales)."""
+    if not lowered.stored_once:
+        return []
+    tensors = ", ".join(f"{record.tensor} ({format_bytes(record.nbytes)})" for record in lowered.stored_once)
+    backend = lowered.backend or "a delegate"
+    return [
+        f"stored once: {tensors}, bytes the program and {backend} both read (as a tied embedding/LM head's table "
+        "and scales), held once in the .pte"
     ]
 
 
@@ -172,10 +186,9 @@ def _tokenizer_of(model: str) -> Path | None:
     "--separate-weights",
     is_flag=True,
     help="Write the weights to a data file of their own beside the .pte (OUTPUT with the suffix .ptd, ExecuTorch's "
-    "program-data separation), each stored once: a tied embedding/LM head, which the .pte holds twice (the lookup's "
-    "table and the delegate's matrix), is stored once there (in fp32, or as the int8 table and scales that "
-    "--quantize 8da4w-e8 and 8da8w give the lookup and the head alike). The runner loads both: "
-    "TextLLMRunner(PTE, TOKENIZER, PTD).",
+    "program-data separation), each stored once, a tied embedding/LM head too (as in a single .pte: in fp32, or as "
+    "the int8 table and scales that --quantize 8da4w-e8 and 8da8w give the lookup and the head alike). The runner "
+    "loads both: TextLLMRunner(PTE, TOKENIZER, PTD).",
 )
 @quantize_option()
 @accept_weights_option()

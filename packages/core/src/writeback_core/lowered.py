@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
 
     from writeback_core.copies import CopyLeft
+    from writeback_core.stored_once import StoredOnce
     from writeback_core.types import MemoryPlan, ModelCase
 
 __all__ = ["WEIGHTS_TAG", "InputSignature", "Lowered", "Released", "ReleasedError", "StatePlace", "state_places"]
@@ -122,6 +123,9 @@ class Lowered:
     case: ModelCase | None = None
     #: The weights are in a data file of their own (:meth:`write_weights`), not in the ``.pte``.
     weights_apart: bool = False
+    #: Delegates' named data the ``.pte`` reads from a program constant's bytes, stored once
+    #: (a tied embedding/LM head: :func:`writeback_core.stored_once.store_named_data_once`).
+    stored_once: tuple[StoredOnce, ...] = ()
     _after_release: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _pte: bytes | None = field(default=None, repr=False, compare=False)
     _written_nbytes: int | None = field(default=None, repr=False, compare=False)

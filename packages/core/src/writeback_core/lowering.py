@@ -50,6 +50,7 @@ from writeback_core.program_passes import (
 )
 from writeback_core.quiet import known_warnings_ignored
 from writeback_core.registry import InPlaceConflictError, InPlaceDecision, Registry, in_place_decisions, load_registry
+from writeback_core.stored_once import store_named_data_once, stored_once
 from writeback_core.types import BackendSpec, LoweringError, MemoryPlan, Stage
 
 if TYPE_CHECKING:
@@ -267,7 +268,11 @@ def to_executorch(
     on its result instead).
 
     ``weights_apart`` (without a ``config``): the program's weights go to one data file,
-    :data:`WEIGHTS_TAG` (:func:`backend_config`).
+    :data:`WEIGHTS_TAG` (:func:`backend_config`). Without it, a delegate's named data whose
+    bytes equal a program constant's (a tied embedding/LM head) is read from the constant's
+    bytes, stored once in the ``.pte``
+    (:func:`~writeback_core.stored_once.store_named_data_once`; :func:`~writeback_core.stored_once.stored_once`
+    says what).
 
     ``edge_manager`` is consumed (exir edits its signature).
 
@@ -290,6 +295,7 @@ def to_executorch(
             program = run_program_passes(edge_manager, config, registry, backend)
         else:
             program = edge_manager.to_executorch(config)
+        store_named_data_once(program, config)
     if warn_copies:
         for method in program.methods:
             warn_copies_left(copies_left(decisions, program.exported_program(method), backend), method)
@@ -384,6 +390,7 @@ def lower(
         seconds=time.perf_counter() - start,
         case=case,
         weights_apart=weights_apart,
+        stored_once=stored_once(program),
     )
 
 

@@ -16,11 +16,11 @@ With an 8-bit embedding (``8da4w-e8``, ``8da8w``), an LM head tied to the embedd
 parameter for both, as Qwen2.5's) is quantized 8-bit per output channel whatever the scheme's
 linear bits, and the embedding's table is that head's: the same int8 ``[vocab, hidden]`` rows and
 fp32 ``[vocab]`` scales. The lookup reads them as program constants, XNNPACK's ``qc8w`` linear
-as named data, and ExecuTorch's data store keeps bytes two keys share once, so a program whose
-weights are in a data file of their own (``writeback export --separate-weights``) stores the
-tied table once. A single ``.pte`` still holds it twice: exir writes program constants and a
-delegate's named data to different segments. ``8da4w-e8``'s tied head is thereby 8-bit, as
-llama.cpp's q4_0 files keep theirs (q8_0). Norms and the state (the KV cache) are untouched, so
+as named data, and both files hold them once: a data file of their own (``writeback export
+--separate-weights``) because ExecuTorch's data store keeps bytes two keys share once, a single
+``.pte`` because the lowering points the delegate's named data at the constants' bytes
+(``writeback_core.stored_once``). ``8da4w-e8``'s tied head is thereby 8-bit, as llama.cpp's
+q4_0 files keep theirs (q8_0). Norms and the state (the KV cache) are untouched, so
 every in-place write of the fp32 model is still in place.
 
 torchao comes with ExecuTorch (exir imports it); nothing here is imported until a
@@ -76,7 +76,7 @@ class Quantization:
 
 _LINEAR4 = "linear layers (the LM head too): 8-bit dynamic activations, 4-bit weights in groups of 32"
 _EMBEDDING8 = "embedding 8-bit, one scale per row (quantized_decomposed::embedding_byte)"
-_SHARED = "the embedding's own int8 table and scales (stored once with --separate-weights)"
+_SHARED = "the embedding's own int8 table and scales (stored once)"
 
 QUANTIZATIONS: dict[str, Quantization] = {
     "8da4w": Quantization(
