@@ -16,8 +16,9 @@ these functions, so what the fuzzer certifies is byte for byte what users get.
 3. :func:`lower`: both steps, with what became of each mutation
    (:class:`~writeback_core.lowered.Lowered`).
 
-exir is changed in one place only, named and visible: :func:`preprocess_shares_constants`,
-which :func:`partition` applies to every caller alike while a delegate's ``preprocess`` runs.
+exir is changed in two places only, named and visible, which :func:`partition` applies to
+every caller alike: :func:`preprocess_shares_constants` while a delegate's ``preprocess`` runs,
+and :func:`~writeback_core.fusing.code_generated_once` while exir fuses the partitions.
 Process housekeeping (dropping toolchain caches, returning freed memory) is no part of a
 lowering: a command that wants it asks for it (``lower(..., between_steps=...)``).
 """
@@ -37,6 +38,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from writeback_core.decompositions import decompositions_once
+from writeback_core.fusing import code_generated_once
 from writeback_core.lowered import WEIGHTS_TAG, Lowered
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.ops import schema_of
@@ -125,6 +127,7 @@ def partition(
             with ExitStack() as stack:
                 stack.enter_context(known_warnings_ignored())
                 stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(code_generated_once())
                 if backend.single_decomposition:
                     stack.enter_context(decompositions_once(program, arguments["partitioner"]))
                 stack.enter_context(unbacked_symbols_settled(program))
