@@ -93,3 +93,57 @@ def test_a_pass_is_skipped_only_when_the_graph_lacks_what_it_rewrites() -> None:
         assert _finds_nothing("ConvertToUpsampleBilinear2d", without, needs)
         # A pass not in the table always runs.
         assert not _finds_nothing("ChannelsLastTaggedReshapePass", without, needs)
+
+
+def test_the_op_a_pattern_pass_is_keyed_on_is_in_every_pattern_xnnpack_matches() -> None:
+    from writeback_passes.xnnpack_preprocess import _EVERY_PATTERN_HOLDS, _NEEDS
+
+    for name, op in _EVERY_PATTERN_HOLDS.items():
+        patterns = _NEEDS[name]()
+        assert patterns, name
+        for ops in patterns:
+            assert op in ops, f"{name}: a pattern without {op}: {sorted(ops)}"
+
+
+def test_a_graph_without_the_key_op_skips_a_pattern_pass_without_building_its_patterns() -> None:
+    (graph,) = _partition_graphs(_ConvNorm(), torch.randn(1, 4, 10))
+    needs: dict[str, list[frozenset[str]]] = {}
+    assert _finds_nothing("ConvertToSDPAPass", graph, needs)
+    assert "ConvertToSDPAPass" not in needs
+
+
+def _dequantized_input(custom_on_dequantize: object) -> torch.fx.Graph:
+    """x -> dequantize_per_tensor(x) -> output, x carrying ``custom`` metadata."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["custom"] = {"delegate_constant_tag": "weights"}
+    dq = graph.call_function(
+        torch.ops.quantized_decomposed.dequantize_per_tensor.default, (x, 0.1, 0, -128, 127, torch.int8)
+    )
+    if custom_on_dequantize is not None:
+        dq.meta["custom"] = x.meta["custom"] if custom_on_dequantize == "same" else custom_on_dequantize
+    graph.output(dq)
+    return graph
+
+
+def test_custom_metadata_propagation_is_skipped_only_when_every_dequantize_carries_its_input_s() -> None:
+    needs: dict[str, list[frozenset[str]]] = {}
+    assert not _finds_nothing("PropagateCustomMetaPass", _dequantized_input(None), needs)
+    assert not _finds_nothing("PropagateCustomMetaPass", _dequantized_input({"other": 1}), needs)
+    assert _finds_nothing("PropagateCustomMetaPass", _dequantized_input("same"), needs)
+    (plain,) = _partition_graphs(_ConvNorm(), torch.randn(1, 4, 10))
+    assert _finds_nothing("PropagateCustomMetaPass", plain, needs)
+
+
+def test_passes_keyed_on_ops_xnnpack_lists_are_skipped_only_without_those_ops() -> None:
+    needs: dict[str, list[frozenset[str]]] = {}
+    (with_conv,) = _partition_graphs(_ConvNorm(), torch.randn(1, 4, 10))
+    for name in ("DimOrderOpsRevertPass", "ConvertToLinearPass", "RemoveRedundantCopyPass"):
+        assert _finds_nothing(name, with_conv, needs), name
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    graph.output(graph.call_function(exir_ops.edge.aten.mm.default, (a, b)))
+    assert not _finds_nothing("ConvertToLinearPass", graph, needs)
+    assert _finds_nothing("DimOrderOpsRevertPass", graph, needs)

@@ -16,8 +16,11 @@ these functions, so what the fuzzer certifies is byte for byte what users get.
 3. :func:`lower`: both steps, with what became of each mutation
    (:class:`~writeback_core.lowered.Lowered`).
 
-exir is changed in one place only, named and visible: :func:`preprocess_shares_constants`,
-which :func:`partition` applies to every caller alike while a delegate's ``preprocess`` runs.
+exir is changed in named, visible places only, which :func:`partition` applies to every caller
+alike: :func:`preprocess_shares_constants` while a delegate's ``preprocess`` runs,
+:func:`~writeback_core.fusing.code_generated_once` while exir fuses the partitions, and
+:func:`~writeback_core.edge_passes.edge_passes_pruned` while it builds the edge program (each
+leaves the ``.pte`` byte for byte as it was).
 Process housekeeping (dropping toolchain caches, returning freed memory) is no part of a
 lowering: a command that wants it asks for it (``lower(..., between_steps=...)``).
 """
@@ -37,6 +40,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from writeback_core.decompositions import decompositions_once
+from writeback_core.edge_passes import edge_passes_pruned
+from writeback_core.fusing import code_generated_once
 from writeback_core.lowered import WEIGHTS_TAG, Lowered
 from writeback_core.mutations import Mutation, find_mutations
 from writeback_core.ops import schema_of
@@ -126,6 +131,8 @@ def partition(
             with ExitStack() as stack:
                 stack.enter_context(known_warnings_ignored())
                 stack.enter_context(preprocess_shares_constants())
+                stack.enter_context(code_generated_once())
+                stack.enter_context(edge_passes_pruned())
                 if backend.single_decomposition:
                     stack.enter_context(decompositions_once(program, arguments["partitioner"]))
                 stack.enter_context(unbacked_symbols_settled(program))
@@ -141,7 +148,7 @@ def partition(
             transforms = (
                 [as_exir_pass(p) for p in registry.program_passes("before_partition", None)] if registry else []
             )
-            with known_warnings_ignored(), unbacked_symbols_settled(program):
+            with known_warnings_ignored(), unbacked_symbols_settled(program), edge_passes_pruned():
                 edge = to_edge_transform_and_lower(
                     own, transform_passes=transforms or None, partitioner=[], constant_methods=methods
                 )

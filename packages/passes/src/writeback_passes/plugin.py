@@ -6,8 +6,8 @@ so loading the plugin costs nothing until a pipeline asks for a pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from writeback_core import BackendSpec, MutationKind, ProgramPass, Stage, hookimpl
@@ -37,10 +37,13 @@ def _xnnpack(registry: Registry, **options: Any) -> Any:
     return xnnpack_partitioner(**options)
 
 
-def _xnnpack_lowering() -> AbstractContextManager[None]:
+@contextmanager
+def _xnnpack_lowering() -> Iterator[None]:
+    from writeback_passes.partition_merging import merge_checked_by_sets
     from writeback_passes.xnnpack_preprocess import xnnpack_passes_pruned
 
-    return xnnpack_passes_pruned()
+    with merge_checked_by_sets(), xnnpack_passes_pruned():
+        yield
 
 
 @hookimpl
