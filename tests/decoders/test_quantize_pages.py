@@ -19,14 +19,15 @@ pytestmark = [
 ]
 
 
-def _file_resident_kib(name: str) -> int:
-    """``Rss`` (kB) of every map of a file called ``name``, from ``/proc/self/smaps``."""
+def _file_resident_kib(path: Path) -> int:
+    """``Rss`` (kB) of every map of the file ``path``, from ``/proc/self/smaps`` (other tests in
+    the same process may still map files of the same name elsewhere)."""
     total, inside = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()
             if head and "-" in head[0] and not head[0].endswith(":"):
-                inside = len(head) == 6 and head[5].endswith(name)
+                inside = len(head) == 6 and head[5] == str(path)
             elif inside and line.startswith("Rss:"):
                 total += int(line.split()[1])
     return total
@@ -40,13 +41,14 @@ def test_quantizing_a_folders_model_gives_back_the_fp32_files_pages_and_keeps_it
     config.vocab_size, config.hidden_size, config.intermediate_size = 4096, 256, 512  # 6 MiB of fp32
     torch.manual_seed(3)
     auto.from_config(config).save_pretrained(tmp_path)
-    file_bytes = (tmp_path / "model.safetensors").stat().st_size
+    weights = (tmp_path / "model.safetensors").resolve()
+    file_bytes = weights.stat().st_size
     model = auto.from_pretrained(tmp_path, dtype=torch.float32).eval().requires_grad_(False)
     tokens = torch.tensor([[1, 5, 9]])
     assert all(torch.isfinite(p).all() for p in model.parameters())  # reads every weight: the file is resident
-    assert _file_resident_kib("model.safetensors") * 1024 >= 0.9 * file_bytes
+    assert _file_resident_kib(weights) * 1024 >= 0.9 * file_bytes
     quantize(model, "8da8w")
-    after = _file_resident_kib("model.safetensors")
+    after = _file_resident_kib(weights)
     assert after * 1024 < file_bytes / 8, f"{after} kB of the file still resident of {file_bytes} bytes"
     # What was given back reads back from the file: a fresh load quantized the same way answers alike.
     fresh = quantize(auto.from_pretrained(tmp_path, dtype=torch.float32).eval(), "8da8w")
